@@ -1,0 +1,1 @@
+"""One module per `megarl` subcommand; each defines `register(subparsers)` setting `func`."""

@@ -1,0 +1,21 @@
+"""Errors megarl raises for bad input. Each says what is wrong and how to fix it."""
+
+
+class MegarlError(Exception):
+    """Base class: the CLI prints the message (no traceback) and exits with code 2."""
+
+
+class ConfigError(MegarlError):
+    """A config file or override is invalid (unknown key, wrong type, inconsistent sizes)."""
+
+
+class CheckpointError(MegarlError):
+    """A checkpoint is missing, corrupt or does not match the model."""
+
+
+class InputError(MegarlError):
+    """A prompt, dataset or request is invalid (e.g. longer than the model's context)."""
+
+
+class EngineError(MegarlError):
+    """A rollout engine failed to start, died, or refused a request."""

@@ -1,0 +1,29 @@
+"""Configuration of the one policy-loss formula (DESIGN §3)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class PolicyLossConfig:
+    """Every anchor (exact ``logp_old`` or a proximal ``logp_prox``) uses this one loss."""
+
+    eps_clip: float = 0.2
+    """PPO clip: r = exp(logp_theta - logp_anchor) is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
+    eps_clip_high: float | None = None
+    """Upper clip width; None means eps_clip (symmetric)."""
+    dual_clip: float | None = None
+    """Dual clip constant c > 1: for negative advantages the per-token loss is capped at c*|A|. None = off."""
+    behav_weight: Literal["none", "mis", "tis", "mask"] = "none"
+    """Train-inference correction with w = exp(logp_anchor - logp_behav): none, mis (mask out-of-bounds and weight by w), tis (weight by clamped w), mask (mask only)."""
+    behav_low: float | None = None
+    """Lower bound on w for mis/mask (None = no lower bound) and lower clamp for tis (None = 0)."""
+    behav_high: float | None = None
+    """Upper bound on w for mis/mask and upper clamp for tis (None = no upper bound)."""
+    behav_level: Literal["token", "sequence"] = "token"
+    """token: w per token; sequence: w of a sequence = exp(mean log w over its valid tokens), bounds tested per sequence."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses are reduced to a scalar."""
+    denominator: Literal["all", "kept"] = "all"
+    """Token counts for the means: all valid tokens before masking (AReaL's choice) or only kept tokens."""

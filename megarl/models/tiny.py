@@ -1,0 +1,52 @@
+"""Random-initialized HF-format checkpoints for tests and the CPU demo.
+
+No model hub is reachable on the machines megarl is developed on, so tiny
+models are made locally from a YAML file of HF ``config.json`` fields
+(``configs/models/tiny_qwen3.yaml``, ``configs/models/tiny_qwen3_moe.yaml``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from megarl.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def load_model_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"model config {path} does not exist; pass a YAML of HF config.json fields "
+                          f"such as configs/models/tiny_qwen3.yaml")
+    fields = yaml.safe_load(path.read_text()) or {}
+    arch = (fields.get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{path}: architectures[0] is {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if int(fields.get("head_dim", 0)) < 32:
+        raise ConfigError(f"{path}: head_dim {fields.get('head_dim')} < 32; vLLM's CPU attention needs head_dim >= 32")
+    return fields
+
+
+def write_tiny_checkpoint(model_yaml: str | Path, output_dir: str | Path, seed: int = 0) -> Path:
+    """Write a random-initialized fp32 HF checkpoint (config.json + model.safetensors) to ``output_dir``."""
+    import torch
+    import transformers
+
+    fields = load_model_yaml(model_yaml)
+    arch = fields["architectures"][0]
+    config_cls = transformers.Qwen3Config if arch == "Qwen3ForCausalLM" else transformers.Qwen3MoeConfig
+    model_cls = getattr(transformers, arch)
+    cfg_fields = {k: v for k, v in fields.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = config_cls(**cfg_fields)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    # record where it came from, for humans
+    (out / "megarl_init.json").write_text(json.dumps({"model_yaml": str(model_yaml), "seed": seed}) + "\n")
+    return out

