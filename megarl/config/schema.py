@@ -143,7 +143,7 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Per-call time limit; the worker is killed and the sample marked failed past it."""
     memory_mb: int = 1024
-    """Per-worker address-space limit."""
+    """Extra memory (MB) one reward call may use on top of the idle worker; past it the call fails."""
     on_failure: Literal["zero", "drop"] = "zero"
     """A failed reward gives reward 0 (zero) or drops the sample (drop)."""
 

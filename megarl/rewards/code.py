@@ -1,0 +1,165 @@
+"""Code reward: run the response's Python code against unit tests in a sandbox.
+
+``meta["response_text"]`` holds the answer (the last fenced code block if
+there is one, else the whole text); ``meta["tests"]`` is a list of Python
+snippets such as ``"assert add(1, 2) == 3"``. Reward = fraction of tests that
+run without raising. Optional ``meta["time_limit_s"]`` (default 2.0, wall
+clock for the solution plus all tests; keep it under the service's
+``timeout_s``) and ``meta["memory_mb"]`` (default 512).
+
+The sandbox is one subprocess (``python -I``) with:
+- a fresh temporary directory as cwd and HOME, an environment with no
+  proxies or user variables;
+- setrlimit: address space (memory), CPU seconds, file size 16 MB, no core;
+- its own session, killed as a group at the end (stray children included),
+  and SIGKILL if the reward worker dies (PR_SET_PDEATHSIG);
+- no network when ``unshare -n`` (root) or ``unshare -rn`` (user namespaces)
+  works on this machine; otherwise it keeps the host's network and a warning
+  is logged once.
+
+Limitations: the tests run in the solution's interpreter, so adversarial code
+that inspects the harness's frames could forge a pass (the per-run nonce only
+stops the easy hacks: printing "PASS" or exiting 0); RLIMIT_NPROC is not set
+(it counts all processes of the user and is ignored for root).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import math
+import os
+import re
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.rewards import response_text
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIME_LIMIT_S = 2.0
+DEFAULT_MEMORY_MB = 512
+MAX_OUTPUT_BYTES = 16 << 20
+
+# Runs inside the sandbox. Markers go to the real stdout with a nonce read from
+# stdin, so a solution that prints "PASS" or exits 0 does not pass any test.
+_HARNESS = r"""
+import json, os, sys
+def _run():
+    nonce = sys.stdin.readline().strip()
+    out = os.fdopen(os.dup(1), "w")
+    with open("tests.json") as f:
+        tests = json.load(f)
+    with open("solution.py") as f:
+        scope = {"__name__": "__main__"}
+        exec(compile(f.read(), "solution.py", "exec"), scope)
+    for i, test in enumerate(tests):
+        try:
+            exec(compile(test, "test_%d" % i, "exec"), scope)
+        except BaseException:
+            continue
+        out.write("%s %d\n" % (nonce, i))
+        out.flush()
+_run()
+"""
+
+_FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.DOTALL)
+
+
+@dataclass
+class SandboxResult:
+    n_passed: int
+    n_tests: int
+    timed_out: bool
+    returncode: int | None
+    stderr_tail: str
+
+
+def extract_code(text: str) -> str:
+    """The last fenced code block of ``text``, or all of it when there is none."""
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+@functools.lru_cache(maxsize=1)
+def netns_prefix() -> tuple[str, ...]:
+    """The command prefix that gives the sandbox an empty network namespace, or () if none works."""
+    for prefix in (("unshare", "-n"), ("unshare", "-rn")):
+        try:
+            ok = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True,
+                                timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return prefix
+    logger.warning("code sandbox runs WITH network access: neither 'unshare -n' nor 'unshare -rn' works here")
+    return ()
+
+
+def _limit_child(memory_mb: int, cpu_s: int) -> None:
+    """preexec_fn: resource limits of the sandbox process (runs between fork and exec)."""
+    mem = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_OUTPUT_BYTES, MAX_OUTPUT_BYTES))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:  # die with the reward worker, which may be killed on its own timeout
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_sandboxed(code: str, tests: list[str], time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+                  memory_mb: int = DEFAULT_MEMORY_MB) -> SandboxResult:
+    """Run ``code`` then each test in a sandboxed subprocess; count the tests that pass."""
+    nonce = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="megarl-code-") as tmp:
+        with open(os.path.join(tmp, "solution.py"), "w") as f:
+            f.write(code)
+        with open(os.path.join(tmp, "tests.json"), "w") as f:
+            json.dump(list(tests), f)
+        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        cmd = [*netns_prefix(), sys.executable, "-I", "-c", _HARNESS]
+        out_path, err_path = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
+        timed_out = False
+        # output goes to files, not pipes: a solution printing in a loop then hits
+        # RLIMIT_FSIZE instead of filling the reward worker's memory
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=tmp, env=env,
+                                    start_new_session=True,
+                                    preexec_fn=functools.partial(_limit_child, memory_mb, math.ceil(time_limit_s)))
+            try:
+                proc.communicate((nonce + "\n").encode(), timeout=time_limit_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        with open(out_path, "rb") as f:
+            lines = f.read(MAX_OUTPUT_BYTES).decode(errors="replace").splitlines()
+        with open(err_path, "rb") as f:
+            stderr_tail = f.read()[-2000:].decode(errors="replace")
+    passed = {int(parts[1]) for parts in (ln.split() for ln in lines)
+              if len(parts) == 2 and parts[0] == nonce and parts[1].isdigit()}
+    return SandboxResult(n_passed=len(passed), n_tests=len(tests), timed_out=timed_out,
+                         returncode=proc.returncode, stderr_tail=stderr_tail)
+
+
+def code_reward(response_ids: list[int], meta: dict[str, Any]) -> float:
+    tests = meta.get("tests")
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError("code reward needs meta['tests']: a non-empty list of Python test snippets")
+    result = run_sandboxed(extract_code(response_text(meta)), tests,
+                           time_limit_s=float(meta.get("time_limit_s", DEFAULT_TIME_LIMIT_S)),
+                           memory_mb=int(meta.get("memory_mb", DEFAULT_MEMORY_MB)))
+    return result.n_passed / result.n_tests

@@ -1,0 +1,100 @@
+"""The loop of one reward worker process (started by RewardService).
+
+The worker is a fresh interpreter (``python -c`` calling :func:`main`) that
+talks to the service over a socket wrapped in a
+``multiprocessing.connection.Connection``. Not ``multiprocessing``'s own
+'spawn': that re-imports the launcher's ``__main__`` in every worker (an
+unguarded script runs again; torch and Megatron would load into each worker
+and into its memory budget).
+
+Protocol. Parent -> worker first: ``(fn_name, detokenize, memory_mb, sys_path)``.
+Worker -> parent: ``("ready", None)`` or ``("setup_error", msg)``. Then per
+request ``(response_ids, meta)`` it answers ``("ok", reward)``,
+``("raise", msg)`` or ``("memory", msg)``; ``None`` asks it to exit. Hangs and
+crashes are the parent's to detect (timeout, EOF).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import resource
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+
+def _address_space_bytes() -> int:
+    """Current virtual memory size (what RLIMIT_AS limits); 0 where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+def _die_with_parent() -> None:
+    """A worker stuck in a reward must not outlive the service (Linux PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(fd: int) -> None:
+    """Serve reward requests on the socket ``fd`` until told to stop or the parent goes."""
+    # Ctrl-C reaches the whole process group; the service decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    conn = Connection(fd)
+    try:
+        fn_name, detokenize, memory_mb, sys_path = conn.recv()
+    except (EOFError, OSError):
+        return
+    # the parent's path, so a user reward in a directory it added (tests, scripts) imports here too
+    sys.path[:] = sys_path
+    try:
+        from megarl.rewards import resolve_reward_fn
+
+        fn = resolve_reward_fn(fn_name)
+        decode = resolve_reward_fn(detokenize) if detokenize else None
+        if memory_mb is not None:
+            # The budget is on top of the idle worker (interpreter and the
+            # reward's own imports, e.g. sympy), so memory_mb is what one call
+            # may allocate. Soft limit only: the code reward's sandbox sets its
+            # own limit for its subprocess.
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            soft = _address_space_bytes() + (memory_mb << 20)
+            if hard != resource.RLIM_INFINITY:
+                soft = min(soft, hard)
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    except BaseException as e:  # report anything, the parent counts it as a crash
+        conn.send(("setup_error", _describe(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # parent gone
+            return
+        if request is None:
+            return
+        response_ids, meta = request
+        try:
+            if decode is not None and "response_text" not in meta:
+                meta = {**meta, "response_text": decode(response_ids)}
+            reward = float(fn(response_ids, meta))
+            if not math.isfinite(reward):
+                raise ValueError(f"reward function returned {reward}")
+            reply = ("ok", reward)
+        except MemoryError as e:
+            reply = ("memory", _describe(e) if str(e) else f"MemoryError (over memory_mb={memory_mb})")
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the sample fails, the worker lives
+            reply = ("raise", _describe(e))
+        conn.send(reply)
+        if reply[0] == "memory":
+            return  # a fresh worker replaces one that ran out of memory: its heap may be fragmented

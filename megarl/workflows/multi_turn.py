@@ -1,0 +1,48 @@
+"""Policy turns interleaved with tool-environment responses.
+
+Each policy turn generates from the whole context so far (prompt, earlier
+turns, tool output). A turn that stops on the environment's tool-call token
+gets the environment's answer appended as tool tokens (never trained on), and
+the policy goes on, for at most ``max_turns`` policy turns. A last turn that
+still ends in a call gets no answer: nobody would read it.
+
+``max_response_len`` (default: ``sampling.max_new_tokens``) bounds the whole
+response, tool tokens included, since it all has to fit the trainer's
+sequence length; each turn asks for at most what is left.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megarl.types import SamplingParams, Trajectory
+from megarl.workflows.base import GenerateFn, ToolEnv, append_turn
+
+
+class MultiTurnWorkflow:
+    def __init__(self, sampling: SamplingParams, env: ToolEnv, max_turns: int = 4,
+                 max_response_len: int | None = None) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.sampling = sampling
+        self.env = env
+        self.max_turns = max_turns
+        self.max_response_len = max_response_len or sampling.max_new_tokens
+
+    async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory:
+        call = self.env.tool_call_id
+        stop_ids = sorted(set(self.sampling.stop_token_ids) | {call})
+        for turn in range(self.max_turns):
+            remaining = self.max_response_len - len(traj.response_ids)
+            if remaining <= 0:
+                traj.finish_reason = "length"
+                break
+            sampling = replace(self.sampling, max_new_tokens=remaining, stop_token_ids=stop_ids)
+            n_before = len(traj.response_ids)
+            result = await generate(traj.tokens, sampling)
+            append_turn(traj, n_before, result)
+            traj.finish_reason = result.finish_reason
+            called = result.finish_reason == "stop" and bool(result.output_ids) and result.output_ids[-1] == call
+            if not called or turn == self.max_turns - 1:
+                break
+            traj.append_tool(await self.env.respond(traj))
+        return traj

@@ -1,0 +1,65 @@
+"""Advantage estimators on hand-computed groups."""
+import math
+import random
+
+import pytest
+
+from megarl.advantages import compute_advantages
+from megarl.errors import ConfigError
+
+
+def approx(xs):
+    return pytest.approx(xs, abs=1e-9)
+
+
+def test_grpo_population_std():
+    # r = [0, 1, 2]: mean 1, population std sqrt(2/3) (sample std would be 1)
+    s = math.sqrt(2 / 3)
+    adv = compute_advantages({"g": [0.0, 1.0, 2.0]}, "grpo", eps=0.0)
+    assert adv["g"] == approx([-1 / s, 0.0, 1 / s])
+
+
+def test_grpo_with_eps():
+    # r = [1, 0, 0, 1]: mean 0.5, std 0.5 -> +-0.5 / (0.5 + 1e-4)
+    a = 0.5 / (0.5 + 1e-4)
+    assert compute_advantages({"g": [1.0, 0.0, 0.0, 1.0]})["g"] == approx([a, -a, -a, a])
+
+
+def test_grpo_without_std_is_r_minus_mean():
+    assert compute_advantages({"g": [0.0, 1.0, 2.0]}, std_normalize=False)["g"] == approx([-1.0, 0.0, 1.0])
+
+
+def test_loo_hand_computed():
+    # r = [0, 1, 2]: baselines (1+2)/2, (0+2)/2, (0+1)/2 -> [-1.5, 0, 1.5]
+    adv = compute_advantages({"g": [0.0, 1.0, 2.0]}, "loo", std_normalize=False)
+    assert adv["g"] == approx([-1.5, 0.0, 1.5])
+    s = math.sqrt(2 / 3)
+    normed = compute_advantages({"g": [0.0, 1.0, 2.0]}, "loo", eps=0.0)
+    assert normed["g"] == approx([-1.5 / s, 0.0, 1.5 / s])
+
+
+def test_loo_equals_scaled_grpo():
+    rng = random.Random(0)
+    r = [rng.random() for _ in range(8)]
+    loo = compute_advantages({0: r}, "loo", std_normalize=False)[0]
+    centred = compute_advantages({0: r}, "grpo", std_normalize=False)[0]
+    assert loo == approx([8 / 7 * c for c in centred])
+
+
+def test_constant_and_singleton_groups_are_zero():
+    adv = compute_advantages({"same": [0.7] * 4, "one": [0.3], "none": []})
+    assert adv == {"same": [0.0] * 4, "one": [0.0], "none": []}
+    assert compute_advantages({"one": [0.3]}, "loo") == {"one": [0.0]}
+
+
+def test_groups_are_independent_and_ordered():
+    adv = compute_advantages({"a": [1.0, 0.0], "b": [5.0, 7.0]}, std_normalize=False)
+    assert list(adv) == ["a", "b"]
+    assert adv["a"] == approx([0.5, -0.5]) and adv["b"] == approx([-1.0, 1.0])
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError, match="ppo"):
+        compute_advantages({"g": [1.0]}, "ppo")
+    with pytest.raises(ValueError, match="non-finite"):
+        compute_advantages({"g": [1.0, float("nan")]})

@@ -1,0 +1,213 @@
+"""Reward functions and the RewardService's failure handling.
+
+Workers are real processes: the fixtures in reward_fixtures.py raise, hang,
+allocate 2 GiB or call os._exit, and the service must mark the sample failed,
+count it, and keep serving.
+"""
+import asyncio
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# reward_fixtures lives beside this file; the service hands sys.path to its workers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megarl.errors import ConfigError  # noqa: E402
+from megarl.rewards import BUILTIN_REWARDS, register_reward, resolve_reward_fn  # noqa: E402
+from megarl.rewards.code import code_reward, netns_prefix, run_sandboxed  # noqa: E402
+from megarl.rewards.math import math_reward  # noqa: E402
+from megarl.rewards.service import RewardService  # noqa: E402
+from megarl.tasks.reverse_digits import EOS  # noqa: E402
+
+MISBEHAVE = "reward_fixtures:misbehave"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def score_all(service, samples):
+    return await asyncio.gather(*(service.score(ids, meta) for ids, meta in samples))
+
+
+@pytest.fixture(scope="module")
+def service():
+    with RewardService(MISBEHAVE, n_workers=2, timeout_s=1.0, memory_mb=256) as s:
+        yield s
+
+
+# -- names and resolution ---------------------------------------------------------
+def test_builtins_resolve():
+    for name in BUILTIN_REWARDS:
+        assert callable(resolve_reward_fn(name))
+    assert resolve_reward_fn("reward_fixtures.misbehave") is resolve_reward_fn(MISBEHAVE)
+
+
+@pytest.mark.parametrize("path, match", [
+    ("no_such_pkg.mod:fn", r"'no_such_pkg.mod:fn'.*cannot import module 'no_such_pkg.mod'.*No module named"),
+    ("reward_fixtures:nope", r"has no attribute 'nope'"),
+    ("reward_fixtures:time", r"'reward_fixtures:time' is not callable"),
+    ("nodots", r"neither a built-in"),
+])
+def test_bad_path_is_a_config_error(path, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_reward_fn(path)
+
+
+def test_service_validates_before_starting_workers():
+    with pytest.raises(ConfigError, match="no_such_pkg"):
+        RewardService("no_such_pkg:fn")
+    with pytest.raises(ConfigError, match="on_failure"):
+        RewardService("reverse_digits", on_failure="ignore")
+
+
+def test_register_refuses_duplicates():
+    with pytest.raises(ConfigError, match="already registered"):
+        register_reward("math", "x.y:z")
+
+
+# -- the service ---------------------------------------------------------------------
+def test_reverse_digits_through_the_service():
+    meta = {"target": [7, 6, 5]}
+    with RewardService("reverse_digits", n_workers=1) as s:
+        perfect = run(s.score([7, 6, 5, EOS], meta))
+        no_eos = run(s.score([7, 6, 5], meta))
+        assert s.stats["n_ok"] == 2
+    assert perfect.reward == 1.0 and not perfect.failed and perfect.reason is None
+    assert no_eos.reward == 0.75
+
+
+@pytest.mark.parametrize("mode, stat, reason", [
+    ("raise", "n_failed_raise", "RuntimeError: reward fixture raised on purpose"),
+    ("hang", "n_failed_timeout", "timeout_s=1.0"),
+    ("alloc", "n_failed_memory", "MemoryError"),
+    ("exit", "n_failed_crash", "exited with code 7"),
+])
+def test_failures_are_marked_counted_and_survived(service, caplog, mode, stat, reason):
+    before = dict(service.stats)
+    with caplog.at_level(logging.WARNING, logger="megarl.rewards.service"):
+        failed = run(service.score([1, 2], {"mode": mode}))
+    # on_failure="zero": reward 0.0, marked failed, kept in its group
+    assert (failed.reward, failed.failed, failed.drop) == (0.0, True, False)
+    assert reason in failed.reason
+    assert reason in caplog.text
+    assert service.stats[stat] == before[stat] + 1
+    # and the service keeps serving, on every worker
+    after = run(score_all(service, [([1, 2, 3], {"mode": "ok"})] * 4))
+    assert [o.reward for o in after] == [3.0] * 4 and not any(o.failed for o in after)
+    assert service.stats["n_ok"] == before["n_ok"] + 4
+
+
+def test_a_hanging_reward_does_not_block_the_others(service):
+    done = []
+
+    async def scored(mode):
+        outcome = await service.score([1], {"mode": mode})
+        done.append(mode)
+        return outcome
+
+    async def main():
+        return await asyncio.gather(scored("hang"), *(scored("ok") for _ in range(5)))
+
+    t0 = time.monotonic()
+    outcomes = run(main())
+    assert outcomes[0].failed and all(o.reward == 1.0 for o in outcomes[1:])
+    assert done[-1] == "hang"  # the five others went through the second worker meanwhile
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_on_failure_drop():
+    with RewardService(MISBEHAVE, n_workers=1, on_failure="drop") as s:
+        dropped = run(s.score([1], {"mode": "raise"}))
+        kept = run(s.score([1], {"mode": "ok"}))
+    # drop: failed and flagged; NaN so a controller that forgot to drop it fails loudly
+    assert dropped.failed and dropped.drop and math.isnan(dropped.reward)
+    assert "RuntimeError" in dropped.reason
+    assert (kept.reward, kept.failed, kept.drop) == (1.0, False, False)
+
+
+def test_detokenize_fills_response_text():
+    with RewardService("reward_fixtures:text_length", n_workers=1,
+                       detokenize="reward_fixtures:upper_decode") as s:
+        decoded = run(s.score([4, 5, 16], {}))
+        given = run(s.score([4, 5, 16], {"response_text": "ab"}))
+    assert decoded.reward == 3.0 and given.reward == 2.0
+
+
+def test_closed_service():
+    s = RewardService("reverse_digits", n_workers=1)
+    s.close()
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        run(s.score([EOS], {"target": [4]}))
+
+
+# -- math ----------------------------------------------------------------------------
+@pytest.mark.parametrize("answer, text, expected", [
+    ("\\frac{1}{2}", "0.5", 1.0),
+    ("\\frac{1}{2}", "The answer is $\\boxed{\\frac{2}{4}}$", 1.0),
+    ("0.5", "$\\frac12$", 1.0),
+    ("\\frac{1}{2}", "0.25", 0.0),
+])
+def test_math_equivalence(answer, text, expected):
+    assert math_reward([], {"answer": answer, "response_text": text}) == expected
+
+
+def test_math_needs_text_and_answer():
+    with pytest.raises(ValueError, match="response_text"):
+        math_reward([1, 2], {"answer": "1"})
+    with pytest.raises(ValueError, match="answer"):
+        math_reward([1, 2], {"response_text": "1"})
+
+
+# -- code ----------------------------------------------------------------------------
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("def add(a, b):\n    return a + b\n", 1.0),
+    ("Sure:\n```python\ndef add(a, b):\n    return a + b\n```\n", 1.0),
+    ("def add(a, b):\n    return a + b if a > 0 else 99\n", 0.5),  # add(1, 2) passes, add(-1, 1) fails
+    ("def add(a, b):\n    while True:\n        pass\n", 0.0),
+    ("import os\nos._exit(0)\n", 0.0),  # exiting cleanly is not passing
+    ("print('PASS 0')\nprint('PASS 1')\n", 0.0),  # nor is printing what looks like a pass
+    ("def add(a, b:\n", 0.0),
+])
+def test_code_sandbox(text, expected):
+    assert code_reward([], {"response_text": text, "tests": ADD_TESTS, "time_limit_s": 1.0}) == expected
+
+
+def test_code_sandbox_limits():
+    hog = run_sandboxed("x = bytearray(1 << 30)", ["pass"], memory_mb=256)
+    assert hog.n_passed == 0 and "MemoryError" in hog.stderr_tail
+    loop = run_sandboxed("while True: pass", ["pass"], time_limit_s=0.5)
+    assert loop.timed_out and loop.n_passed == 0
+    fresh = run_sandboxed("import os", ["assert os.path.basename(os.getcwd()).startswith('megarl-code-')",
+                                        "assert 'solution.py' in os.listdir('.')",
+                                        "assert os.environ.get('HTTP_PROXY') is None"])
+    assert fresh.n_passed == 3
+
+
+@pytest.mark.skipif(not netns_prefix(), reason="no network namespaces on this machine")
+def test_code_sandbox_has_no_network():
+    result = run_sandboxed("import socket", ["assert [n for _, n in socket.if_nameindex()] == ['lo']"])
+    assert result.n_passed == 1
+
+
+def test_code_through_the_service():
+    with RewardService("code", n_workers=1, timeout_s=10.0) as s:
+        outcome = run(s.score([], {"response_text": "def add(a, b):\n    return a + b", "tests": ADD_TESTS}))
+    assert outcome.reward == 1.0 and not outcome.failed
+
+
+def test_cancelled_call_replaces_its_worker(service):
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(service.score([1], {"mode": "hang"}), 0.2)
+        return await score_all(service, [([1, 2], {"mode": "ok"})] * 3)
+
+    assert [o.reward for o in run(main())] == [2.0] * 3
