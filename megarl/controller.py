@@ -1,0 +1,278 @@
+"""The fully asynchronous RL loop.
+
+::
+
+      PromptDataset ──► rollout loop ──(gate: accepted + running + n <= (eta+v+1)·B)──┐
+                            │                                                        │
+                            ▼                                                        │
+               workflow.run(traj, generate) ──► EngineRouter ──► engines (vLLM | HF) │
+                 │   ▲            aborted by a publish: resubmit prompt+partial,     │
+                 │   └──────────── continue with the new weights (tokens tagged v_t) │
+                 ▼                                                                   │
+          RewardService (worker processes) ──► advantages per group ──► ReplayBuffer ┘
+                                                                             │ B oldest
+                                                                             ▼
+      recovery.anchor(batch) ──► trainer.train_step(policy_loss) ──► recovery.after_optimizer_step
+                                                                             │
+      publish v+1: abort in-flight ─► recovery.on_rollout_interrupted / before_publish
+                   ─► engines load weights (disk | broadcast) ─► recovery.on_weights_published ─► resume
+
+Generation never waits for training and training never waits for generation
+beyond the staleness gate: the train step runs in a worker thread while the
+event loop keeps feeding the engines. A recovery strategy sees only the hooks
+(recovery/base.py); it never edits this loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from dataclasses import replace
+from typing import Any, Callable
+
+from megarl.buffer import Group, ReplayBuffer
+from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch
+
+log = logging.getLogger("megarl.controller")
+
+
+class Controller:
+    """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
+
+    Collaborators are passed in, already built: ``trainer`` (MegatronTrainer),
+    ``router`` (EngineRouter over the engine processes), ``rewards``
+    (RewardService), ``dataset`` (PromptDataset), ``workflow``, ``strategy``
+    (recovery), ``publisher(version) -> awaitable`` that moves the trainer's
+    weights to every engine, ``loss_fn_factory(batch) -> loss_fn`` and
+    ``on_step(record)`` for logging.
+    """
+
+    def __init__(self, cfg, *, trainer, router, rewards, dataset, workflow, strategy,
+                 publisher: Callable[[int], Any], loss_fn_factory: Callable[[TrainBatch], Any],
+                 advantages: Callable[[list[Trajectory]], None], on_step: Callable[[dict], None]) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.router = router
+        self.rewards = rewards
+        self.dataset = dataset
+        self.workflow = workflow
+        self.strategy = strategy
+        self.publisher = publisher
+        self.loss_fn_factory = loss_fn_factory
+        self.advantages = advantages
+        self.on_step = on_step
+        self.B = cfg.trainer.batch_size
+        self.n = cfg.rollout.group_size
+        self.eta = cfg.rollout.eta
+        self.buffer = ReplayBuffer(self.B, self.eta)
+        self.version = 0  # the version the engines generate with
+        self.step = 0
+        self.weights_ready = asyncio.Event()
+        self.weights_ready.set()
+        self.inflight: dict[str, Trajectory] = {}  # request id -> trajectory being generated
+        self.n_requests_inflight = 0
+        self._all_returned = asyncio.Event()
+        self._all_returned.set()
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+        self.counters = {"n_interrupted": 0, "n_reward_failed": 0, "n_dropped": 0}
+        self._step_counters = dict(self.counters)
+        self.gen_stall_s = 0.0
+
+    # -- generation ------------------------------------------------------------------
+    async def _generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        """One policy turn; survives interruption by resubmitting prompt + partial tokens.
+
+        Policy tokens are appended to ``traj`` as they arrive (partial chunks
+        too), so recovery hooks always see every token with its version. The
+        returned result holds the whole turn.
+        """
+        out_ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        remaining = sampling.max_new_tokens
+        chunk = 0
+        while True:
+            await self.weights_ready.wait()
+            rid = f"{traj.traj_id}/{len(traj.response_ids)}/{chunk}"
+            # a distinct, reproducible seed per trajectory and resubmission
+            seed = (self.cfg.trainer.seed * 1_000_003 + zlib.crc32(rid.encode())) % (2**31)
+            req = GenerateRequest(rid, context_ids + out_ids, replace(sampling, max_new_tokens=remaining, seed=seed))
+            self.inflight[rid] = traj
+            self.n_requests_inflight += 1
+            self._all_returned.clear()
+            try:
+                res = await self.router.generate(req)
+            finally:
+                self.inflight.pop(rid, None)
+                self.n_requests_inflight -= 1
+                if self.n_requests_inflight == 0:
+                    self._all_returned.set()
+            traj.append_policy(res.output_ids, res.logp_behav, res.versions)
+            out_ids += res.output_ids
+            logps += res.logp_behav
+            versions += res.versions
+            remaining -= len(res.output_ids)
+            chunk += 1
+            if res.finish_reason != "abort":
+                return GenerateResult(traj.traj_id, out_ids, logps, versions, res.finish_reason)
+            traj.n_interrupts += 1
+            self.counters["n_interrupted"] += 1
+            if remaining <= 0:
+                return GenerateResult(traj.traj_id, out_ids, logps, versions, "length")
+
+    async def _run_group(self, group: Group, item) -> None:
+        async def one(traj: Trajectory) -> Trajectory:
+            await self.workflow.run(traj, lambda ctx, sp: self._generate(traj, ctx, sp))
+            traj.finish_reason = traj.finish_reason or "stop"
+            self.strategy.on_segment_finished(traj)
+            out = await self.rewards.score(traj.response_ids, traj.meta)
+            traj.reward, traj.reward_failed = out.reward, out.failed
+            return traj
+
+        try:
+            trajs = await asyncio.gather(*(one(t) for t in group.trajectories))
+        except Exception:
+            log.exception("group %s failed; its samples are dropped", group.group_id)
+            self.counters["n_dropped"] += len(group.trajectories)
+            await self.buffer.accept(group, [])
+            return
+        failed = [t for t in trajs if t.reward_failed]
+        self.counters["n_reward_failed"] += len(failed)
+        kept = trajs
+        if failed and self.cfg.reward.on_failure == "drop":
+            kept = [t for t in trajs if not t.reward_failed]
+            self.counters["n_dropped"] += len(failed)
+        if kept:
+            self.advantages(kept)
+        await self.buffer.accept(group, kept)
+
+    async def _rollout_loop(self) -> None:
+        data = iter(self.dataset)
+        gi = 0
+        while not self._stopping:
+            async with self.buffer._changed:
+                await self.buffer._changed.wait_for(
+                    lambda: self._stopping or (self.weights_ready.is_set()
+                                               and self.buffer.can_admit(self.n, self.version)))
+            if self._stopping:
+                return
+            item = next(data)
+            gid = f"g{gi}"
+            trajs = [Trajectory(traj_id=f"{gid}-{j}", group_id=gid, prompt_ids=list(item.prompt_ids),
+                                meta=dict(item.meta), logp_old=[] if self.strategy.exact else None)
+                     for j in range(self.n)]
+            group = Group(gid, self.version, trajs)
+            self.buffer.admit(group)
+            gi += 1
+            task = asyncio.create_task(self._run_group(group, item))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    stop_token_ids: tuple[int, ...] = ()
+
+    # -- publishing ----------------------------------------------------------------
+    async def publish(self, new_version: int) -> dict[str, float]:
+        """Move the trainer's weights to the engines as ``new_version``."""
+        t0 = time.perf_counter()
+        self.weights_ready.clear()
+        old = self.version
+        if self.cfg.rollout.interruptible:
+            await self.router.abort_all()
+        await self._all_returned.wait()  # aborted requests return their partial tokens
+        t_stopped = time.perf_counter()
+        partials = [t for g in self.buffer.running_groups.values() for t in g.trajectories
+                    if t.response_ids and t.finish_reason is None]
+        self.strategy.on_rollout_interrupted(partials)
+        self.strategy.before_publish(old, new_version)
+        t_sync = time.perf_counter()
+        await self.publisher(new_version)
+        t_loaded = time.perf_counter()
+        self.version = new_version
+        self.strategy.on_weights_published(new_version)
+        self.weights_ready.set()
+        await self.buffer.notify()
+        t1 = time.perf_counter()
+        self.gen_stall_s += t1 - t0
+        return {"publish_s": t1 - t0, "publish_drain_s": t_stopped - t0, "publish_recovery_s": t_sync - t_stopped,
+                "weight_sync_s": t_loaded - t_sync}
+
+    # -- training ------------------------------------------------------------------
+    async def train(self, total_steps: int) -> None:
+        self.strategy.on_weights_published(self.version)
+        roll = asyncio.create_task(self._rollout_loop())
+        t_start = time.perf_counter()
+        try:
+            while self.step < total_steps:
+                t0 = time.perf_counter()
+                trajs = await self.buffer.get_batch(self.trainer.version)
+                t_got = time.perf_counter()
+                record = await asyncio.to_thread(self._train_on, trajs)
+                t_trained = time.perf_counter()
+                self.strategy.after_optimizer_step(self.trainer.version, record)
+                pub: dict[str, float] = {}
+                if self.trainer.version % self.cfg.trainer.publish_every == 0 and self.step + 1 < total_steps:
+                    pub = await self.publish(self.trainer.version)
+                self.step += 1
+                record.update(pub)
+                record.update(self._step_record(trajs, t0, t_got, t_trained, t_start))
+                self.on_step(record)
+                await self.buffer.notify()
+        finally:
+            self._stopping = True
+            await self.buffer.notify()
+            self.weights_ready.set()
+            await self.router.abort_all()
+            await asyncio.gather(roll, return_exceptions=True)
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _train_on(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        batch = TrainBatch.from_trajectories(trajs, version=self.trainer.version)
+        t0 = time.perf_counter()
+        anchor = self.strategy.anchor(batch, trajs)
+        t_anchor = time.perf_counter()
+        if anchor.logp_anchor is not None:
+            batch.logp_anchor = anchor.logp_anchor
+        metrics = self.trainer.train_step(batch, self.loss_fn_factory(batch, anchor))
+        t_step = time.perf_counter()
+        metrics = dict(metrics)
+        metrics.update(anchor.metrics)
+        metrics["anchor_exact"] = float(anchor.exact)
+        metrics["recovery_s"] = t_anchor - t0
+        metrics["train_step_s"] = t_step - t_anchor
+        mask = batch.loss_mask > 0
+        if batch.logp_old is not None and anchor.logp_anchor is not None:
+            known = mask & batch.logp_old.isfinite()
+            if known.any():
+                metrics["abs_logp_anchor_minus_old_mean"] = float(
+                    (anchor.logp_anchor - batch.logp_old)[known].abs().mean())
+        lag = (batch.version - batch.versions)[mask]
+        metrics["staleness_max"] = int(lag.max()) if lag.numel() else 0
+        metrics["staleness_mean"] = float(lag.float().mean()) if lag.numel() else 0.0
+        metrics["version_lag_hist"] = {int(k): int(v) for k, v in zip(*lag.unique(return_counts=True))}
+        return metrics
+
+    def _step_record(self, trajs, t0, t_got, t_trained, t_start) -> dict[str, Any]:
+        rewards = [t.reward for t in trajs if t.reward is not None]
+        step_counts = {k: self.counters[k] - self._step_counters[k] for k in self.counters}
+        self._step_counters = dict(self.counters)
+        resp_lens = [t.n_policy_tokens for t in trajs]
+        return {
+            "step": self.step,
+            "version": self.trainer.version,
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "n_spliced": sum(t.is_spliced for t in trajs),
+            "tokens": sum(resp_lens),
+            "response_len_mean": sum(resp_lens) / max(len(resp_lens), 1),
+            "response_len_max": max(resp_lens) if resp_lens else 0,
+            "wait_batch_s": t_got - t0,
+            "step_s": time.perf_counter() - t0,
+            "trainer_busy_s": t_trained - t_got,
+            "wall_s": time.perf_counter() - t_start,
+            "gen_stall_total_s": self.gen_stall_s,
+            **step_counts,
+            **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
+        }

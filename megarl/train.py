@@ -1,0 +1,197 @@
+"""Build a run from a config and train: the one entry point behind `megarl train` and the launchers.
+
+``python -m megarl.train --config X [key=value ...]`` is the same as ``megarl train``.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from megarl.config import MegaRLConfig, load_config, save_config
+from megarl.errors import ConfigError, InputError
+
+log = logging.getLogger("megarl.train")
+
+
+def make_run_dir(cfg: MegaRLConfig) -> Path:
+    if cfg.logging.output_dir:
+        run_dir = Path(cfg.logging.output_dir)
+    else:
+        run_dir = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def ensure_checkpoint(cfg: MegaRLConfig) -> Path:
+    """The policy's HF checkpoint; written from ``model.init_model`` when it does not exist yet."""
+    ckpt = Path(cfg.model.checkpoint)
+    if not cfg.model.checkpoint:
+        raise ConfigError("model.checkpoint is empty; set it to an HF checkpoint directory "
+                          "(with model.init_model to create a random tiny one)")
+    if not (ckpt / "config.json").is_file():
+        if not cfg.model.init_model:
+            raise ConfigError(f"model.checkpoint {ckpt} has no config.json; point it at an HF checkpoint "
+                              f"or set model.init_model to a model YAML to create one")
+        from megarl.models.tiny import write_tiny_checkpoint
+
+        write_tiny_checkpoint(cfg.model.init_model, ckpt, seed=cfg.model.init_seed)
+    return ckpt
+
+
+def validate(cfg: MegaRLConfig, hf: dict) -> None:
+    """Inconsistent settings fail here, before anything starts."""
+    if cfg.trainer.batch_size % cfg.rollout.group_size:
+        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} must be a multiple of "
+                          f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
+    if cfg.rollout.eta < 0:
+        raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
+    max_len = int(hf.get("max_position_embeddings", 0))
+    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if max_len and need > max_len:
+        raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
+                          f"max_position_embeddings {max_len}; lower one of them")
+
+
+def make_loss_fn_factory(loss_cfg):
+    from megarl.losses import loss_normalizer, policy_loss
+
+    def factory(batch, anchor):
+        ref = batch.logp_anchor if batch.logp_anchor is not None else batch.logp_behav
+        # the global denominator, so that micro-batch losses add up to the full-batch loss
+        normalizer = loss_normalizer(ref, batch.logp_behav, batch.loss_mask, loss_cfg)
+
+        def loss_fn(logp_theta, mb, _counts=None):
+            if anchor.from_theta is not None:
+                logp_anchor = anchor.from_theta(logp_theta.detach(), mb)
+            else:
+                logp_anchor = mb.logp_anchor
+            return policy_loss(logp_theta, logp_anchor, mb.logp_behav, mb.advantages, mb.loss_mask,
+                               loss_cfg, normalizer=normalizer)
+
+        return loss_fn
+
+    return factory
+
+
+def make_advantage_fn(adv_cfg):
+    from megarl.advantages import compute_advantages
+
+    def assign(trajs):
+        gid = trajs[0].group_id
+        adv = compute_advantages({gid: [t.reward for t in trajs]}, estimator=adv_cfg.estimator,
+                                 std_normalize=adv_cfg.std_normalize, eps=adv_cfg.eps)[gid]
+        for t, a in zip(trajs, adv):
+            t.advantage = float(a)
+
+    return assign
+
+
+async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict) -> dict:
+    from megarl.controller import Controller
+    from megarl.data import PromptDataset
+    from megarl.rewards.service import RewardService
+    from megarl.rollout.client import launch_engine_process
+    from megarl.rollout.router import EngineRouter
+    from megarl.run_log import RunLogger
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+    from megarl.workflows import build_workflow
+    from recovery import registry
+    from recovery.base import RecoveryContext
+
+    dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed)
+    rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
+                            memory_mb=cfg.reward.memory_mb, on_failure=cfg.reward.on_failure)
+    procs = []
+    try:
+        clients = []
+        for i in range(cfg.rollout.n_engines):
+            port = cfg.rollout.base_port + i if cfg.rollout.base_port else 0
+            proc, client = await launch_engine_process(str(ckpt), cfg.rollout.backend, port,
+                                                       kv_cache_gb=cfg.rollout.kv_cache_gb,
+                                                       log_path=str(run_dir / f"engine{i}.log"))
+            procs.append(proc)
+            clients.append(client)
+        router = EngineRouter(clients)
+        trainer = MegatronTrainer(str(ckpt), tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
+                                  lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay,
+                                  adam_eps=cfg.trainer.adam_eps, grad_clip=cfg.trainer.grad_clip,
+                                  micro_batch_tokens=cfg.trainer.micro_batch_tokens, seed=cfg.trainer.seed,
+                                  use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                                  lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
+                                  total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr)
+        weights_dir = run_dir / "weights"
+
+        async def publisher(version: int) -> None:
+            d = weights_dir / f"v{version}"
+            await asyncio.to_thread(trainer.save_hf_checkpoint, str(d))
+            await router.update_weights_from_disk(str(d), version)
+            for old in weights_dir.glob("v*"):
+                if old != d:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        controller_ref: dict = {}
+
+        def live_versions() -> set[int]:
+            c = controller_ref["c"]
+            vs = {c.version}
+            for t in c.buffer.live_trajectories():
+                vs |= t.policy_versions()
+            return vs
+
+        ctx = RecoveryContext(trainer=trainer, loss_cfg=cfg.loss, live_versions=live_versions,
+                              live_trajectories=lambda: controller_ref["c"].buffer.live_trajectories(),
+                              run_dir=str(run_dir), checkpoint_dir=str(ckpt))
+        strategy = registry.build(cfg.recovery, ctx)
+        logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
+        controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
+                                workflow=build_workflow("single_turn", cfg), strategy=strategy,
+                                publisher=publisher, loss_fn_factory=make_loss_fn_factory(cfg.loss),
+                                advantages=make_advantage_fn(cfg.advantage), on_step=logger.log)
+        controller_ref["c"] = controller
+        try:
+            await controller.train(cfg.trainer.total_steps)
+        finally:
+            logger.close()
+            strategy.close()
+        trainer.save_hf_checkpoint(str(run_dir / "final"))
+        shutil.rmtree(weights_dir, ignore_errors=True)
+        return {"steps": controller.step, "version": trainer.version}
+    finally:
+        rewards.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except Exception:
+                p.kill()
+
+
+def train(cfg: MegaRLConfig) -> Path:
+    run_dir = make_run_dir(cfg)
+    ckpt = ensure_checkpoint(cfg)
+    hf = json.loads((ckpt / "config.json").read_text())
+    validate(cfg, hf)
+    from megarl.rewards.service import resolve_reward_fn
+
+    resolve_reward_fn(cfg.reward.fn)
+    save_config(cfg, run_dir / "config.yaml")
+    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, hf))
+    (run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megarl.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
