@@ -45,6 +45,10 @@ class RecoveryContext:
     run_dir: str = ""
     #: HF config of the policy and the initial checkpoint directory (dedicated process)
     checkpoint_dir: str = ""
+    #: the staleness bound of the run (rollout.eta)
+    eta: int = 1
+    #: optimizer steps per published version (trainer.publish_every)
+    publish_every: int = 1
 
 
 class OverheadMeter:

@@ -1,0 +1,96 @@
+"""Helpers shared by the exact strategies and the verifier: per-version forwards.
+
+Not a strategy (the registry skips modules starting with ``_``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from megarl.types import NO_VERSION, Trajectory, TrainBatch
+
+
+def policy_mask(batch: TrainBatch) -> torch.Tensor:
+    """[B, L-1] bool: tokens a policy version generated (the only ones that need old logits)."""
+    return (batch.loss_mask != 0) & (batch.versions != NO_VERSION)
+
+
+def versions_in(batch: TrainBatch) -> list[int]:
+    """Distinct versions of the batch's policy tokens, ascending."""
+    return sorted(int(v) for v in torch.unique(batch.versions[policy_mask(batch)]).tolist())
+
+
+def forward(trainer: Any, batch: TrainBatch, params: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """``trainer.logprobs(batch)`` under ``params`` (None = the trainer's current params, no swap)."""
+    if params is None:
+        return trainer.logprobs(batch)
+    with trainer.use_params(params):
+        return trainer.logprobs(batch)
+
+
+def score_versions(batch: TrainBatch, trainer: Any,
+                   params_of: Callable[[int], dict[str, torch.Tensor] | None],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fill ``out`` at each policy token with its log-prob under the version that generated it.
+
+    One forward per distinct version, over only the rows holding that version;
+    only the positions of that version are written, so a spliced sequence is
+    scored once per segment version. ``params_of(v)`` returns the parameters
+    of version v, or None when the trainer's current parameters are version v.
+    Positions that are not policy tokens keep their value in ``out`` (NaN when
+    ``out`` is None).
+    """
+    mask = policy_mask(batch)
+    if out is None:
+        out = torch.full(batch.loss_mask.shape, math.nan, dtype=torch.float32, device=batch.loss_mask.device)
+    for v in versions_in(batch):
+        of_v = mask & (batch.versions == v)
+        rows = of_v.any(dim=1).nonzero().flatten()
+        lp = forward(trainer, batch.select(rows.tolist()), params_of(v)).to(out.device, out.dtype)
+        width = lp.shape[1]
+        region = out[rows, :width]
+        sel = of_v[rows, :width]
+        region[sel] = lp[sel]
+        out[rows, :width] = region
+    return out
+
+
+def check_rows(batch: TrainBatch, trajs: list[Trajectory]) -> None:
+    ids = [t.traj_id for t in trajs]
+    if list(batch.traj_ids) != ids:
+        raise ValueError(f"batch rows {list(batch.traj_ids)[:4]}... do not match trajectories {ids[:4]}...")
+
+
+def logp_old_from_trajs(batch: TrainBatch, trajs: list[Trajectory]) -> torch.Tensor:
+    """[B, L-1] tensor of the trajectories' ``logp_old`` lists in batch convention (NaN elsewhere)."""
+    check_rows(batch, trajs)
+    out = torch.full(batch.loss_mask.shape, math.nan, dtype=torch.float32)
+    for b, t in enumerate(trajs):
+        if t.logp_old is None:
+            continue
+        p = int(batch.prompt_lens[b])
+        out[b, p - 1:p - 1 + len(t.logp_old)] = torch.tensor(t.logp_old, dtype=torch.float32)
+    return out.to(batch.loss_mask.device)
+
+
+def ensure_logp_old(traj: Trajectory) -> list[float]:
+    """``traj.logp_old``, created as NaN at policy tokens (0.0 at tool tokens) when absent."""
+    if traj.logp_old is None:
+        traj.logp_old = [math.nan if m else 0.0 for m in traj.loss_mask]
+    elif len(traj.logp_old) != len(traj.response_ids):
+        raise ValueError(f"trajectory {traj.traj_id}: logp_old has {len(traj.logp_old)} entries "
+                         f"for {len(traj.response_ids)} response tokens")
+    return traj.logp_old
+
+
+def unscored(traj: Trajectory) -> list[int]:
+    """Response indices of policy tokens whose ``logp_old`` is not known yet."""
+    old = traj.logp_old
+    return [i for i, m in enumerate(traj.loss_mask)
+            if m and traj.versions[i] != NO_VERSION and (old is None or math.isnan(old[i]))]
+
+
+def params_nbytes(params: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in params.values())

@@ -1,0 +1,373 @@
+"""dedicated (exact): a separate old-logits model that follows the engines version by version.
+
+::
+
+    loop hooks (trainer process)                      scoring process (spawned)
+    on_rollout_interrupted / on_segment_finished ──► ("score", segments) ─┐ FIFO: every segment
+    on_weights_published(v): save HF weights    ───► ("version", v, dir) ─┤ reported before v is
+                                                                          │ scored with v-1
+    anchor(): join results into traj.logp_old   ◄─── ("scored", results) ◄┘
+
+The scoring process owns its own model: by default a ``MegatronTrainer`` with
+tp = pp = ep = 1 in its own gloo world of size one (its own MASTER_PORT), built
+from ``ctx.checkpoint_dir``; ``scorer_factory`` can name another builder.
+
+Weights transport (chosen): at ``on_weights_published(v)`` the trainer writes
+version v as an HF checkpoint (``trainer.save_hf_checkpoint``) to
+``<run_dir>/dedicated/v{v}`` and the directory's path goes down the queue. The
+HF layout does not depend on the trainer's TP/PP/EP sizes, so the scoring
+process loads it whatever they are; it deletes a version's directory once
+the next version is loaded. (Sending tensors through the queue would avoid the
+disk write, but the trainer's local parameters are shards under TP/PP.)
+
+Ordering: segments reported by ``on_rollout_interrupted`` and
+``on_segment_finished`` are enqueued before the next version message, so the
+process scores each one with the version that generated it before it moves on.
+Results ``(traj_id, start, end, logps)`` come back on a result queue and are
+joined into ``traj.logp_old`` by trajectory id and segment. ``anchor`` waits
+only if the batch needs a segment that is not scored yet (overhead keys
+``dedicated_wait_s``, ``n_waits``; also ``dedicated_save_s``, ``bytes_moved``).
+The process starts at the first publish and builds its model while the loop
+goes on; only ``anchor`` and ``state_dict`` wait for it.
+
+Limits: one scoring process per strategy instance, fed by a single-process
+loop. With a multi-rank trainer ``save_hf_checkpoint`` is a collective written
+by rank 0, and every rank's instance would start its own process; scoring on
+rank 0 and broadcasting the results is not implemented.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megarl.types import AnchorResult, Trajectory, TrainBatch
+from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs
+from recovery.base import RecoveryStrategy
+from recovery.registry import register
+
+#: a segment's identity: (traj_id, start, end) in response-token indices
+SegKey = tuple[str, int, int]
+
+
+@dataclass
+class DedicatedConfig:
+    """Options of the dedicated scoring process."""
+
+    scorer_factory: str = ""
+    """Builder of the scoring model in the child, 'pkg.module:function' called with the checkpoint dir; empty = MegatronTrainer (tp=pp=ep=1)."""
+    master_port: int = 0
+    """MASTER_PORT of the scoring process's own gloo world of one; 0 picks a free port."""
+    cuda_visible_devices: str = ""
+    """CUDA_VISIBLE_DEVICES of the scoring process, i.e. its own GPU(s); empty = inherit the trainer's."""
+    num_threads: int = 0
+    """Intra-op CPU threads of the scoring process (0 = torch's default)."""
+    start_timeout_s: float = 600.0
+    """Seconds to wait for the scoring process to build its model."""
+    wait_timeout_s: float = 600.0
+    """Seconds anchor() waits for missing segment scores before giving up with an error."""
+
+
+# -- the scoring process ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build_scorer(factory: str, checkpoint_dir: str) -> Any:
+    if factory:
+        module, _, fn = factory.partition(":")
+        return getattr(importlib.import_module(module), fn)(checkpoint_dir)
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1)
+
+
+def _load_weights(scorer: Any, path: str) -> None:
+    if hasattr(scorer, "load_hf_checkpoint"):
+        scorer.load_hf_checkpoint(path)
+    else:
+        from megarl.models.bridge import load_hf_weights
+
+        load_hf_weights(scorer.model, path, scorer.hf_config, scorer.config)
+
+
+def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
+    """One forward over the segments' sequences (prompt + response up to the segment's end)."""
+    trajs = [Trajectory(traj_id=j["traj_id"], group_id="", prompt_ids=j["prompt_ids"],
+                        response_ids=j["response_ids"], logp_behav=[0.0] * len(j["response_ids"]),
+                        versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]))
+             for j in jobs]
+    batch = TrainBatch.from_trajectories(trajs, version=0)
+    logp = scorer.logprobs(batch).float().cpu()
+    out = []
+    for b, j in enumerate(jobs):
+        base = len(j["prompt_ids"]) - 1
+        out.append((j["traj_id"], j["start"], j["end"], logp[b, base + j["start"]:base + j["end"]].tolist()))
+    return out
+
+
+def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        scorer = _build_scorer(factory, checkpoint_dir)
+        version, version_dir = None, None
+        out_q.put(("ready", None))
+        while True:
+            kind, payload = in_q.get()
+            if kind == "stop":
+                break
+            if kind == "version":
+                v, path = payload
+                _load_weights(scorer, path)
+                if version_dir and version_dir != path:
+                    shutil.rmtree(version_dir, ignore_errors=True)
+                version, version_dir = v, path
+                out_q.put(("loaded", v))
+            elif kind == "score":
+                wrong = [j for j in payload if j["version"] != version]
+                if wrong:
+                    out_q.put(("lost", [((j["traj_id"], j["start"], j["end"]), j["version"], version)
+                                        for j in wrong]))
+                ok = [j for j in payload if j["version"] == version]
+                if ok:
+                    out_q.put(("scored", _score(scorer, ok)))
+            elif kind == "state":
+                out_q.put(("state", version))
+    except BaseException:  # noqa: BLE001 - the parent must hear about any failure
+        out_q.put(("error", traceback.format_exc()))
+
+
+# -- the strategy -----------------------------------------------------------------------
+@register
+class Dedicated(RecoveryStrategy):
+    name = "dedicated"
+    Config = DedicatedConfig
+    exact = True
+
+    def __init__(self, cfg: DedicatedConfig, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        self._proc = None
+        self._in_q = self._out_q = None
+        # hooks run on the event-loop thread, anchor on the train worker thread
+        self._lock = threading.RLock()
+        self._sent: set[SegKey] = set()
+        self._pending: set[SegKey] = set()
+        self._results: dict[SegKey, list[float]] = {}
+        self._lost: dict[SegKey, str] = {}
+        #: the last version sent to the scoring process (the one it scores new segments with)
+        self.version: int | None = None
+        self.loaded_version: int | None = None
+        self._ready = False
+        self._state_reply: Any = None
+
+    # -- process ---------------------------------------------------------------------
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        mpctx = mp.get_context("spawn")
+        self._in_q, self._out_q = mpctx.Queue(), mpctx.Queue()
+        port = self.cfg.master_port or _free_port()
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if self.cfg.cuda_visible_devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.cfg.cuda_visible_devices
+        self._proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
+                                   args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
+                                         self.cfg.num_threads, self._in_q, self._out_q))
+        self._proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
+
+    def _ensure_ready(self) -> None:
+        self._wait_for(lambda: self._ready, self.cfg.start_timeout_s, "start")
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "ready":
+            self._ready = True
+        elif kind == "loaded":
+            self.loaded_version = payload
+        elif kind == "scored":
+            for traj_id, start, end, logps in payload:
+                key = (traj_id, start, end)
+                self._pending.discard(key)
+                self._results[key] = logps
+        elif kind == "lost":
+            for key, seg_version, scorer_version in payload:
+                self._pending.discard(tuple(key))
+                self._lost[tuple(key)] = (f"segment {key} of version {seg_version} reached the scoring process "
+                                          f"at version {scorer_version}")
+        elif kind == "state":
+            self._state_reply = payload
+        elif kind == "error":
+            raise RuntimeError(f"dedicated scoring process failed:\n{payload}")
+
+    def _drain(self, timeout: float | None) -> bool:
+        """Handle one message (waiting up to ``timeout``; None = don't wait); False when none came."""
+        try:
+            kind, payload = self._out_q.get(timeout=timeout) if timeout else self._out_q.get_nowait()
+        except queue.Empty:
+            return False
+        with self._lock:
+            self._handle(kind, payload)
+        return True
+
+    def _wait_for(self, done, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if self._drain(0.5):
+                continue
+            if not self._proc.is_alive():
+                while self._drain(None):  # an error message may still be in the pipe
+                    pass
+                raise RuntimeError(f"dedicated scoring process died (exit code {self._proc.exitcode}) during {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dedicated scoring process: {what} did not finish within {timeout_s} s")
+
+    # -- enqueueing --------------------------------------------------------------------
+    def _enqueue(self, trajs: list[Trajectory]) -> None:
+        jobs = []
+        with self._lock:
+            for t in trajs:
+                for seg in t.segments():
+                    key = (t.traj_id, seg.start, seg.end)
+                    if key in self._sent:
+                        continue
+                    self._sent.add(key)
+                    if seg.version != self.version:
+                        self._lost[key] = (f"segment {key} of version {seg.version} was reported after version "
+                                           f"{self.version} was sent to the scoring process")
+                        continue
+                    self._pending.add(key)
+                    jobs.append({"traj_id": t.traj_id, "start": seg.start, "end": seg.end, "version": seg.version,
+                                 "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids[:seg.end])})
+            if jobs:  # under the lock: no version message can slip in between the check and the put
+                self._in_q.put(("score", jobs))
+        while self._drain(None):
+            pass
+
+    # -- hooks -------------------------------------------------------------------------
+    def on_weights_published(self, version: int) -> None:
+        trainer = self.ctx.trainer
+        if trainer.version != version:
+            raise RuntimeError(f"dedicated: weights of version {version} published while the trainer is at "
+                               f"version {trainer.version}")
+        if self._proc is None:
+            self._start()
+        path = Path(self.ctx.run_dir) / "dedicated" / f"v{version}"
+        with self.meter.time("dedicated_save_s"):
+            trainer.save_hf_checkpoint(str(path))
+        self.meter.add("bytes_moved", float(sum(f.stat().st_size for f in path.glob("*.safetensors"))))
+        with self._lock:
+            self._in_q.put(("version", (version, str(path))))
+            self.version = version
+
+    def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
+        self._enqueue(partials)
+
+    def on_segment_finished(self, traj: Trajectory) -> None:
+        self._enqueue([traj])
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        check_rows(batch, trajs)
+        with self.meter.time("recovery_s"):
+            self._enqueue(trajs)  # segments the loop never reported (only possible for the current version)
+            needed = {(t.traj_id, s.start, s.end) for t in trajs for s in t.segments()}
+            lost = [self._lost[k] for k in needed if k in self._lost]
+            if lost:
+                raise RuntimeError("dedicated: cannot score " + "; ".join(lost[:3]) + " (the loop must report "
+                                   "segments before publishing the next version)")
+            self._ensure_ready()
+            if not needed.issubset(self._results):
+                t0 = time.perf_counter()
+                self._wait_for(lambda: needed.issubset(self._results) or any(k in self._lost for k in needed),
+                               self.cfg.wait_timeout_s, "scoring the batch's segments")
+                self.meter.add("dedicated_wait_s", time.perf_counter() - t0)
+                self.meter.add("n_waits", 1.0)
+                lost = [self._lost[k] for k in needed if k in self._lost]
+                if lost:
+                    raise RuntimeError("dedicated: cannot score " + "; ".join(lost[:3]))
+            with self._lock:
+                for t in trajs:
+                    old = ensure_logp_old(t)
+                    for s in t.segments():
+                        old[s.start:s.end] = self._results.pop((t.traj_id, s.start, s.end))
+            logp_old = logp_old_from_trajs(batch, trajs)
+        return AnchorResult(logp_anchor=logp_old, exact=True)
+
+    def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
+        """Forget segments of trajectories that are gone (trained on or dropped)."""
+        live = {t.traj_id for t in self.ctx.live_trajectories()}
+        with self._lock:
+            gone = {k for k in self._sent if k[0] not in live and k not in self._pending}
+            self._sent -= gone
+            for store in (self._lost, self._results):
+                for key in gone & store.keys():
+                    del store[key]
+
+    def overhead(self) -> dict[str, float]:
+        self.meter.set("pending_segments", float(len(self._pending)))
+        return super().overhead()
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The scoring process's version and its weights, plus scores not yet joined (waits for pending ones)."""
+        if self._proc is None:
+            return {"version": None}
+        self._ensure_ready()
+        self._state_reply = None
+        self._in_q.put(("state", None))
+        self._wait_for(lambda: self._state_reply is not None, self.cfg.wait_timeout_s, "state_dict")
+        from safetensors.torch import load_file
+
+        path = Path(self.ctx.run_dir) / "dedicated" / f"v{self._state_reply}"
+        weights = {f.name: load_file(str(f)) for f in sorted(path.glob("*.safetensors"))}
+        extra = {f.name: f.read_text() for f in sorted(path.glob("*.json"))}
+        with self._lock:
+            return {"version": self._state_reply, "weights": weights, "files": extra,
+                    "results": dict(self._results), "sent": sorted(self._sent), "lost": dict(self._lost)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["version"] is None:
+            return
+        from safetensors.torch import save_file
+
+        path = Path(self.ctx.run_dir) / "dedicated" / f"v{state['version']}"
+        path.mkdir(parents=True, exist_ok=True)
+        for name, tensors in state["weights"].items():
+            save_file(tensors, str(path / name), metadata={"format": "pt"})
+        for name, text in state["files"].items():
+            (path / name).write_text(text)
+        if self._proc is None:
+            self._start()
+        with self._lock:
+            self._results = dict(state["results"])
+            self._sent = {tuple(k) for k in state["sent"]}
+            self._lost = dict(state["lost"])
+            self._in_q.put(("version", (state["version"], str(path))))
+            self.version = state["version"]
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._ready:  # else it is still building its model: nothing to finish
+                self._in_q.put(("stop", None))
+                self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout=10)
+            self._proc = None
+            for q in (self._in_q, self._out_q):
+                q.close()
+                q.join_thread()
+        shutil.rmtree(Path(self.ctx.run_dir) / "dedicated", ignore_errors=True)

@@ -1,0 +1,173 @@
+"""ewma (approximate): PPO-EWMA proximal policy (Hilton, Cobbe, Schulman 2021; DESIGN §3).
+
+The proximal parameters phi are a bias-corrected exponentially weighted moving
+average of theta, updated after every optimizer step (n starts at 0)::
+
+    n_new = beta*n + 1;  phi <- phi*(beta*n/n_new) + theta/n_new;  n <- n_new
+
+so theta_k, theta_{k-1}, ... weigh 1, beta, beta^2, ... normalized (beta=0.5
+over theta = 1, 2, 3 gives phi = 1, 1.6667, 2.4286). The first batch, before any
+step, initializes phi from theta_0 through the same update. phi is kept in fp32
+on the host (bf16 would swallow the (1-beta)*theta increments). The anchor is
+one forward with ``trainer.use_params(phi)``.
+
+Default decay. The EWMA's centre of mass lies beta/(1-beta) optimizer steps in
+the past; it is placed mid-window, at M*W/2 steps, giving
+``beta = (M*W)/(M*W + 2)`` (W = 4, M = 1 -> 0.667). W (``window``) defaults to
+rollout.eta + 1 versions, the window the staleness gate admits, and M
+(``steps_per_version``) to trainer.publish_every; the loop provides both as
+``RecoveryContext.eta`` / ``RecoveryContext.publish_every``.
+
+Auto-reset. After the anchor forward the active-token fraction (tokens the
+train-inference mask keeps, as ``megarl.losses.policy_loss`` reports it under
+``ctx.loss_cfg``) is computed; below ``tau`` phi <- theta and n <- 1. Every
+trainer rank anchors the same batch and gets the same log-probs, so every
+replica of phi takes the same decision. The reset takes effect for the
+batch that triggered it: its anchor is recomputed with the reset phi (= theta).
+Resets are counted (overhead key ``n_resets``).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl.losses import PolicyLossConfig, policy_loss
+from megarl.types import AnchorResult, Trajectory, TrainBatch
+from recovery._scoring import forward, params_nbytes
+from recovery.base import RecoveryStrategy
+from recovery.registry import register
+
+
+@dataclass
+class EwmaConfig:
+    """Options of the PPO-EWMA strategy."""
+
+    beta: float | None = None
+    """EWMA decay per optimizer step, in [0, 1); None = (M*W)/(M*W + 2), which puts the EWMA's centre of mass mid staleness window."""
+    window: int | None = None
+    """W: expected staleness window in versions (only for the default beta); None = rollout.eta + 1."""
+    steps_per_version: int | None = None
+    """M: optimizer steps per published version (only for the default beta); None = trainer.publish_every."""
+    tau: float = 0.5
+    """Reset phi <- theta when the active-token fraction under the EWMA anchor falls below tau (0 = never reset)."""
+
+
+def default_beta(window: int, steps_per_version: int) -> float:
+    """beta whose EWMA age beta/(1-beta) equals M*W/2 optimizer steps."""
+    mw = steps_per_version * window
+    return mw / (mw + 2)
+
+
+def ewma_update(phi: dict[str, torch.Tensor] | None, n: float, theta: dict[str, torch.Tensor],
+                beta: float) -> tuple[dict[str, torch.Tensor], float]:
+    """One bias-corrected EWMA step (in place on phi); returns (phi, n_new)."""
+    n_new = beta * n + 1.0
+    if phi is None or n == 0:
+        return {k: t.detach().to(torch.float32).clone() for k, t in theta.items()}, n_new
+    keep, take = beta * n / n_new, 1.0 / n_new
+    for k, p in phi.items():
+        p.mul_(keep).add_(theta[k].to(torch.float32), alpha=take)
+    return phi, n_new
+
+
+@register
+class Ewma(RecoveryStrategy):
+    name = "ewma"
+    Config = EwmaConfig
+    exact = False
+
+    def __init__(self, cfg: EwmaConfig, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        self.beta = self._resolve_beta(cfg, ctx)
+        self.loss_cfg = ctx.loss_cfg if ctx.loss_cfg is not None else PolicyLossConfig()
+        if cfg.tau > 0 and self.loss_cfg.behav_weight in ("none", "tis"):
+            warnings.warn(f"recovery.ewma.tau={cfg.tau} has no effect with loss.behav_weight="
+                          f"{self.loss_cfg.behav_weight!r}: no token is masked, the active fraction is always 1",
+                          stacklevel=2)
+        self._phi: dict[str, torch.Tensor] | None = None
+        self._n = 0.0
+        #: trainer version of the last theta folded into phi
+        self._phi_version: int | None = None
+        self.n_resets = 0
+
+    @staticmethod
+    def _resolve_beta(cfg: EwmaConfig, ctx: Any) -> float:
+        if cfg.beta is not None:
+            if not 0.0 <= cfg.beta < 1.0:
+                raise ValueError(f"recovery.ewma.beta={cfg.beta} must lie in [0, 1)")
+            return cfg.beta
+        window = cfg.window if cfg.window is not None else ctx.eta + 1
+        steps = cfg.steps_per_version if cfg.steps_per_version is not None else ctx.publish_every
+        if window < 1 or steps < 1:
+            raise ValueError(f"recovery.ewma.window={window} and steps_per_version={steps} must be >= 1")
+        return default_beta(window, steps)
+
+    # -- the average -------------------------------------------------------------
+    def _fold_in_theta(self) -> None:
+        trainer = self.ctx.trainer
+        self._phi, self._n = ewma_update(self._phi, self._n, trainer.get_params(), self.beta)
+        self._phi_version = trainer.version
+
+    def _reset(self) -> None:
+        self._phi, self._n = None, 0.0
+        self._fold_in_theta()  # n: 0 -> 1, phi = theta
+        self.n_resets += 1
+        self.meter.add("n_resets", 1.0)
+
+    def _phi_params(self) -> dict[str, torch.Tensor] | None:
+        """phi, or None when phi is exactly the trainer's current theta (no swap needed)."""
+        return None if self._n == 1.0 and self._phi_version == self.ctx.trainer.version else self._phi
+
+    def _active_frac(self, batch: TrainBatch, logp_anchor: torch.Tensor) -> float:
+        logp_anchor = logp_anchor.to(batch.loss_mask.device)
+        _, m = policy_loss(logp_anchor, logp_anchor, batch.logp_behav, batch.advantages, batch.loss_mask,
+                           self.loss_cfg)
+        return m["active_frac"]
+
+    # -- hooks -------------------------------------------------------------------
+    def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
+        if self._phi is None:
+            return  # the first anchor initializes phi from the theta it sees
+        self._fold_in_theta()
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        with self.meter.time("recovery_s"):
+            if self._phi is None:
+                self._fold_in_theta()
+            with torch.no_grad():
+                logp = forward(self.ctx.trainer, batch, self._phi_params())
+                active = self._active_frac(batch, logp)
+                reset = self.cfg.tau > 0 and active < self.cfg.tau
+                if reset:
+                    self._reset()
+                    logp = self.ctx.trainer.logprobs(batch)
+        self._report()
+        return AnchorResult(logp_anchor=logp, exact=False,
+                            metrics={"ewma/active_frac_pre": active, "ewma/reset": float(reset),
+                                     "ewma/n": self._n, "ewma/beta": self.beta})
+
+    def _report(self) -> None:
+        self.meter.set("bytes_held", float(params_nbytes(self._phi)) if self._phi is not None else 0.0)
+        self.meter.set("extra_param_copies", 1.0 if self._phi is not None else 0.0)
+
+    def overhead(self) -> dict[str, float]:
+        self._report()
+        return super().overhead()
+
+    # -- state -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"phi": None if self._phi is None else {k: t.clone() for k, t in self._phi.items()},
+                "n": self._n, "phi_version": self._phi_version, "n_resets": self.n_resets, "beta": self.beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._phi = state["phi"]
+        self._n = float(state["n"])
+        self._phi_version = state["phi_version"]
+        self.n_resets = int(state["n_resets"])
+        if abs(state["beta"] - self.beta) > 1e-12:
+            warnings.warn(f"recovery.ewma: restored phi was averaged with beta={state['beta']:.4f}, "
+                          f"continuing with beta={self.beta:.4f}", stacklevel=2)
+        self._report()

@@ -1,0 +1,177 @@
+"""Exact recovery strategies (snapshot, interrupt_sync) and the verifier on hand-built version histories.
+
+The scorer is a real tiny Qwen3 (transformers) whose parameters differ per
+version; every exact anchor must equal the per-version forward (verifier) to 1e-6.
+"""
+import math
+
+import pytest
+import torch
+from recovery_scorer import HFScorerForTests, LoopState, drive_history, extend, tiny_checkpoint
+
+from megarl.types import Trajectory, TrainBatch
+from recovery import verifier
+from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
+from recovery.snapshot import Snapshot, SnapshotConfig
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture
+def trainer(ckpt):
+    return HFScorerForTests(ckpt, version=7)
+
+
+def check_exact(anchor, batch, params, trainer):
+    truth = verifier.true_logp_old(batch, params, trainer)
+    report = verifier.compare(anchor.logp_anchor, truth, batch)
+    assert anchor.exact
+    assert report["n_tokens"] == 4 + 6 + 6 + 5
+    assert report["n_spliced_sequences"] == 1 and report["max_versions_per_sequence"] == 2
+    assert report["max_abs_err"] <= 1e-6, report
+    return truth
+
+
+def test_verifier_versions_really_differ(trainer):
+    loop = LoopState()
+    strat = InterruptSync(InterruptSyncConfig(), loop.context(trainer))
+    batch, _, params = drive_history(strat, trainer, loop)
+    truth = verifier.true_logp_old(batch, params, trainer)
+    with trainer.use_params(params[8]):
+        all_v8 = trainer.logprobs(batch)
+    v7 = batch.versions == 7
+    assert (truth[v7] - all_v8[v7]).abs().max() > 1e-3  # the v7 tokens would be wrong under v8
+    assert torch.isnan(truth[batch.loss_mask == 0]).all()
+    rep = verifier.compare(all_v8, truth, batch)
+    assert rep["max_abs_err"] > 1e-3 and rep["mean_abs_err"] > 0
+
+
+# ---------------------------------------------------------------- snapshot
+
+
+@pytest.mark.parametrize("storage,extra_step", [("cpu", False), ("cpu", True), ("disk", True)])
+def test_snapshot_exact(trainer, tmp_path, storage, extra_step):
+    loop = LoopState()
+    strat = Snapshot(SnapshotConfig(storage=storage), loop.context(trainer, run_dir=tmp_path))
+    batch, trajs, params = drive_history(strat, trainer, loop, extra_step=extra_step)
+    trainer.forward_rows.clear()
+    swaps = trainer.n_swaps
+    anchor = strat.anchor(batch, trajs)
+    # one forward per version, over only the rows holding it (t0 is spliced: in both)
+    assert sorted(map(sorted, trainer.forward_rows)) == [["t0", "t1"], ["t0", "t2"]]
+    # the current version (8, when no extra step) is scored without a swap
+    assert trainer.n_swaps - swaps == (2 if extra_step else 1)
+    check_exact(anchor, batch, params, trainer)
+    over = strat.overhead()
+    assert over["versions_held"] == 2 and over["recovery_s"] > 0
+    if storage == "disk":
+        assert len(list((tmp_path / "snapshots").glob("*.safetensors"))) == 2
+        assert over["bytes_moved"] > 0 and over["snapshot_load_s"] > 0
+    strat.close()
+
+
+def test_snapshot_garbage_collection(trainer, tmp_path):
+    loop = LoopState()
+    strat = Snapshot(SnapshotConfig(storage="disk"), loop.context(trainer, run_dir=tmp_path))
+    batch, trajs, _ = drive_history(strat, trainer, loop)
+    held = strat.overhead()["bytes_held"]
+    assert strat.held_versions == [7, 8] and held > 0
+    strat.anchor(batch, trajs)
+    loop.live = [t for t in loop.live if t.traj_id != "t1"]  # t1 trained on; t0 (v7+v8) still live
+    trainer.fake_step()
+    strat.after_optimizer_step(trainer.version, {})
+    assert strat.held_versions == [7, 8]
+    loop.live = []  # the whole batch consumed: only the published version stays
+    strat.after_optimizer_step(trainer.version, {})
+    assert strat.held_versions == [8]
+    assert strat.overhead()["bytes_held"] == pytest.approx(held / 2)
+    loop.published = 9
+    strat.on_weights_published(9)  # publish collects 8 (nothing references it)
+    assert strat.held_versions == [9]
+    assert [p.name for p in (tmp_path / "snapshots").iterdir()] == ["v9.rank0.safetensors"]
+    strat.close()
+    assert not list((tmp_path / "snapshots").iterdir())
+
+
+def test_snapshot_missing_version_is_an_error(trainer):
+    loop = LoopState()
+    strat = Snapshot(SnapshotConfig(), loop.context(trainer))
+    strat.on_weights_published(7)
+    t = extend(Trajectory("x", "g", [1, 2]), "policy", 3, 5, seed=0)
+    with pytest.raises(RuntimeError, match=r"versions \[5\].*only \[7\]"):
+        strat.anchor(TrainBatch.from_trajectories([t], version=7), [t])
+    trainer.fake_step()
+    with pytest.raises(RuntimeError, match="published while the trainer is at version 8"):
+        strat.on_weights_published(9)
+
+
+@pytest.mark.parametrize("storage", ["cpu", "disk"])
+def test_snapshot_state_round_trip(ckpt, tmp_path, storage):
+    runs = []
+    for i in range(2):
+        trainer = HFScorerForTests(ckpt, version=7)
+        loop = LoopState()
+        strat = Snapshot(SnapshotConfig(storage=storage), loop.context(trainer, run_dir=tmp_path / f"r{i}"))
+        batch, trajs, _ = drive_history(strat, trainer, loop, extra_step=True)
+        runs.append((trainer, loop, strat, batch, trajs))
+    (_, _, first, _, _), (_, _, second, _, _) = runs
+    fresh = Snapshot(SnapshotConfig(storage=storage), runs[1][1].context(runs[1][0], run_dir=tmp_path / "r2"))
+    fresh.load_state_dict(first.state_dict())
+    second.close()
+    a = first.anchor(runs[0][3], runs[0][4]).logp_anchor
+    b = fresh.anchor(runs[1][3], runs[1][4]).logp_anchor
+    assert fresh.held_versions == [7, 8]
+    assert torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+
+
+# ---------------------------------------------------------------- interrupt_sync
+
+
+@pytest.mark.parametrize("extra_step", [False, True])
+def test_interrupt_sync_exact(trainer, extra_step):
+    loop = LoopState()
+    strat = InterruptSync(InterruptSyncConfig(), loop.context(trainer))
+    batch, trajs, params = drive_history(strat, trainer, loop, extra_step=extra_step)
+    t0, t1, t2 = trajs
+    # before_publish(7, 8) scored every v7 token (finished t1 and the partial t0); v8 tokens wait
+    assert not any(math.isnan(x) for x in t1.logp_old)
+    assert not any(math.isnan(x) for x in t0.logp_old[:4]) and all(math.isnan(x) for x in t0.logp_old[4:])
+    assert strat.overhead()["gen_stall_s"] > 0
+    anchor = strat.anchor(batch, trajs)
+    check_exact(anchor, batch, params, trainer)
+    assert not any(math.isnan(x) for t in trajs for x in t.logp_old)
+    assert t1.logp_old[3:5] == [0.0, 0.0]  # tool tokens
+    assert strat.overhead()["extra_param_copies"] == 1
+
+
+def test_interrupt_sync_creates_logp_old_and_refuses_lost_versions(trainer):
+    loop = LoopState()
+    strat = InterruptSync(InterruptSyncConfig(), loop.context(trainer))
+    loop.published = 7
+    strat.on_weights_published(7)
+    t = extend(Trajectory("x", "g", [1, 2]), "policy", 3, 7, seed=0)  # logp_old None
+    late = extend(Trajectory("y", "g", [1, 2]), "policy", 3, 7, seed=1)
+    loop.live = [t]  # `late` is not reported as live: its v7 tokens are lost at the publish
+    trainer.fake_step()
+    strat.before_publish(7, 8)
+    assert len(t.logp_old) == 3 and not any(math.isnan(x) for x in t.logp_old)
+    strat.on_weights_published(8)
+    with pytest.raises(RuntimeError, match=r"unscored tokens of versions \[7\]"):
+        strat.anchor(TrainBatch.from_trajectories([late], version=8), [late])
+
+
+def test_interrupt_sync_state_round_trip(ckpt):
+    runs = []
+    for _ in range(2):
+        trainer = HFScorerForTests(ckpt, version=7)
+        loop = LoopState()
+        strat = InterruptSync(InterruptSyncConfig(), loop.context(trainer))
+        runs.append((trainer, loop, strat, *drive_history(strat, trainer, loop, extra_step=True)))
+    fresh = InterruptSync(InterruptSyncConfig(), runs[1][1].context(runs[1][0]))
+    fresh.load_state_dict(runs[0][2].state_dict())
+    a = runs[0][2].anchor(runs[0][3], runs[0][4]).logp_anchor
+    b = fresh.anchor(runs[1][3], runs[1][4]).logp_anchor
+    assert torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
