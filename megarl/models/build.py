@@ -1,0 +1,58 @@
+"""Build the megatron-core GPTModel of this rank's pipeline stage.
+
+Layer spec: TransformerEngine's when both CUDA and TE are present (TE is
+imported only inside that branch), megatron's local (pure torch) spec
+otherwise. Requires megatron parallel_state to be initialized
+(megarl.trainer.parallel.init_parallel).
+"""
+from __future__ import annotations
+
+import torch
+
+from megarl.models.hf_config import gpt_model_kwargs_from_hf
+from megarl.platform import have_transformer_engine
+
+
+def use_transformer_engine() -> bool:
+    """TE spec only on CUDA machines with a working TransformerEngine."""
+    return torch.cuda.is_available() and have_transformer_engine()
+
+
+def layer_spec(config, *, vp_stage: int | None = None):
+    """Decoder block spec for this pipeline stage (only its layers), local or TE."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if use_transformer_engine():
+        import transformer_engine  # noqa: F401  (fails loudly here, not inside megatron)
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def build_gpt_model(hf: dict, config):
+    """GPTModel for this rank: embedding on the first PP stage, final norm + output layer on the last.
+
+    Parameters are allocated on the current device (CPU without CUDA) with
+    megatron's random init; load real weights with megarl.models.bridge.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # keep logits vocab-parallel under TP: the loss/log-prob is computed by
+        # vocab_parallel_cross_entropy, which never materializes full logits
+        parallel_output=True,
+        **gpt_model_kwargs_from_hf(hf),
+    )
+    # megatron's optimizer expects every parameter to carry TP attributes
+    from megatron.core import tensor_parallel
+
+    for p in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

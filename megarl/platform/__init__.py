@@ -1,0 +1,34 @@
+"""Platform layer: what megatron-core needs to run on the machine at hand.
+
+On a CUDA machine nothing is patched. Without CUDA, :func:`apply_cpu_patches`
+(megarl/platform/cpu.py) adapts megatron-core 0.16.1 to run on CPU with gloo.
+Call :func:`prepare_megatron` before the first ``import megatron.core``.
+"""
+from __future__ import annotations
+
+
+def have_transformer_engine() -> bool:
+    """True when TransformerEngine imports cleanly.
+
+    A CUDA build of TE on a machine without CUDA raises RuntimeError (cudnn
+    shared object not found), not ImportError, so both are caught.
+    """
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return True
+
+
+def prepare_megatron() -> None:
+    """Make ``import megatron.core`` safe here; apply the CPU patches when CUDA is absent."""
+    import torch
+
+    from megarl.platform.cpu import apply_cpu_patches, block_broken_transformer_engine
+
+    block_broken_transformer_engine()
+    if not torch.cuda.is_available():
+        apply_cpu_patches()
+
+
+__all__ = ["have_transformer_engine", "prepare_megatron"]

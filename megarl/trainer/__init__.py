@@ -1,0 +1,1 @@
+"""Trainer backends: megatron-core (MegatronTrainer) and its parallel setup."""

@@ -1,0 +1,338 @@
+"""MegatronTrainer: megatron-core GPTModel + Megatron DDP + Megatron optimizer, for RL.
+
+Importing this module initializes nothing; constructing a trainer does
+(torch.distributed, megatron parallel_state, model, weights). Every rank of
+the job constructs one and calls the same methods with the same TrainBatch.
+
+Work split. Rows of a batch are dealt to data-parallel ranks (row i goes to
+DP rank i % dp), each rank packs its rows greedily into micro-batches of at
+most ``micro_batch_tokens`` tokens (rows * longest row, at least one row) and
+runs megatron's forward-backward schedule over them. DP ranks run the same
+number of micro-batches (padded with weight-0 dummies) because MoE expert
+parallelism exchanges tokens inside every layer.
+
+Loss semantics of :meth:`train_step`: the gradient is exactly the gradient of
+the SUM of the losses ``loss_fn`` returns over all micro-batches of all DP
+ranks. megatron-core 0.16.1 divides each micro-batch loss by the number of
+micro-batches (and DDP averages over DP) unless
+``config.calculate_per_token_loss`` is set; megarl sets it, which makes the
+schedule keep losses as returned and DDP sum gradients, and runs
+``finalize_model_grads`` without its per-token division. ``loss_fn`` gets the
+global counts (``normalizer``) to build means itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Callable, Iterator
+
+import torch
+
+from megarl.errors import ConfigError, InputError
+from megarl.trainer.microbatch import MicroBatch, plan_microbatches
+from megarl.trainer.parallel import comm_device
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, object, dict], tuple]
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+class MegatronTrainer:
+    """Policy trainer on megatron-core (dense Qwen3 and Qwen3-MoE; TP/PP/EP/DP)."""
+
+    def __init__(self, checkpoint_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, adam_eps: float = 1e-8,
+                 grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
+                 use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
+                 total_steps: int | None = None, min_lr: float = 0.0):
+        from megarl.models.bridge import load_hf_weights, read_hf_config
+        from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
+        from megarl.trainer.parallel import init_distributed, init_parallel
+
+        if lr_decay not in LR_DECAY_STYLES:
+            raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
+        if lr_decay in ("linear", "cosine") and not total_steps:
+            raise ConfigError(f"lr_decay={lr_decay!r} needs total_steps")
+        if micro_batch_tokens < 1:
+            raise ConfigError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        import torch.distributed as dist
+
+        self.checkpoint_dir = str(checkpoint_dir)
+        self.hf_config = read_hf_config(checkpoint_dir)
+        init_distributed()  # the world size is needed to validate the layout before megatron builds groups
+        validate_parallel(self.hf_config, tp, pp, ep, dist.get_world_size())
+        if is_moe(self.hf_config) and tp > 1:
+            # megatron's MoE layer refuses TP without sequence parallelism in training, and the torch
+            # norm of the local spec refuses sequence parallelism: not wired up yet
+            raise ConfigError(f"MoE with tp={tp} needs sequence parallelism, which MegatronTrainer does not "
+                              f"support yet; shard experts with ep instead")
+        self.parallel = init_parallel(tp=tp, pp=pp, ep=ep, seed=seed)
+        self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep)
+        # keep returned losses as they are and sum DP gradients (module doc)
+        self.config.calculate_per_token_loss = True
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.grad_clip = float(grad_clip)
+        self._opt_args = dict(lr=lr, betas=betas, weight_decay=weight_decay, adam_eps=adam_eps, min_lr=min_lr,
+                              use_distributed_optimizer=use_distributed_optimizer, warmup=lr_warmup_steps,
+                              decay=lr_decay, total_steps=total_steps)
+        self.model = self._build_model(use_distributed_optimizer)
+        load_hf_weights(self.model, checkpoint_dir, self.hf_config, self.config)
+        self.optimizer = None  # built on the first train_step: logprobs-only users never pay for it
+        self.scheduler = None
+        #: optimizer steps taken (the policy version of the current parameters)
+        self.version = 0
+        self.last_skip_reason: str | None = None
+
+    # -- construction ------------------------------------------------------------------
+    def _build_model(self, use_distributed_optimizer: bool) -> list:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        from megarl.models.build import build_gpt_model
+
+        gpt = build_gpt_model(self.hf_config, self.config)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=use_distributed_optimizer)
+        model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=gpt)]
+
+        def finalize_sum(chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
+            # DP all-reduce, TP sync of q/k-norm grads, tied-embedding sync; never divide by token counts
+            finalize_model_grads(chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+        # without it q/k layernorm grads are not synced and the weights diverge across TP ranks
+        self.config.finalize_model_grads_func = finalize_sum
+        return model
+
+    def _ensure_optimizer(self) -> None:
+        if self.optimizer is not None:
+            return
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        a = self._opt_args
+        opt_config = OptimizerConfig(optimizer="adam", lr=a["lr"], min_lr=a["min_lr"],
+                                     weight_decay=a["weight_decay"], adam_beta1=a["betas"][0],
+                                     adam_beta2=a["betas"][1], adam_eps=a["adam_eps"], clip_grad=self.grad_clip,
+                                     params_dtype=self.config.params_dtype,
+                                     use_distributed_optimizer=a["use_distributed_optimizer"])
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        decay_steps = max(int(a["total_steps"] or 0), a["warmup"] + 1, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if a["warmup"] else a["lr"], max_lr=a["lr"], min_lr=a["min_lr"],
+            lr_warmup_steps=a["warmup"], lr_decay_steps=decay_steps, lr_decay_style=a["decay"],
+            start_wd=a["weight_decay"], end_wd=a["weight_decay"], wd_incr_steps=1, wd_incr_style="constant")
+
+    # -- forward passes -----------------------------------------------------------------
+    def _check_batch(self, batch) -> None:
+        max_pos = int(self.hf_config["max_position_embeddings"])
+        lens = [int(n) for n in batch.seq_lens]
+        if min(lens) < 2:
+            raise InputError(f"row {lens.index(min(lens))} has {min(lens)} token(s); log-probs need >= 2")
+        if max(lens) > max_pos:
+            raise InputError(f"row {lens.index(max(lens))} has {max(lens)} tokens > max_position_embeddings {max_pos}")
+        vocab = int(self.hf_config["vocab_size"])
+        lo, hi = int(batch.tokens.min()), int(batch.tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise InputError(f"token ids must be in [0, {vocab}); got range [{lo}, {hi}]")
+
+    def _run(self, batch, loss_func_for: Callable, forward_only: bool) -> list:
+        """megatron forward(-backward) over this DP rank's micro-batches; returns the last stage's outputs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = plan_microbatches(batch, self.parallel.dp_rank, self.parallel.dp, self.micro_batch_tokens,
+                                device=comm_device())
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model):
+            mb = next(data_iterator)
+            tokens = mb.tokens
+            n = tokens.shape[1] - 1
+            positions = torch.arange(n, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n)
+            # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
+            out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,
+                        labels=tokens[:, 1:])
+            return out, lambda output: loss_func_for(mb, output)
+
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+                  num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] - 1 for mb in mbs),
+                  micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
+
+    @torch.no_grad()
+    def logprobs(self, batch) -> torch.Tensor:
+        """log p(tokens[t+1] | tokens[..t]) as [B, L-1] fp32 on CPU, on every rank (0 past each row's end)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        self._check_batch(batch)
+        B, L = batch.tokens.shape
+        out = torch.zeros(B, L - 1, dtype=torch.float32, device=comm_device())
+
+        def loss_func(mb: MicroBatch, ce: torch.Tensor):
+            return ce.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"mb": mb, "logp": -ce.detach().float()}
+
+        for item in self._run(batch, loss_func, forward_only=True):
+            mb = item["mb"]
+            if not mb.dummy:
+                out[mb.rows, : item["logp"].shape[1]] = item["logp"].to(out.device)
+        # rows live on their DP rank's last PP stage: broadcast along PP, then sum the disjoint DP rows
+        if self.parallel.pp > 1:
+            dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if self.parallel.dp > 1:
+            dist.all_reduce(out, group=ps.get_data_parallel_group())
+        positions = torch.arange(L - 1).unsqueeze(0)
+        return out.cpu().masked_fill(positions >= (batch.seq_lens.view(-1, 1).cpu() - 1), 0.0)
+
+    # -- training -----------------------------------------------------------------------
+    def train_step(self, batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on ``batch``; see the module doc for the loss semantics.
+
+        ``loss_fn(logp_theta [b, l-1] with grad, mb: TrainBatch, normalizer) -> (loss, metrics)``
+        with ``normalizer = {"n_valid_tokens", "n_seqs"}`` (global counts over the batch).
+        Returns metrics averaged over micro-batches plus ``loss`` (sum of losses), ``grad_norm``
+        (before clipping), ``lr`` and ``skipped`` (1.0 when the step was not applied because the
+        loss or the gradient norm was not finite; ``skipped_nonfinite_loss`` /
+        ``skipped_nonfinite_grad_norm`` and ``self.last_skip_reason`` say which).
+        """
+        import torch.distributed as dist
+
+        self._check_batch(batch)
+        self._ensure_optimizer()
+        normalizer = {"n_valid_tokens": float(batch.loss_mask.sum()), "n_seqs": float(batch.size)}
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def loss_func(mb: MicroBatch, ce: torch.Tensor):
+            logp = -ce.float()
+            if mb.dummy:  # weight-0 filler keeps MoE collectives aligned across DP ranks
+                return logp.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"dummy": True}
+            loss, metrics = loss_fn(logp, mb.batch, normalizer)
+            if loss.dim() != 0:
+                raise InputError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+            return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), "metrics": metrics}
+
+        outputs = self._run(batch, loss_func, forward_only=False)
+        metrics, loss_sum = self._reduce_metrics(outputs)
+        # every rank must take the same skip decision: the loss lives on the last PP stage only
+        bad_loss = torch.tensor([0.0 if math.isfinite(loss_sum) else 1.0], device=comm_device())
+        dist.all_reduce(bad_loss, op=dist.ReduceOp.MAX)
+        lr = self._set_lr()
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm() or 0.0)
+        reason = ("non-finite loss" if bad_loss.item() else
+                  "non-finite grad norm" if found_inf or not math.isfinite(grad_norm) else None)
+        if reason is None:
+            self._clip(grad_norm)
+            self.optimizer.step_with_ready_grads()
+            self.version += 1
+        else:
+            log.warning("train_step skipped at version %d: %s", self.version, reason)
+        self.last_skip_reason = reason
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        metrics.update(loss=loss_sum, grad_norm=grad_norm, lr=lr, skipped=float(reason is not None),
+                       skipped_nonfinite_loss=float(reason == "non-finite loss"),
+                       skipped_nonfinite_grad_norm=float(reason == "non-finite grad norm"))
+        return metrics
+
+    def _set_lr(self) -> float:
+        # the lr of optimizer step k (0-based) depends on k only: warmup reaches max_lr at step warmup-1
+        self.scheduler.num_steps = self.version
+        self.scheduler.step(1)
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _clip(self, grad_norm: float) -> None:
+        if self.grad_clip <= 0:
+            return
+        from megatron.core.optimizer import clip_grads
+
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in opts:
+            params = opt.get_parameters()
+            if params:
+                use_decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                clip_grads.clip_grad_by_total_norm_fp32(params, self.grad_clip, grad_norm, use_decoupled)
+
+    def _reduce_metrics(self, outputs: list) -> tuple[dict[str, float], float]:
+        """Mean of each metric over all real micro-batches of all DP ranks; sum of losses."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        sums: dict[str, list[float]] = {}
+        loss_sum = 0.0
+        for item in outputs:
+            if item.get("dummy"):
+                continue
+            loss_sum += float(item["loss"])
+            for k, v in (item["metrics"] or {}).items():
+                s = sums.setdefault(k, [0.0, 0.0])
+                s[0] += float(v)
+                s[1] += 1.0
+        local = (sums, loss_sum)
+        gathered: list = [None] * self.parallel.dp
+        dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
+        merged: dict[str, list[float]] = {}
+        total = 0.0
+        for s, l in gathered:
+            total += l
+            for k, (v, n) in s.items():
+                m = merged.setdefault(k, [0.0, 0.0])
+                m[0] += v
+                m[1] += n
+        result = [({k: v / n for k, (v, n) in merged.items()}, total)]
+        if self.parallel.pp > 1:  # only the last stage computed losses
+            dist.broadcast_object_list(result, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+        return result[0]
+
+    # -- weights ------------------------------------------------------------------------
+    def _module(self):
+        module = self.model[0]
+        while hasattr(module, "module"):
+            module = module.module
+        return module
+
+    def get_params(self) -> dict[str, torch.Tensor]:
+        """Detached fp32 CPU clones of this rank's local parameters (megatron names)."""
+        return {n: p.detach().float().cpu().clone() for n, p in self._module().named_parameters()}
+
+    @torch.no_grad()
+    def _copy_in(self, params: dict[str, torch.Tensor]) -> None:
+        own = dict(self._module().named_parameters())
+        if set(own) != set(params):
+            raise InputError(f"params do not match the model: missing {sorted(set(own) - set(params))[:3]}, "
+                             f"unexpected {sorted(set(params) - set(own))[:3]}")
+        for n, p in own.items():
+            p.copy_(params[n])
+
+    def set_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Load ``params`` (as from :meth:`get_params`) into the model and the optimizer's master copies."""
+        self._copy_in(params)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()  # no-op for fp32 params (no separate master copy)
+
+    @contextlib.contextmanager
+    def use_params(self, params: dict[str, torch.Tensor]):
+        """Score with ``params`` inside the block; the model's own parameters come back afterwards."""
+        saved = self.get_params()
+        self._copy_in(params)
+        try:
+            yield self
+        finally:
+            self._copy_in(saved)
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream (HF name, full tensor); a collective every rank must consume (see bridge.export_hf_weights)."""
+        from megarl.models.bridge import export_hf_weights
+
+        return export_hf_weights(self.model, self.hf_config, self.config)
+
+    def save_hf_checkpoint(self, out_dir: str):
+        """Write an HF checkpoint (config.json + model.safetensors) of the current weights; rank 0 writes."""
+        from megarl.models.bridge import save_hf_checkpoint
+
+        return save_hf_checkpoint(self.model, out_dir, self.hf_config, self.config)

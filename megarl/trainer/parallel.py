@@ -1,0 +1,98 @@
+"""torch.distributed + megatron parallel_state initialization (gloo on CPU, NCCL on GPU).
+
+Under torchrun the process group comes from the environment (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT); a plain ``python`` process gets a
+world of one. megatron's parallel_state is process-global: :func:`init_parallel`
+reuses it when the sizes match and rebuilds it when they differ (tests build
+several trainers in one process).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megarl.platform import prepare_megatron
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def comm_device() -> torch.device:
+    """Where tensors handed to collectives must live: the current GPU under NCCL, the CPU under gloo."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed() -> None:
+    """Initialize the default process group once (env:// under torchrun, else a world of one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://")
+    else:
+        # one process, no torchrun: an in-memory store needs no port
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> ParallelInfo:
+    """Set up torch.distributed and megatron's TP/PP/EP groups; seed megatron's RNG trackers."""
+    import torch.distributed as dist
+
+    prepare_megatron()
+    init_distributed()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        same = (ps.get_tensor_model_parallel_world_size() == tp
+                and ps.get_pipeline_model_parallel_world_size() == pp
+                and ps.get_expert_model_parallel_world_size() == ep)
+        if not same:
+            ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        from megarl.platform.cpu import seed_model_parallel_rng
+
+        seed_model_parallel_rng(seed)
+    return ParallelInfo(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep,
+        dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+
+
+def shutdown() -> None:
+    """Tear down megatron's groups and the default process group (end of a command)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

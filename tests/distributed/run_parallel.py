@@ -1,0 +1,96 @@
+"""Run MegatronTrainer in several parallel layouts and write what each rank saw as JSON.
+
+Launched by tests/distributed/test_parallel.py, either as one process
+(``--modes single``: the 1-rank reference) or under
+``python -m torch.distributed.run --nproc_per_node=2`` (``--modes tp2,pp2,dp2,ep2``).
+All modes of one launch share the processes (megarl re-initializes megatron's
+parallel state between them), which saves the ~5 s import per launch.
+
+Per mode and rank it writes ``OUT/<mode>.rank<r>.json`` with: log-probs of a
+fixed batch, whether the exported HF weights equal the checkpoint
+bit-exactly, the metrics of one train step, log-probs after it, and (TP) the
+q/k layernorm weights after the step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# mode -> (model, tp, pp, ep, use_distributed_optimizer)
+MODES = {
+    "single_dense": ("dense", 1, 1, 1, False),
+    "single_moe": ("moe", 1, 1, 1, False),
+    "tp2": ("dense", 2, 1, 1, False),
+    "pp2": ("dense", 1, 2, 1, False),
+    "dp2": ("dense", 1, 1, 1, True),
+    "ep2": ("moe", 1, 1, 2, False),
+}
+
+
+def make_batch():
+    from megarl.types import TrainBatch
+
+    g = torch.Generator().manual_seed(1234)
+    lens = torch.tensor([20, 7, 13, 20, 5, 11])
+    B, L = len(lens), int(lens.max())
+    # ids 1..15: token 0 is HF's padding_idx, whose zero embedding row makes RMSNorm gradients blow up
+    tokens = torch.randint(1, 16, (B, L), generator=g)
+    for b in range(B):
+        tokens[b, lens[b]:] = 0
+    mask = (torch.arange(L - 1)[None] < (lens[:, None] - 1)).float()
+    z = torch.zeros(B, L - 1)
+    return TrainBatch(tokens=tokens, seq_lens=lens, loss_mask=mask, logp_behav=z, versions=z.long(),
+                      advantages=z, traj_ids=[str(i) for i in range(B)])
+
+
+def nll_loss(logp, mb, normalizer):
+    loss = -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"]
+    return loss, {"nll": float(loss.detach())}
+
+
+def run_mode(mode: str, ckpts: dict, out: Path) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    model, tp, pp, ep, dist_opt = MODES[mode]
+    trainer = MegatronTrainer(ckpts[model], tp=tp, pp=pp, ep=ep, lr=1e-4, micro_batch_tokens=40,
+                              use_distributed_optimizer=dist_opt, seed=0)
+    batch = make_batch()
+    result = {"mode": mode, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    result["logprobs"] = trainer.logprobs(batch).tolist()
+    reference = load_file(os.path.join(ckpts[model], "model.safetensors"))
+    exported = dict(trainer.export_hf_weights())
+    result["export_exact"] = (set(exported) == set(reference)
+                              and all(torch.equal(exported[k], reference[k]) for k in reference))
+    result["metrics"] = trainer.train_step(batch, nll_loss)
+    result["logprobs_after"] = trainer.logprobs(batch).tolist()
+    result["version"] = trainer.version
+    result["qk_norm"] = {n: p.tolist() for n, p in trainer.get_params().items() if "_layernorm" in n
+                         and ("q_layernorm" in n or "k_layernorm" in n)}
+    (out / f"{mode}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dense", required=True)
+    p.add_argument("--moe", required=True)
+    p.add_argument("--modes", required=True, help="comma-separated, from: " + ", ".join(MODES))
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for mode in args.modes.split(","):
+        run_mode(mode, {"dense": args.dense, "moe": args.moe}, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
