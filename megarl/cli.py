@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "engine": "engine",
     "verify-recovery": "verify_recovery",
     "bench": "bench",
+    "launch": "launch",
 }
 
 

@@ -92,11 +92,11 @@ def make_advantage_fn(adv_cfg):
     return assign
 
 
-async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict) -> dict:
+async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict, wrap_strategy=None) -> dict:
     from megarl.controller import Controller
     from megarl.data import PromptDataset
     from megarl.rewards.service import RewardService
-    from megarl.rollout.client import launch_engine_process
+    from megarl.rollout.client import launch_engine_process, stop_engine_process
     from megarl.rollout.router import EngineRouter
     from megarl.run_log import RunLogger
     from megarl.trainer.megatron_trainer import MegatronTrainer
@@ -107,17 +107,16 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict) -
     dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed)
     rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
                             memory_mb=cfg.reward.memory_mb, on_failure=cfg.reward.on_failure)
-    procs = []
+    engine_starts: list[asyncio.Task] = []
     try:
-        clients = []
-        for i in range(cfg.rollout.n_engines):
-            port = cfg.rollout.base_port + i if cfg.rollout.base_port else 0
-            proc, client = await launch_engine_process(str(ckpt), cfg.rollout.backend, port,
-                                                       kv_cache_gb=cfg.rollout.kv_cache_gb,
-                                                       log_path=str(run_dir / f"engine{i}.log"))
-            procs.append(proc)
-            clients.append(client)
-        router = EngineRouter(clients)
+        def start_engine(i: int):
+            port = cfg.rollout.base_port + i if cfg.rollout.base_port else None
+            return launch_engine_process(str(ckpt), cfg.rollout.backend, port,
+                                         env={"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb)},
+                                         log_path=str(run_dir / f"engine{i}.log"))
+
+        # engines start (tens of seconds each) while the trainer builds below
+        engine_starts = [asyncio.create_task(asyncio.to_thread(start_engine, i)) for i in range(cfg.rollout.n_engines)]
         trainer = MegatronTrainer(str(ckpt), tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
                                   lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay,
                                   adam_eps=cfg.trainer.adam_eps, grad_clip=cfg.trainer.grad_clip,
@@ -125,6 +124,11 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict) -
                                   use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                                   lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
                                   total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr)
+        started = await asyncio.gather(*engine_starts, return_exceptions=True)
+        for r in started:
+            if isinstance(r, BaseException):
+                raise r
+        router = EngineRouter([r[1] for r in started])
         weights_dir = run_dir / "weights"
 
         async def publisher(version: int) -> None:
@@ -146,8 +150,11 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict) -
 
         ctx = RecoveryContext(trainer=trainer, loss_cfg=cfg.loss, live_versions=live_versions,
                               live_trajectories=lambda: controller_ref["c"].buffer.live_trajectories(),
-                              run_dir=str(run_dir), checkpoint_dir=str(ckpt))
+                              run_dir=str(run_dir), checkpoint_dir=str(ckpt), eta=cfg.rollout.eta,
+                              publish_every=cfg.trainer.publish_every)
         strategy = registry.build(cfg.recovery, ctx)
+        if wrap_strategy is not None:
+            strategy = wrap_strategy(strategy)
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
         controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
                                 workflow=build_workflow("single_turn", cfg), strategy=strategy,
@@ -159,21 +166,19 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict) -
         finally:
             logger.close()
             strategy.close()
+            await router.close()
         trainer.save_hf_checkpoint(str(run_dir / "final"))
         shutil.rmtree(weights_dir, ignore_errors=True)
         return {"steps": controller.step, "version": trainer.version}
     finally:
         rewards.close()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except Exception:
-                p.kill()
+        for r in await asyncio.gather(*engine_starts, return_exceptions=True):
+            if not isinstance(r, BaseException):
+                stop_engine_process(r[0])
 
 
-def train(cfg: MegaRLConfig) -> Path:
+def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
+    """Run the loop; ``wrap_strategy(strategy) -> strategy`` may wrap the recovery strategy (verification)."""
     run_dir = make_run_dir(cfg)
     ckpt = ensure_checkpoint(cfg)
     hf = json.loads((ckpt / "config.json").read_text())
@@ -182,7 +187,7 @@ def train(cfg: MegaRLConfig) -> Path:
 
     resolve_reward_fn(cfg.reward.fn)
     save_config(cfg, run_dir / "config.yaml")
-    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, hf))
+    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, hf, wrap_strategy))
     (run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return run_dir
 

@@ -110,8 +110,8 @@ class RolloutConfig:
     """How new weights reach the engines: safetensors on shared disk or a gloo/NCCL broadcast group."""
     bucket_mb: int = 256
     """Bucket size of the broadcast weight sync."""
-    kv_cache_gb: float = 1.0
-    """KV cache of a vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_gb: int = 1
+    """KV cache of a vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE, a whole number)."""
     max_concurrency: int = 256
     """Maximum in-flight generation requests over all engines."""
     health_interval_s: float = 5.0
@@ -194,6 +194,43 @@ class LoggingConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Where each role runs: trainer ranks, rollout engines and the dedicated old-logit scorer.
+
+    A slot is a GPU when ``device`` is gpu and a process when it is cpu. Nodes
+    are taken from the allocation in order: trainer nodes, then engine nodes,
+    then dedicated nodes. `megarl launch --dry-run` prints the resolved plan.
+    """
+
+    device: Literal["cpu", "gpu"] = "cpu"
+    """What a slot is: gpu (one GPU per trainer rank / engine TP rank) or cpu (processes, no GPU accounting; tests and the CPU demo)."""
+    gpus_per_node: int = 8
+    """GPUs megarl uses on every node (gpu only); the allocation must have at least this many."""
+    trainer_nodes: int = 1
+    """Nodes of the trainer's torch.distributed world (the controller runs on its rank 0)."""
+    trainer_ranks: int = 0
+    """Trainer world size (torchrun/mpirun ranks, spread evenly over trainer_nodes); 0 = trainer_nodes * gpus_per_node on gpu, 1 per trainer node on cpu."""
+    engine_nodes: int = 0
+    """Nodes that run only rollout engines; 0 = engines share the trainer nodes (GPUs the trainer leaves free; on cpu the controller spawns them)."""
+    engine_tp: int = 1
+    """vLLM tensor-parallel size of one engine (rollout.n_engines engines of engine_tp GPUs each; an engine stays inside one node)."""
+    dedicated_nodes: int = 0
+    """Nodes reserved for the dedicated old-logit scorer, used only with recovery.name=dedicated; 0 = it takes spare GPUs of engine or trainer nodes (on cpu the controller spawns it)."""
+    dedicated_tp: int = 0
+    """Tensor-parallel size (GPUs) of the dedicated scorer; 0 = parallel.tp."""
+    master_addr: str = ""
+    """Rendezvous host of the trainer world; empty = the first trainer node of the allocation."""
+    master_port: int = 0
+    """Rendezvous port of the trainer world; 0 = 29500, except that on one trainer node torchrun --standalone and mpirun (MPI rank 0) pick a free port."""
+    weight_sync_port: int = 0
+    """Port of the trainer -> engines weight broadcast group on the first trainer node (rollout.weight_sync=broadcast); 0 = 29600."""
+    engine_port: int = 8100
+    """First HTTP port of the engines that run as their own command (one more per engine on the same node)."""
+    model_config: str = ""
+    """YAML of HF config.json fields that plans are validated against when model.checkpoint has no config.json on this machine (dry runs away from the cluster's disk)."""
+
+
+@dataclass
 class MegaRLConfig:
     """A whole megarl run."""
 
@@ -215,5 +252,7 @@ class MegaRLConfig:
     """The policy loss (one formula for every anchor)."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """Old-logit recovery strategy."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Nodes, ranks and GPUs of trainer, engines and dedicated scorer (`megarl launch`)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# GPU checks of megarl on one GPU with the tiny model, < 5 min (see launch/gpu_check.py for what each does):
+#   env, rendezvous (NCCL through launch/torchrun.sh), vllm_parity (official vLLM wheel generate +
+#   logprobs vs the Megatron trainer), broadcast_gloo / broadcast_nccl (trainer step -> weights into
+#   the GPU engine -> parity), te_spec (TransformerEngine layer spec, if installed), bf16_step.
+# Every check runs in its own process with a time limit and prints PASS, SKIP or FAIL; the script
+# exits 1 if any check failed.
+#
+#   bash launch/gpu_check.sh                 all checks
+#   bash launch/gpu_check.sh vllm_parity     some checks
+#   bash launch/gpu_check.sh --self-test     no GPU: syntax, the APIs the checks call, the harness itself
+#
+# Environment: PYTHON (default .venv/bin/python), GPU_CHECK_TIMEOUT (s per check, default 150),
+# GPU_CHECK_WORKDIR (scratch; default a new temp dir), GPU_CHECK_FORCE_NCCL=1 (try NCCL on one GPU).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+PATH="$(dirname "$PY"):$PATH"
+export PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+TIMEOUT=${GPU_CHECK_TIMEOUT:-150}
+WORK=${GPU_CHECK_WORKDIR:-$(mktemp -d "${TMPDIR:-/tmp}/megarl-gpu-check.XXXXXX")}
+mkdir -p "$WORK"
+
+# run_checks NAME...: each check in its own process; prints a summary; returns the number failed
+run_checks() {
+  local name rc status line failed=0
+  local -a summary=()
+  for name in "$@"; do
+    echo "=== gpu_check $name (limit ${TIMEOUT}s, log $WORK/$name.log)"
+    local t0=$SECONDS
+    timeout --kill-after=15 "$TIMEOUT" "$PY" launch/gpu_check.py "$name" --workdir "$WORK" 2>&1 | tee "$WORK/$name.log"
+    rc=${PIPESTATUS[0]}
+    line=$(grep -E "^GPU_CHECK (PASS|SKIP|FAIL) $name:" "$WORK/$name.log" | tail -n 1)
+    if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+      status="FAIL $name: timed out after ${TIMEOUT}s"
+    elif [[ -z "$line" ]]; then
+      status="FAIL $name: exited $rc without a result line (crashed)"
+    elif [[ $rc -ne 0 && "$line" != *" FAIL "* ]]; then
+      status="FAIL $name: exited $rc after: ${line#GPU_CHECK }"
+    else
+      status=${line#GPU_CHECK }
+    fi
+    [[ "$status" == FAIL* ]] && failed=$((failed + 1))
+    summary+=("$(printf '%4ss  %s' $((SECONDS - t0)) "$status")")
+  done
+  echo "=== gpu_check summary ($WORK)"
+  printf '%s\n' "${summary[@]}"
+  return "$failed"
+}
+
+if [[ "${1:-}" == "--self-test" ]]; then
+  bash -n "${BASH_SOURCE[0]}" || { echo "GPU_CHECK FAIL self-test: bash syntax"; exit 1; }
+  "$PY" launch/gpu_check.py --self-test --workdir "$WORK" || exit 1
+  # the harness must report a passing and a failing check as such, and count the failure
+  out=$(run_checks _pass _fail 2>&1); n=$?
+  if [[ $n -ne 1 || "$out" != *"PASS _pass: ok"* || "$out" != *"FAIL _fail: CheckFailed: deliberate failure"* ]]; then
+    echo "$out"
+    echo "GPU_CHECK FAIL self-test: harness did not report _pass/_fail correctly (failed count $n)"
+    exit 1
+  fi
+  echo "GPU_CHECK PASS self-test: harness reports PASS/FAIL per check"
+  echo "gpu_check self-test passed"
+  exit 0
+fi
+
+if [[ $# -gt 0 ]]; then
+  checks=("$@")
+else
+  read -r -a checks <<< "$("$PY" launch/gpu_check.py --list)"
+fi
+run_checks "${checks[@]}"
+failed=$?
+if [[ $failed -gt 0 ]]; then
+  echo "gpu_check: $failed check(s) FAILED"
+  exit 1
+fi
+echo "gpu_check: all checks passed or skipped"

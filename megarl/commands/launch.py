@@ -1,0 +1,94 @@
+"""`megarl launch`: place trainer, engines and dedicated scorer on an allocation and start them.
+
+``--dry-run`` prints the plan and the exact per-role commands and starts
+nothing (no GPU, Slurm or MPI needed). The scripts in launch/ are thin
+wrappers around this command.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("launch", help="plan and start a run on torchrun, Slurm or mpirun (--dry-run: print only)")
+    p.add_argument("--config", help="run config YAML (e.g. configs/qwen3_30b_a3b_h100.yaml)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the commands; start nothing")
+    p.add_argument("--launcher", choices=["torchrun", "slurm", "mpirun"],
+                   help="how ranks are started (default: slurm inside a Slurm job, else torchrun)")
+    p.add_argument("--nodes", type=int, help="simulate an allocation of this many nodes (with --gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node of the simulated allocation")
+    p.add_argument("--recovery", metavar="NAME", help="apply the overlay configs/recovery/NAME.yaml")
+    p.add_argument("--overlay", action="append", default=[], metavar="FILE",
+                   help="apply an overlay YAML as overrides (repeatable; before the key=value overrides)")
+    p.add_argument("--bootstrap-check", action="store_true",
+                   help="start only the trainer ranks and run the rendezvous check instead of training")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. placement.trainer_ranks=2")
+    p.set_defaults(func=run)
+
+
+def _allocation(args, cfg):
+    from megarl.launch import cluster
+
+    if args.nodes is not None or args.gpus_per_node is not None:
+        return cluster.detect(args.nodes, args.gpus_per_node)
+    if args.launcher == "slurm" and not args.dry_run and cluster.from_slurm() is None:
+        from megarl.errors import ConfigError
+
+        raise ConfigError("--launcher slurm needs a Slurm allocation (SLURM_JOB_NODELIST is unset): "
+                          "run inside sbatch/salloc, or add --dry-run")
+    alloc = cluster.detect()
+    p = cfg.placement
+    need = p.trainer_nodes + p.engine_nodes + (p.dedicated_nodes if cfg.recovery.name == "dedicated" else 0)
+    if args.dry_run and alloc.source == "local" and (p.device == "gpu" or need > 1):
+        sim = cluster.simulated(need, p.gpus_per_node if p.device == "gpu" else 0)
+        note = (f"no allocation found: simulated the {need} node(s) the config asks for; "
+                f"pass --nodes/--gpus-per-node to try another")
+        return cluster.Allocation(sim.hosts, sim.gpus_per_node, "simulated", notes=(note,))
+    return alloc
+
+
+def _short(host: str) -> str:
+    return host.split(".")[0]
+
+
+def run(args) -> int:
+    import json
+
+    from megarl.config.loader import load_config
+    from megarl.errors import ConfigError
+    from megarl.launch.overlays import overlay_overrides, recovery_overlay
+    from megarl.launch.placement import load_hf_config, resolve_plan
+    from megarl.launch.runner import run_commands
+
+    launcher = args.launcher or ("slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun")
+    overlays = ([recovery_overlay(args.recovery)] if args.recovery else []) + list(args.overlay)
+    overrides = [o for path in overlays for o in overlay_overrides(path)] + list(args.overrides)
+    cfg = load_config(args.config, overrides)
+    hf, source = load_hf_config(cfg)
+    plan = resolve_plan(cfg, hf, _allocation(args, cfg), config_path=args.config or "", overrides=overrides)
+    commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps({"plan": plan.to_dict(), "launcher": launcher,
+                              "commands": [{"name": c.name, "host": c.host, "argv": list(c.argv)} for c in commands]},
+                             indent=1))
+            return 0
+        print(f"megarl launch plan: {args.config or '(defaults)'} (model fields from {source})")
+        print(plan.describe())
+        print(f"\ncommands ({launcher}{', rendezvous check only' if args.bootstrap_check else ''}):")
+        for c in commands:
+            where = f" (run on {c.host})" if c.host else ""
+            print(f"# {c.name}{where}\n{c.shell()}")
+        return 0
+    if launcher == "torchrun" and plan.allocation.source != "local":
+        me = _short(socket.gethostname())
+        mine = [c for c in commands if _short(c.host) == me]
+        if not mine:
+            hosts = sorted({c.host for c in commands})
+            raise ConfigError(f"this host ({me}) has no role in the plan; run launch/torchrun.sh on each of: "
+                              f"{', '.join(hosts)}")
+        commands = mine
+    return run_commands(commands)

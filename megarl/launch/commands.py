@@ -1,0 +1,256 @@
+"""Render a :class:`~megarl.launch.placement.Plan` as per-role commands (torchrun, slurm, mpirun) and as a table.
+
+Every role runs the one entry point, ``python -m megarl.train --config X
+[key=value ...]``; what differs is the launcher around it and the role's
+environment (``MEGARL_*`` variables, read back by :mod:`megarl.launch.roles`).
+The variables go through ``env K=V`` in front of the program, which works the
+same under srun, mpirun and a plain shell (srun's ``--export`` would split
+values that contain commas).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+from dataclasses import dataclass
+
+from megarl.errors import ConfigError
+from megarl.launch.cluster import compress_hosts
+
+LAUNCHERS = ("torchrun", "slurm", "mpirun")
+CHECK_MODULE = "megarl.launch.rendezvous_check"
+
+
+@dataclass(frozen=True)
+class RoleCommand:
+    """One process (or one srun/mpirun step) of the plan."""
+
+    name: str
+    """trainer, trainer@<host>, engine<i> or dedicated."""
+    role: str
+    """trainer, engine or dedicated."""
+    host: str
+    """Where to run the command: the launch host for slurm/mpirun (they reach the nodes), the node itself for torchrun."""
+    argv: tuple[str, ...]
+    server: bool
+    """Engines and the scorer serve until the trainer is done; the launcher stops them then."""
+
+    def shell(self) -> str:
+        return shlex.join(self.argv)
+
+
+def _env_prefix(env: dict[str, str]) -> list[str]:
+    return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+
+
+def _entry(plan, python: str, *, check: bool, module_flag: bool = False) -> list[str]:
+    """The program after the launcher; ``module_flag``: torchrun wants ``-m MODULE`` without the interpreter."""
+    if check:
+        mod_args = [CHECK_MODULE]
+    else:
+        mod_args = ["megarl.train", *(["--config", plan.config_path] if plan.config_path else []), *plan.overrides]
+    return (["-m"] if module_flag else [python, "-m"]) + mod_args
+
+
+def _gpus(ids) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict[str, str]:
+    """The MEGARL_* variables of one role (and CUDA_VISIBLE_DEVICES where the launcher does not bind GPUs)."""
+    env: dict[str, str] = {}
+    gpu_ids = plan.trainer.gpu_ids if role == "trainer" else server.gpu_ids
+    if set_visible_devices and plan.device == "gpu" and gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = _gpus(gpu_ids)
+    env["MEGARL_ROLE"] = role
+    # the controller builds the group itself with the engines it spawns; these are for servers with own commands
+    broadcast = plan.weight_sync == "broadcast" and any(not s.spawned for s in plan.servers)
+    if broadcast:
+        env["MEGARL_WEIGHT_SYNC_ADDR"] = f"{plan.master_addr}:{plan.weight_sync_port}"
+        env["MEGARL_WEIGHT_SYNC_WORLD"] = str(plan.weight_sync_world)
+    if role == "trainer":
+        remote = [e.addr for e in plan.engines if not e.spawned]
+        if remote:
+            env["MEGARL_ENGINE_ADDRS"] = ",".join(remote)
+        if plan.dedicated is not None and not plan.dedicated.spawned:
+            env["MEGARL_DEDICATED_ADDR"] = plan.dedicated.addr
+    else:
+        if role == "engine":
+            env["MEGARL_ENGINE_INDEX"] = str(server.index)
+        env["MEGARL_SERVER_PORT"] = str(server.port)
+        env["MEGARL_SERVER_TP"] = str(server.tp)
+        if broadcast:
+            env["MEGARL_WEIGHT_SYNC_RANK"] = str(plan.weight_sync_rank(server))
+    return env
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+# -- torchrun: one command per node, run on that node -----------------------------------------------
+def _torchrun(plan, python: str, check: bool) -> list[RoleCommand]:
+    t = plan.trainer
+    out = []
+    for i, host in enumerate(t.hosts):
+        env = role_env(plan, "trainer", set_visible_devices=True)
+        if len(t.hosts) == 1 and not plan.master_port_explicit:
+            rdzv = ["--standalone", "--nnodes=1"]
+        else:
+            rdzv = [f"--nnodes={len(t.hosts)}", f"--node-rank={i}", f"--master-addr={plan.master_addr}",
+                    f"--master-port={plan.master_port}"]
+        argv = [*_env_prefix(env), python, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={t.ranks_per_node}",
+                *_entry(plan, python, check=check, module_flag=True)]
+        out.append(RoleCommand("trainer" if len(t.hosts) == 1 else f"trainer.node{i}", "trainer", host, tuple(argv), False))
+    if check:
+        return out
+    for s in plan.servers:
+        if s.spawned:
+            continue
+        env = role_env(plan, s.role, s, set_visible_devices=True)
+        if s.tp > 1 and s.role == "dedicated":
+            prog = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={s.tp}",
+                    *_entry(plan, python, check=False, module_flag=True)]
+        else:
+            prog = _entry(plan, python, check=False)
+        out.append(RoleCommand(s.name, s.role, s.host, tuple(_env_prefix(env) + prog), True))
+    return out
+
+
+# -- slurm: one srun step per role, all started from the batch host ----------------------------------
+def _slurm_cpus(plan, gpus: int) -> list[str]:
+    """A GPU step's share of the node's cores (srun --exact would give it one core per task otherwise)."""
+    cpus, G = plan.allocation.cpus_per_node, plan.allocation.gpus_per_node
+    if plan.device != "gpu" or not cpus or not G:
+        return []
+    return [f"--cpus-per-task={max(1, cpus * gpus // G)}"]
+
+
+def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
+    t = plan.trainer
+    gpu = plan.device == "gpu"
+    job = plan.allocation.job_id or "dryrun"
+    env = role_env(plan, "trainer", set_visible_devices=False)
+    srun = ["srun", f"--nodes={len(t.hosts)}", f"--ntasks={len(t.hosts)}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(t.hosts)}", *([f"--gres=gpu:{t.ranks_per_node}"] if gpu else []),
+            *_slurm_cpus(plan, t.ranks_per_node),
+            "--exact", "--kill-on-bad-exit=1", "--job-name=megarl-trainer"]
+    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(t.hosts)}", f"--nproc-per-node={t.ranks_per_node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}",
+                f"--rdzv-id=megarl-{job}"]
+    out = [RoleCommand("trainer", "trainer", "", tuple(srun + _env_prefix(env) + torchrun
+                                                       + _entry(plan, python, check=check, module_flag=True)), False)]
+    if check:
+        return out
+    for s in plan.servers:
+        if s.spawned:
+            continue
+        srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *([f"--gres=gpu:{s.tp}"] if gpu else []),
+                *_slurm_cpus(plan, s.tp),
+                "--exact", f"--job-name=megarl-{s.name}"]
+        if s.tp > 1 and s.role == "dedicated":
+            prog = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={s.tp}",
+                    *_entry(plan, python, check=False, module_flag=True)]
+        else:
+            prog = _entry(plan, python, check=False)
+        out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(role_env(plan, s.role, s,
+                                                                                     set_visible_devices=False)) + prog), True))
+    return out
+
+
+# -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
+def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]]) -> list[str]:
+    argv = ["mpirun", "-n", str(n)]
+    if _is_root():
+        argv.append("--allow-run-as-root")
+    local = plan.allocation.source == "local" and all(h == socket.gethostname() for h, _ in hosts_slots)
+    if not local:
+        argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node",
+                 "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
+    if plan.device == "cpu":
+        argv.append("--oversubscribe")  # ranks are processes, not cores
+    argv += ["--bind-to", "none"]
+    return argv
+
+
+def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
+    t = plan.trainer
+    env = role_env(plan, "trainer", set_visible_devices=True)
+    if plan.master_port_explicit or len(t.hosts) > 1:
+        env["MASTER_PORT"] = str(plan.master_port)
+    if plan.master_addr != t.hosts[0] or len(t.hosts) > 1:
+        env["MASTER_ADDR"] = plan.master_addr
+    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts])
+    out = [RoleCommand("trainer", "trainer", "", tuple(base + _env_prefix(env) + _entry(plan, python, check=check)), False)]
+    if check:
+        return out
+    for s in plan.servers:
+        if s.spawned:
+            continue
+        n = s.tp if s.role == "dedicated" else 1  # vLLM starts its own TP workers; the scorer is a Megatron world
+        base = _mpirun_base(plan, n, [(s.host, n)])
+        env = role_env(plan, s.role, s, set_visible_devices=True)
+        out.append(RoleCommand(s.name, s.role, "", tuple(base + _env_prefix(env) + _entry(plan, python, check=False)), True))
+    return out
+
+
+def render(plan, launcher: str, *, python: str, bootstrap_check: bool = False) -> list[RoleCommand]:
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    return {"torchrun": _torchrun, "slurm": _slurm, "mpirun": _mpirun}[launcher](plan, python, bootstrap_check)
+
+
+# -- the human table ---------------------------------------------------------------------------------
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else str(n)
+
+
+def _gpu_ranges(ids) -> str:
+    ids = list(ids)
+    if not ids:
+        return "-"
+    return f"gpu {ids[0]}" if len(ids) == 1 else f"gpus {ids[0]}-{ids[-1]}"
+
+
+def describe_plan(plan) -> str:
+    m, t = plan.model, plan.trainer
+    moe = f", {m['experts']} experts top-{m['topk']}" if "experts" in m else ""
+    lines = [
+        f"model       {m['architecture']}: {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads{moe}, "
+        f"vocab {m['vocab']}; {_billions(m['params'])} params ({_billions(m['active_params'])} active)",
+        f"allocation  {plan.allocation.describe()}",
+        f"device      {plan.device}; recovery {plan.recovery}; engines {plan.backend}; weight sync {plan.weight_sync}",
+        "",
+        f"{'role':<11} {'node':<14} {'slots':<18} layout",
+    ]
+    unit = "GPUs" if plan.device == "gpu" else "ranks"
+    sp = ", sequence parallel" if t.sequence_parallel else ""
+    layout = (f"tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp} (expert dp={t.expert_dp}){sp}; "
+              f"{t.world_size} ranks, rank 0 = controller")
+    for i, h in enumerate(t.hosts):
+        slots = f"{t.ranks_per_node} {unit}" + (f" ({_gpu_ranges(t.gpu_ids)})" if t.gpu_ids else "")
+        lines.append(f"{'trainer':<11} {h:<14} {slots:<18} {layout if i == 0 else '(same world)'}")
+    for s in plan.servers:
+        where = "spawned by the controller" if s.spawned else f"port {s.port}"
+        what = "vLLM TP" if s.role == "engine" and plan.backend == "vllm" else "TP"
+        slots = _gpu_ranges(s.gpu_ids) if s.gpu_ids else "1 process"
+        lines.append(f"{s.name:<11} {s.host:<14} {slots:<18} {what}={s.tp}; {where}")
+    if plan.dedicated is None:
+        lines.append(f"{'dedicated':<11} {'-':<14} {'-':<18} none (recovery.name={plan.recovery})")
+    lines.append("")
+    one_node = "" if plan.master_port_explicit or len(t.hosts) > 1 else \
+        " (one trainer node: torchrun --standalone and mpirun pick a free local port instead)"
+    lines.append(f"rendezvous  MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}{one_node}")
+    if plan.weight_sync == "broadcast" and all(s.spawned for s in plan.servers):
+        lines.append("weights     gloo broadcast group set up by the controller with the engines it spawns")
+    elif plan.weight_sync == "broadcast":
+        backend = "NCCL" if plan.device == "gpu" else "gloo"
+        lines.append(f"weights     {backend} broadcast from trainer rank 0 at {plan.master_addr}:{plan.weight_sync_port} "
+                     f"to {plan.weight_sync_world - 1} server worker(s) (group of {plan.weight_sync_world})")
+    else:
+        lines.append("weights     safetensors under <run_dir>/weights, loaded by every engine")
+    used = plan.hosts_used
+    lines.append(f"nodes used  {len(used)}: {compress_hosts(used)}")
+    for note in plan.notes:
+        lines.append(f"note        {note}")
+    return "\n".join(lines)

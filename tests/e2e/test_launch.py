@@ -1,0 +1,109 @@
+"""`megarl launch` and the launch/ scripts, run for real on CPU (no Slurm, no GPU)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+CFG_30B = "configs/qwen3_30b_a3b_h100.yaml"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHON=PY, **extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 60, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def test_launch_dry_run_30b_on_four_simulated_nodes():
+    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", CFG_30B, "--nodes", "4", "--gpus-per-node", "8",
+             "--launcher", "slurm"])
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "allocation  simulated: 4 node(s) x 8 GPUs (node[01-04])" in out
+    assert "tp=2 pp=1 ep=8 dp=8 (expert dp=1), sequence parallel; 16 ranks" in out
+    assert out.count("vLLM TP=4") == 4 and "engine3     node04" in out
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node01,node02 --gres=gpu:8" in out
+    assert out.count("srun --nodes=1 --ntasks=1") == 4
+    assert f"-m megarl.train --config {CFG_30B}" in out
+
+
+def test_launch_dry_run_json_and_errors():
+    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--json", "--config", CFG_30B, "--recovery", "dedicated",
+             "--nodes", "5", "--gpus-per-node", "8"])
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["plan"]["dedicated"]["host"] == "node05" and data["launcher"] == "torchrun"
+    assert "recovery.name=dedicated" in data["commands"][0]["argv"]
+    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", CFG_30B, "--nodes", "2", "--gpus-per-node", "8"])
+    assert p.returncode == 2
+    assert "plan needs 32 GPUs on 4 nodes (trainer 16 + engines 16), allocation has 16 GPUs on 2 node(s)" in p.stderr
+    p = run([PY, "-m", "megarl.cli", "launch", "--config", CFG_30B, "--launcher", "slurm"])
+    assert p.returncode == 2 and "needs a Slurm allocation" in p.stderr
+
+
+def test_slurm_sbatch_dry_run_without_slurm():
+    p = run(["bash", "launch/slurm.sbatch", "--dry-run", "--config", CFG_30B])
+    assert p.returncode == 0, p.stderr
+    assert "no allocation found: simulated the 4 node(s)" in p.stdout and "--rdzv-id=megarl-dryrun" in p.stdout
+    # inside a (pretend) allocation: hosts, job id and cores come from Slurm's variables
+    p = run(["bash", "launch/slurm.sbatch", "--dry-run", "--config", CFG_30B, "--recovery", "ewma"],
+            SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[101-104]", SLURM_NNODES="4", SLURM_GPUS_ON_NODE="8",
+            SLURM_CPUS_ON_NODE="96", SLURM_SUBMIT_DIR=str(ROOT), PATH=os.environ["PATH"] + ":/nonexistent")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "slurm job 4242: 4 node(s) x 8 GPUs (gpu[101-104])" in out
+    assert "--nodelist=gpu101,gpu102 --gres=gpu:8 --cpus-per-task=96" in out
+    assert "--rdzv-endpoint=gpu101:29500 --rdzv-id=megarl-4242" in out
+    assert "--nodelist=gpu104 --gres=gpu:4 --cpus-per-task=48" in out
+    assert "recovery.name=ewma" in out
+
+
+def test_scripts_parse():
+    for script in ("slurm.sbatch", "torchrun.sh", "mpirun.sh", "gpu_check.sh"):
+        p = run(["bash", "-n", f"launch/{script}"])
+        assert p.returncode == 0, (script, p.stderr)
+
+
+def _rendezvous_reports(stdout: str) -> list[dict]:
+    return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("RENDEZVOUS_CHECK ")]
+
+
+def test_mpirun_two_ranks_bootstrap():
+    """MPI starts 2 ranks, rank 0 picks MASTER_ADDR/PORT, gloo all_reduce works."""
+    p = run(["bash", "launch/mpirun.sh", "--bootstrap-check", "--config", "configs/tiny_cpu.yaml",
+             "placement.trainer_ranks=2"], timeout=90)
+    assert p.returncode == 0, p.stdout + p.stderr
+    reports = sorted(_rendezvous_reports(p.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1] and [r["local_rank"] for r in reports] == [0, 1]
+    assert all(r["ok"] and r["mpi_bootstrap"] and r["backend"] == "gloo" and r["world_size"] == 2 for r in reports)
+    assert reports[0]["master_port"] == reports[1]["master_port"] and reports[0]["all_reduce"] == 3.0
+    assert "mpirun -n 2" in p.stderr
+
+
+def test_torchrun_two_ranks_bootstrap():
+    p = run(["bash", "launch/torchrun.sh", "--bootstrap-check", "--config", "configs/tiny_cpu.yaml",
+             "placement.trainer_ranks=2"], timeout=90)
+    assert p.returncode == 0, p.stdout + p.stderr
+    reports = _rendezvous_reports(p.stdout)
+    assert len(reports) == 2 and all(r["ok"] and not r["mpi_bootstrap"] for r in reports)
+
+
+def test_gpu_check_self_test():
+    p = run(["bash", "launch/gpu_check.sh", "--self-test"], timeout=90)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "gpu_check self-test passed" in p.stdout
+
+
+@pytest.mark.skipif(not os.environ.get("MEGARL_RUN_GPU_CHECK"), reason="set MEGARL_RUN_GPU_CHECK=1 on a GPU machine")
+def test_gpu_check_on_gpu():
+    p = run(["bash", "launch/gpu_check.sh"], timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:]

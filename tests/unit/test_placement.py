@@ -1,0 +1,233 @@
+"""Placement plans: good layouts, every misfit named with its numbers, allocations from Slurm/MPI/torchrun."""
+from pathlib import Path
+
+import pytest
+
+from megarl.config.loader import load_config
+from megarl.errors import ConfigError
+from megarl.launch import cluster
+from megarl.launch.cluster import Allocation, compress_hosts, expand_nodelist, simulated
+from megarl.launch.commands import render
+from megarl.launch.mpi_bootstrap import _from_env_only, bootstrap_env_from_mpi, under_mpi
+from megarl.launch.overlays import flatten
+from megarl.launch.placement import load_hf_config, param_counts, resolve_plan
+from megarl.launch.roles import current_role
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG_30B = ROOT / "configs" / "qwen3_30b_a3b_h100.yaml"
+CFG_4B = ROOT / "configs" / "qwen3_4b_h100.yaml"
+CFG_TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def plan_for(path, overrides=(), nodes=None, gpus=8, alloc=None):
+    cfg = load_config(path, list(overrides))
+    hf, _ = load_hf_config(cfg)
+    if alloc is None:
+        alloc = simulated(nodes, gpus) if nodes else cluster.local()
+    return resolve_plan(cfg, hf, alloc, config_path=str(path), overrides=list(overrides))
+
+
+# -- host lists ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, hosts", [
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("a1,b[1-2]", ["a1", "b1", "b2"]),
+    ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
+    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
+    ("x[001-002],y7,z[3]", ["x001", "x002", "y7", "z3"]),
+    ("single", ["single"]),
+])
+def test_expand_nodelist(text, hosts):
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("text, match", [("node[01-", "without"), ("node]1", "without"),
+                                         ("node[4-2]", "backwards"), ("node[a-b]", "bad range")])
+def test_expand_nodelist_errors(text, match):
+    with pytest.raises(ConfigError, match=match):
+        expand_nodelist(text)
+
+
+def test_compress_hosts():
+    assert compress_hosts(["node01", "node02", "node03", "gpu7"]) == "node[01-03],gpu7"
+    assert compress_hosts(["a1", "a3"]) == "a1,a3"
+
+
+def test_allocation_sources():
+    env = {"SLURM_JOB_NODELIST": "gpu[101-103]", "SLURM_NNODES": "3", "SLURM_GPUS_PER_NODE": "h100:8",
+           "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "96"}
+    a = cluster.from_slurm(env)
+    assert (a.hosts, a.gpus_per_node, a.job_id, a.cpus_per_node, a.source) == \
+        (("gpu101", "gpu102", "gpu103"), 8, "77", 96, "slurm")
+    assert cluster.from_slurm({"SLURM_NODELIST": "n1", "SLURM_GPUS_ON_NODE": "4"}).gpus_per_node == 4
+    assert cluster.from_slurm({"SLURM_NODELIST": "n1", "SLURM_JOB_GPUS": "0,1"}).gpus_per_node == 2
+    assert cluster.from_slurm({}) is None
+    m = cluster.from_mpi({"OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"})
+    assert (m.n_nodes, m.gpus_per_node, m.hosts[1]) == (2, 8, "rank-node1")
+    t = cluster.from_torchrun({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h0"})
+    assert (t.hosts, t.gpus_per_node) == (("h0", "rank-node1"), 4)
+    with pytest.raises(ConfigError, match="world size 6 is not a multiple of the ranks per node 4"):
+        cluster.from_torchrun({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
+    assert cluster.detect(3, 8).hosts == ("node01", "node02", "node03")
+    with pytest.raises(ConfigError, match="both --nodes and --gpus-per-node"):
+        cluster.detect(3, None)
+    assert cluster.local_gpu_count({"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3
+
+
+# -- good plans ------------------------------------------------------------------------------------
+def test_30b_plan_on_four_nodes():
+    plan = plan_for(CFG_30B, nodes=4)
+    t = plan.trainer
+    assert (t.hosts, t.world_size, t.ranks_per_node) == (("node01", "node02"), 16, 8)
+    assert (t.tp, t.pp, t.ep, t.dp, t.expert_dp, t.sequence_parallel) == (2, 1, 8, 8, 1, True)
+    assert [(e.host, e.gpu_ids, e.port, e.tp) for e in plan.engines] == [
+        ("node03", (0, 1, 2, 3), 8100, 4), ("node03", (4, 5, 6, 7), 8101, 4),
+        ("node04", (0, 1, 2, 3), 8100, 4), ("node04", (4, 5, 6, 7), 8101, 4)]
+    assert plan.dedicated is None and plan.weight_sync_world == 17
+    assert (plan.master_addr, plan.master_port, plan.weight_sync_port) == ("node01", 29500, 29600)
+    text = plan.describe()
+    assert "tp=2 pp=1 ep=8 dp=8 (expert dp=1)" in text and "30.53B params (3.35B active)" in text
+
+
+def test_dedicated_gets_its_node_or_spare_gpus():
+    plan = plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5)
+    d = plan.dedicated
+    assert (d.host, d.gpu_ids, d.tp, d.spawned) == ("node05", (0, 1), 2, False)
+    assert plan.weight_sync_rank(d) == 17 and plan.weight_sync_world == 19
+    assert "node05: 6 of 8 GPUs idle" in plan.notes
+    # no dedicated node: it takes GPUs the engines leave free
+    plan = plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0", "rollout.n_engines=6"], nodes=2)
+    assert (plan.dedicated.host, plan.dedicated.gpu_ids) == ("node02", (6, 7))
+
+
+def test_engines_share_trainer_node():
+    plan = plan_for(CFG_4B, ["placement.engine_nodes=0", "placement.trainer_ranks=4", "rollout.n_engines=4"], nodes=1)
+    assert plan.trainer.gpu_ids == (0, 1, 2, 3)
+    assert [(e.host, e.gpu_ids) for e in plan.engines] == [("node01", (i,)) for i in range(4, 8)]
+
+
+def test_cpu_plan_spawns_local_servers():
+    plan = plan_for(CFG_TINY, ["placement.trainer_ranks=2", "recovery.name=dedicated"])
+    assert plan.trainer.world_size == 2 and plan.trainer.gpu_ids == ()
+    assert all(s.spawned and s.port == 0 for s in plan.servers)
+    (cmd,) = plan.commands("torchrun", python="py")
+    assert cmd.argv[:8] == ("env", "MEGARL_ROLE=trainer", "py", "-m", "torch.distributed.run", "--standalone",
+                            "--nnodes=1", "--nproc-per-node=2")
+    assert cmd.argv[8:] == ("-m", "megarl.train", "--config", str(CFG_TINY), "placement.trainer_ranks=2",
+                            "recovery.name=dedicated")
+
+
+def test_commands_per_launcher():
+    alloc = Allocation(("g1", "g2", "g3", "g4"), 8, "slurm", job_id="42", cpus_per_node=96)
+    plan = plan_for(CFG_30B, alloc=alloc)
+    slurm = render(plan, "slurm", python="py")
+    assert [c.name for c in slurm] == ["trainer", "engine0", "engine1", "engine2", "engine3"]
+    tr = slurm[0].shell()
+    for piece in ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=g1,g2 --gres=gpu:8 --cpus-per-task=96",
+                  "MEGARL_ENGINE_ADDRS=g3:8100,g3:8101,g4:8100,g4:8101", "--rdzv-endpoint=g1:29500",
+                  "--rdzv-id=megarl-42", "--nnodes=2 --nproc-per-node=8"):
+        assert piece in tr
+    assert "--nodelist=g3 --gres=gpu:4 --cpus-per-task=48" in slurm[1].shell()
+    assert "MEGARL_WEIGHT_SYNC_RANK=5" in slurm[2].shell() and slurm[2].server
+    torchrun = render(plan, "torchrun", python="py")
+    assert [(c.name, c.host) for c in torchrun[:2]] == [("trainer.node0", "g1"), ("trainer.node1", "g2")]
+    assert "--node-rank=1 --master-addr=g1 --master-port=29500" in torchrun[1].shell()
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in torchrun[3].shell()
+    mpi = render(plan, "mpirun", python="py")
+    assert "-n 16" in mpi[0].shell() and "--host g1:8,g2:8" in mpi[0].shell()
+    assert "MASTER_PORT=29500" in mpi[0].shell()
+    check = render(plan, "slurm", python="py", bootstrap_check=True)
+    assert len(check) == 1 and check[0].argv[-1] == "megarl.launch.rendezvous_check"
+    with pytest.raises(ConfigError, match="launcher 'ssh'"):
+        render(plan, "ssh", python="py")
+
+
+# -- misfits, with their numbers --------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, nodes, message", [
+    (["parallel.tp=3"], 4, "trainer: tp=3 does not divide num_attention_heads=32"),
+    (["parallel.tp=8"], 4, "tp=8 does not divide num_key_value_heads=4"),
+    (["parallel.ep=3"], 4, "ep=3 does not divide num_experts=128"),
+    (["parallel.pp=5"], 4, "pp=5 does not divide num_hidden_layers=48"),
+    (["parallel.ep=16"], 4, "16 ranks per stage is not divisible by ep\\*tp = 16\\*2 = 32"),
+    (["parallel.sequence_parallel=false"], 4, "parallel.tp=2 with an MoE model needs parallel.sequence_parallel=true"),
+    (["trainer.batch_size=252"], 4, "trainer.batch_size=252 is not divisible by the data-parallel size dp=8"),
+    ([], 2, "plan needs 32 GPUs on 4 nodes \\(trainer 16 \\+ engines 16\\), allocation has 16 GPUs on 2 node"),
+    (["recovery.name=dedicated"], 4, "plan needs 40 GPUs on 5 nodes \\(trainer 16 \\+ engines 16 \\+ dedicated 8\\)"),
+    (["placement.engine_tp=3"], 4, "engines: placement.engine_tp=3 does not divide num_attention_heads=32"),
+    (["placement.engine_tp=16"], 4, "placement.engine_tp=16 does not divide placement.gpus_per_node=8"),
+    (["rollout.n_engines=5"], 4, "rollout.n_engines=5 x placement.engine_tp=4 need 20 GPUs; the 2 engine node\\(s\\) have 16"),
+    (["placement.trainer_ranks=12"], 4, "trainer: world size 12 / pp 1 = 12 ranks per stage is not divisible by ep"),
+    (["placement.trainer_ranks=32"], 4, "32 ranks on 2 node\\(s\\) is 16 per node, more than placement.gpus_per_node=8"),
+    (["placement.trainer_ranks=15"], 4, "placement.trainer_ranks=15 is not divisible by placement.trainer_nodes=2"),
+    (["placement.engine_tp=0"], 4, "placement.engine_tp=0 must be >= 1"),
+])
+def test_misfits_name_the_numbers(overrides, nodes, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_for(CFG_30B, overrides, nodes=nodes)
+
+
+def test_more_misfits():
+    with pytest.raises(ConfigError, match="placement.gpus_per_node=8 but the allocation has 4 GPUs per node"):
+        plan_for(CFG_30B, nodes=4, gpus=4)
+    with pytest.raises(ConfigError, match="trainer nodes leave only 0 free \\(8 of 8 per node are trainer ranks\\)"):
+        plan_for(CFG_4B, ["placement.engine_nodes=0"], nodes=2)
+    with pytest.raises(ConfigError, match="dedicated scorer: needs 2 GPU\\(s\\) \\(tp=2\\) but no node of the plan has 2 free"):
+        plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0"], nodes=3)
+    with pytest.raises(ConfigError, match="dedicated scorer: tp=3 does not divide num_attention_heads=32"):
+        plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_tp=3"], nodes=3)
+    with pytest.raises(ConfigError, match="ep=2 needs an MoE model"):
+        plan_for(CFG_4B, ["parallel.ep=2"], nodes=2)
+    with pytest.raises(ConfigError, match="plan needs 2 nodes \\(trainer 1 \\+ engines 1\\), allocation has 1"):
+        plan_for(CFG_TINY, ["placement.engine_nodes=1"])
+
+
+def test_unused_and_idle_are_reported():
+    plan = plan_for(CFG_30B, nodes=6)
+    assert any("placement.dedicated_nodes=1 is not used" in n for n in plan.notes)
+    assert any("2 node(s) of the allocation stay idle: node[05-06]" in n for n in plan.notes)
+    plan = plan_for(CFG_30B, ["rollout.n_engines=3"], nodes=4)
+    assert "node04: 4 of 8 GPUs idle" in plan.notes
+
+
+def test_param_counts_of_the_real_models():
+    import yaml
+
+    total, active = param_counts(yaml.safe_load((ROOT / "configs/models/qwen3_4b.yaml").read_text()))
+    assert total == active and round(total / 1e9, 2) == 4.02
+    total, active = param_counts(yaml.safe_load((ROOT / "configs/models/qwen3_30b_a3b.yaml").read_text()))
+    assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9  # model card: 30.5B, 3.3B activated
+
+
+# -- roles, overlays, MPI bootstrap -----------------------------------------------------------------
+def test_role_env_round_trip():
+    plan = plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5)
+    cmds = {c.name: c for c in render(plan, "slurm", python="py")}
+    env = dict(a.split("=", 1) for a in cmds["engine1"].argv if "=" in a and a.startswith(("MEGARL_", "CUDA_")))
+    role = current_role(env)
+    assert (role.role, role.engine_index, role.server_port, role.server_tp, role.weight_sync_rank) == \
+        ("engine", 1, 8101, 4, 5)
+    trainer_env = dict(a.split("=", 1) for a in cmds["trainer"].argv if a.startswith("MEGARL_"))
+    t = current_role(trainer_env)
+    assert t.launched and len(t.engine_addrs) == 4 and t.dedicated_addr == "node05:8100"
+    assert not current_role({}).launched
+    with pytest.raises(ConfigError, match="MEGARL_ROLE='boss'"):
+        current_role({"MEGARL_ROLE": "boss"})
+
+
+def test_flatten_overlay():
+    assert flatten({"recovery": {"name": "ewma", "ewma": {"beta": None, "tau": 0.5}},
+                    "trainer": {"betas": [0.9, 0.99], "lr": 1e-6}, "data": {"path": "123"}}) == [
+        "recovery.name=ewma", "recovery.ewma.beta=null", "recovery.ewma.tau=0.5",
+        "trainer.betas=[0.9, 0.99]", "trainer.lr=1.0e-06", "data.path='123'"]
+
+
+def test_mpi_bootstrap_env_handling():
+    assert bootstrap_env_from_mpi({}) is None  # not under MPI
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "2"}
+    assert bootstrap_env_from_mpi(env) is None  # torchrun (or a second call) already set it
+    assert under_mpi({"PMI_SIZE": "4"}) and not under_mpi({})
+    values = _from_env_only({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    assert values == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                      "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
+    with pytest.raises(ConfigError, match="needs mpi4py"):
+        _from_env_only({"OMPI_COMM_WORLD_SIZE": "4"})
