@@ -65,13 +65,13 @@ class PromptDataset:
         self._order = self._epoch_order(0)
 
     @classmethod
-    def from_config(cls, data_cfg: Any, seed: int = 0) -> "PromptDataset":
+    def from_config(cls, data_cfg: Any, seed: int = 0, vocab_size: int | None = None) -> "PromptDataset":
         """Build from a ``DataConfig``: ``path`` if set, else ``hf_dataset``, else the built-in ``task``."""
         if data_cfg.path and data_cfg.hf_dataset:
             raise ConfigError(f"data.path={data_cfg.path!r} and data.hf_dataset={data_cfg.hf_dataset!r} "
                               f"are both set; choose one")
         source = data_cfg.path or (f"hf:{data_cfg.hf_dataset}" if data_cfg.hf_dataset else data_cfg.task)
-        return cls(source, max_prompt_len=data_cfg.max_prompt_len, seed=seed)
+        return cls(source, max_prompt_len=data_cfg.max_prompt_len, seed=seed, vocab_size=vocab_size)
 
     # -- loading and validation --------------------------------------------------
     def _check(self, where: str, prompt_ids: Any, meta: Any) -> tuple[list[int], dict[str, Any]]:

@@ -92,9 +92,8 @@ def make_advantage_fn(adv_cfg):
     return assign
 
 
-async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict, wrap_strategy=None) -> dict:
+async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wrap_strategy=None) -> dict:
     from megarl.controller import Controller
-    from megarl.data import PromptDataset
     from megarl.rewards.service import RewardService
     from megarl.rollout.client import launch_engine_process, stop_engine_process
     from megarl.rollout.router import EngineRouter
@@ -104,7 +103,6 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict, w
     from recovery import registry
     from recovery.base import RecoveryContext
 
-    dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed)
     rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
                             memory_mb=cfg.reward.memory_mb, on_failure=cfg.reward.on_failure)
     engine_starts: list[asyncio.Task] = []
@@ -178,16 +176,22 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, hf: dict, w
 
 
 def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
-    """Run the loop; ``wrap_strategy(strategy) -> strategy`` may wrap the recovery strategy (verification)."""
-    run_dir = make_run_dir(cfg)
+    """Run the loop; ``wrap_strategy(strategy) -> strategy`` may wrap the recovery strategy (verification).
+
+    Every input is checked before the run directory is made, so bad input
+    leaves nothing half-written behind.
+    """
+    from megarl.data import PromptDataset
+    from megarl.rewards.service import resolve_reward_fn
+
     ckpt = ensure_checkpoint(cfg)
     hf = json.loads((ckpt / "config.json").read_text())
     validate(cfg, hf)
-    from megarl.rewards.service import resolve_reward_fn
-
     resolve_reward_fn(cfg.reward.fn)
+    dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed, vocab_size=int(hf["vocab_size"]))
+    run_dir = make_run_dir(cfg)
     save_config(cfg, run_dir / "config.yaml")
-    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, hf, wrap_strategy))
+    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, dataset, wrap_strategy))
     (run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return run_dir
 

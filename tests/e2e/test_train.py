@@ -1,0 +1,100 @@
+"""The real `megarl train` and `megarl verify-recovery` CLIs: vLLM CPU engine + Megatron trainer."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGARL = [sys.executable, "-m", "megarl.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none"]
+
+
+def megarl(*args, timeout=600):
+    return subprocess.run([*MEGARL, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    r = megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def async_run(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
+               "trainer.total_steps=8", "rollout.eta=2", *SMALL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def test_async_run_outputs(async_run):
+    records = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["version"] for r in records] == list(range(1, 9))
+    for key in ("reward_mean", "staleness_max", "staleness_mean", "n_interrupted", "n_spliced", "tokens",
+                "wait_batch_s", "train_step_s", "recovery_s"):
+        assert all(key in r for r in records), key
+    assert all(r["staleness_max"] <= 2 for r in records)
+    assert sum(r["n_interrupted"] for r in records) > 0
+    assert sum(r["n_spliced"] for r in records) > 0
+    assert (async_run / "config.yaml").is_file()
+    assert (async_run / "final" / "config.json").is_file()
+    assert list((async_run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_sync_run_trains_only_current_version(ckpt, tmp_path):
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(tmp_path), f"model.checkpoint={ckpt}",
+               "trainer.total_steps=3", "rollout.eta=0", "logging.tensorboard=false", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness_max"] == 0 and r["n_spliced"] == 0 for r in records)
+
+
+def test_verify_exact_strategies(ckpt, tmp_path):
+    report = tmp_path / "report.json"
+    r = megarl("verify-recovery", "--config", "configs/tiny_cpu.yaml", "--strategies",
+               "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "5", "--output", str(report),
+               f"model.checkpoint={ckpt}", *SMALL, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    strategies = json.loads(report.read_text())["strategies"]
+    for name in ("snapshot", "interrupt_sync", "dedicated"):
+        s = strategies[name]
+        assert s["exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert s["n_tokens"] > 0 and s["max_versions_per_sequence"] >= 2, (name, s)
+    assert not strategies["loglinear"]["exact"] and strategies["loglinear"]["max_abs_err"] > 0
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.path={missing}", "does not exist"),
+    ("reward.fn=no_such_module.fn", "no_such_module"),
+    ("data.max_prompt_len=200", "max_position_embeddings"),
+    ("trainer.batch_size=30", "multiple of rollout.group_size"),
+])
+def test_bad_input_fails_before_the_run(ckpt, tmp_path, override, message):
+    out = tmp_path / "run"
+    override = override.format(missing=tmp_path / "missing.jsonl")
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
+               override, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not out.exists(), "nothing is written for a run that never started"
+
+
+def test_empty_dataset_and_too_long_prompt(ckpt, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", f"data.path={empty}",
+               "--output-dir", str(tmp_path / "r1"), timeout=120)
+    assert r.returncode == 2 and "empty" in r.stderr.lower(), r.stderr[-2000:]
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt_ids": [1] + [4] * 30 + [2]}) + "\n")
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", f"data.path={long}",
+               "--output-dir", str(tmp_path / "r2"), timeout=120)
+    assert r.returncode == 2 and "longer than" in r.stderr, r.stderr[-2000:]
