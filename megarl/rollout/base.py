@@ -1,0 +1,100 @@
+"""The rollout engine interface, shared by the vLLM and HF backends, the HTTP client and the router.
+
+Semantics every implementation keeps:
+
+- ``generate`` returns, per output token, ``logp_behav``: the log-prob of the
+  token under the distribution it was actually sampled from (temperature,
+  top-k and top-p applied; greedy when temperature is 0, then the raw
+  log-softmax), and ``versions``: the weight version that sampled it.
+- Generation stops only at ``SamplingParams.stop_token_ids`` (the caller puts
+  the model's EOS there), at ``max_new_tokens``, or at the model's context
+  length (``finish_reason`` "length"). A prompt that already fills the
+  context raises :class:`InputError` and the engine keeps serving.
+- ``abort_all`` ends every in-flight request; each returns its partial output
+  with ``finish_reason`` "abort". Resubmitting prompt + partial continues it
+  (see :mod:`megarl.rollout.interrupt`).
+- Weight updates pause generation (in-flight requests end with "abort"),
+  check the update's names and shapes against the model *before* loading
+  (a mismatch raises :class:`EngineError` naming the tensor; the engine keeps
+  its old weights and keeps serving), load, reset cached prefixes, set
+  ``version`` and resume.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from megarl.errors import ConfigError, InputError
+from megarl.types import GenerateRequest, GenerateResult
+
+BACKENDS = ("vllm", "hf")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An asynchronous rollout engine (in-process backend, HTTP client, or router over several)."""
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Continue ``req.prompt_ids``; returns tokens with per-token logp_behav and versions."""
+
+    async def abort_all(self) -> None:
+        """End every in-flight request now; each returns its partial output with "abort"."""
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load the safetensors checkpoint in directory ``path`` and call it ``version``."""
+
+    async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
+                                            version: int) -> None:
+        """Join/reuse the trainer's broadcast group (``group_info`` incl. "rank") and load its stream."""
+
+    async def version(self) -> int:
+        """The weight version new tokens are sampled with."""
+
+    async def health(self) -> dict:
+        """Liveness and load: at least {"ok", "backend", "version", "in_flight"}."""
+
+    async def pause(self) -> None:
+        """Stop scheduling new tokens; in-flight requests end with "abort", new ones wait."""
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause`."""
+
+    async def close(self) -> None:
+        """Release the engine (processes, memory)."""
+
+
+def effective_max_new_tokens(req: GenerateRequest, max_model_len: int) -> int:
+    """``max_new_tokens`` clamped to the context; InputError if the prompt leaves no room."""
+    n_prompt = len(req.prompt_ids)
+    if n_prompt == 0:
+        raise InputError(f"request {req.request_id}: empty prompt")
+    if n_prompt >= max_model_len:
+        raise InputError(f"request {req.request_id}: prompt has {n_prompt} tokens but the model's context "
+                         f"(max_position_embeddings) is {max_model_len}; shorten the prompt to at most "
+                         f"{max_model_len - 1} tokens")
+    if req.sampling.max_new_tokens < 0:
+        raise InputError(f"request {req.request_id}: max_new_tokens {req.sampling.max_new_tokens} < 0")
+    return min(req.sampling.max_new_tokens, max_model_len - n_prompt)
+
+
+def check_request(req: GenerateRequest, vocab_size: int) -> None:
+    """InputError for token ids outside the vocabulary or sampling settings no backend accepts."""
+    bad = [t for t in req.prompt_ids + list(req.sampling.stop_token_ids) if not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(f"request {req.request_id}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    s = req.sampling
+    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < -1:
+        raise InputError(f"request {req.request_id}: need temperature >= 0, 0 < top_p <= 1, top_k >= -1 "
+                         f"(got {s.temperature}, {s.top_p}, {s.top_k})")
+
+
+async def make_engine(backend: str, checkpoint: str, **options) -> Engine:
+    """Build an in-process engine; ``options`` go to the backend's ``create``."""
+    if backend == "vllm":
+        from megarl.rollout.vllm_engine import VLLMEngine
+
+        return await VLLMEngine.create(checkpoint, **options)
+    if backend == "hf":
+        from megarl.rollout.hf_engine import HFEngine
+
+        return await HFEngine.create(checkpoint, **options)
+    raise ConfigError(f"unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,170 @@
+"""Talking to `megarl engine` processes: an async HTTP client and a launcher.
+
+:class:`EngineClient` implements the :class:`~megarl.rollout.base.Engine`
+interface over HTTP, raising the exception class the server reported
+(InputError for a prompt too long, EngineError for a refused update, ...),
+and EngineError naming the URL when the engine cannot be reached.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from megarl import errors
+from megarl.errors import EngineError
+from megarl.types import GenerateRequest, GenerateResult
+
+
+class EngineClient:
+    """Async client of one engine server, e.g. ``EngineClient("http://127.0.0.1:8000")``.
+
+    Holds one aiohttp session per event loop (tests run several ``asyncio.run``);
+    call :meth:`close` from the loop that used it.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s  # control calls; generate and update_weights wait as long as they take
+        self._session: aiohttp.ClientSession | None = None
+        self._loop = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession()
+            self._loop = loop
+        return self._session
+
+    async def _call(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = -1) -> dict:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s if timeout_s == -1 else timeout_s)
+        try:
+            async with self._http().request(method, self.url + path, json=body, timeout=timeout) as resp:
+                try:
+                    data = await resp.json(content_type=None)
+                except (json.JSONDecodeError, aiohttp.ContentTypeError) as e:
+                    raise EngineError(f"engine at {self.url}{path}: HTTP {resp.status}, not JSON ({e})") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"engine at {self.url} unreachable ({type(e).__name__}: {e})") from e
+        except asyncio.TimeoutError as e:
+            raise EngineError(f"engine at {self.url}{path} did not answer within {timeout.total} s") from e
+        if resp.status >= 400 or (isinstance(data, dict) and "error" in data):
+            cls = getattr(errors, str(data.get("type")), None) if isinstance(data, dict) else None
+            if not (isinstance(cls, type) and issubclass(cls, errors.MegarlError)):
+                cls = EngineError
+            msg = data.get("error") if isinstance(data, dict) else data
+            raise cls(f"{msg} (engine at {self.url})")
+        return data
+
+    # -- Engine interface ----------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        return GenerateResult.from_dict(await self._call("POST", "/generate", req.to_dict(), timeout_s=None))
+
+    async def abort_all(self) -> None:
+        await self._call("POST", "/abort_all", {})
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        await self._call("POST", "/update_weights", {"path": str(path), "version": version}, timeout_s=None)
+
+    async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
+                                            version: int) -> None:
+        body = {"group_info": group_info, "version": version,
+                "names_shapes_dtypes": [[n, list(s), d] for n, s, d in names_shapes_dtypes]}
+        await self._call("POST", "/update_weights", body, timeout_s=None)
+
+    async def version(self) -> int:
+        return int((await self._call("GET", "/version"))["version"])
+
+    async def health(self) -> dict:
+        return await self._call("GET", "/health")
+
+    async def pause(self) -> None:
+        await self._call("POST", "/pause", {})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume", {})
+
+    async def close(self) -> None:
+        """Close the HTTP session (the engine process keeps running: see :func:`stop_engine_process`)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | None = None,
+                          host: str = "127.0.0.1", *, extra_args: list[str] | tuple = (),
+                          env: dict | None = None, log_path: str | None = None,
+                          startup_timeout_s: float = 300.0) -> tuple[subprocess.Popen, EngineClient]:
+    """Start ``python -m megarl.cli engine ...`` and wait until its /health answers.
+
+    The process gets its own session (process group), so :func:`stop_engine_process`
+    also ends vLLM's engine-core child. Output goes to ``log_path`` (a temp file
+    by default, ``proc.log_path``); its tail is in the EngineError if start fails.
+    """
+    port = port or free_port(host)
+    log = Path(log_path or tempfile.mkstemp(prefix=f"megarl-engine-{port}-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "megarl.cli", "engine", "--checkpoint", str(checkpoint), "--backend", backend,
+           "--host", host, "--port", str(port), *extra_args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+    proc.log_path = str(log)
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            raise EngineError(f"engine process for {checkpoint} exited with code {rc} before serving "
+                              f"(log {log}):\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if json.loads(resp.read()).get("ok"):
+                    return proc, EngineClient(url)
+        except (OSError, ValueError):
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            stop_engine_process(proc)
+            raise EngineError(f"engine at {url} not healthy after {startup_timeout_s:.0f} s (log {log}):\n"
+                              f"{_tail(log)}")
+        time.sleep(0.25)
+
+
+def stop_engine_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None:
+    """SIGTERM the server (it shuts its engine down cleanly), then SIGKILL whatever is left of its group."""
+    if proc.poll() is None:
+        # the server only: signalling vLLM's children too makes them die under the server's
+        # orderly shutdown, which then waits on them for seconds
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # engine-core/worker processes left behind, if any
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.returncode

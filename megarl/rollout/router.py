@@ -1,0 +1,71 @@
+"""Several engines behind one :class:`~megarl.rollout.base.Engine`: least-loaded routing and fan-out."""
+from __future__ import annotations
+
+import asyncio
+
+from megarl.errors import EngineError
+from megarl.types import GenerateRequest, GenerateResult
+
+
+class EngineRouter:
+    """Sends each request to the engine with the fewest in-flight requests (ties: lowest index).
+
+    Control calls go to every engine concurrently. For a broadcast update,
+    engine ``i`` joins the trainer's group as rank ``i + 1``.
+    """
+
+    def __init__(self, engines: list) -> None:
+        if not engines:
+            raise EngineError("EngineRouter needs at least one engine")
+        self.engines = list(engines)
+        self.in_flight = [0] * len(self.engines)
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        i = min(range(len(self.engines)), key=lambda j: self.in_flight[j])
+        self.in_flight[i] += 1
+        try:
+            return await self.engines[i].generate(req)
+        finally:
+            self.in_flight[i] -= 1
+
+    async def _all(self, calls) -> list:
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            i, err = failed[0]
+            if len(failed) == 1 and isinstance(err, EngineError):
+                raise err
+            raise EngineError(f"{len(failed)} of {len(self.engines)} engines failed; engine {i}: "
+                              f"{type(err).__name__}: {err}") from err
+        return results
+
+    async def abort_all(self) -> None:
+        await self._all(e.abort_all() for e in self.engines)
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        await self._all(e.update_weights_from_disk(path, version) for e in self.engines)
+
+    async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
+                                            version: int) -> None:
+        await self._all(e.update_weights_from_broadcast({**group_info, "rank": i + 1}, names_shapes_dtypes, version)
+                        for i, e in enumerate(self.engines))
+
+    async def version(self) -> int:
+        """The oldest version any engine serves (they agree after a successful update)."""
+        return min(await self._all(e.version() for e in self.engines))
+
+    async def health(self) -> dict:
+        engines = await asyncio.gather(*(e.health() for e in self.engines), return_exceptions=True)
+        engines = [h if isinstance(h, dict) else {"ok": False, "error": str(h)} for h in engines]
+        return {"ok": all(h.get("ok") for h in engines), "backend": "router", "engines": engines,
+                "version": min((h.get("version", -1) for h in engines), default=-1),
+                "in_flight": sum(self.in_flight)}
+
+    async def pause(self) -> None:
+        await self._all(e.pause() for e in self.engines)
+
+    async def resume(self) -> None:
+        await self._all(e.resume() for e in self.engines)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

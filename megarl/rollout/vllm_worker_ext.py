@@ -1,0 +1,109 @@
+"""Methods megarl injects into vLLM's worker (``worker_extension_cls``) to update weights in place.
+
+vLLM mixes this class into its worker class and asserts that no name clashes
+with a worker attribute (``reload_weights`` and ``update_weights`` exist
+already), hence the ``megarl_`` prefix. Call through
+``AsyncLLM.collective_rpc("megarl_...")`` with generation paused: the RPC
+blocks the engine core until it returns.
+
+Why not ``model.load_weights`` directly: on CPU the linear layers repack
+their weights after loading and leave ``weight`` empty, so a direct load
+fails half-way. ``model_runner.reload_weights`` restores the checkpoint
+layout, loads, and re-runs each layer's post-load processing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    from megarl.rollout.weight_spec import safetensors_files
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class MegarlWorkerExtension:
+    """Weight updates from disk or from a trainer broadcast (see megarl.rollout.weight_sync)."""
+
+    def megarl_load_from_disk(self, path: str) -> int:
+        """Reload every tensor of the safetensors checkpoint at ``path``; returns how many."""
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"weight update directory {path} does not exist")
+        return self._megarl_reload(_safetensors_weights(path))
+
+    def megarl_load_from_broadcast(self, group_info: dict, drain_only: bool = False) -> int:
+        """Receive the trainer's broadcast and load it (or only drain it, when the update was refused)."""
+        from megarl.rollout.weight_sync import receive_named_tensors
+
+        pg, device = self._megarl_group(group_info)
+        stream = receive_named_tensors(pg, device)
+        if drain_only:
+            return sum(1 for _ in stream)
+        return self._megarl_reload(stream)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _megarl_group(self, group_info: dict):
+        """Join the trainer's group on the first update and keep it for the following ones."""
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        from datetime import timedelta
+
+        key = (group_info["host"], int(group_info["port"]), int(group_info["rank"]),
+               int(group_info["world_size"]), group_info.get("backend", "gloo"), group_info.get("group_id"))
+        cached = getattr(self, "_megarl_pg", None)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        backend = key[4]
+        device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        pg = stateless_init_torch_distributed_process_group(
+            key[0], key[1], key[2], key[3], backend=backend,
+            timeout=timedelta(seconds=float(group_info.get("timeout_s", 300.0))))
+        self._megarl_pg = (key, pg, device)
+        return pg, device
+
+    def _megarl_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        from vllm.config import set_current_vllm_config
+
+        count = [0]
+
+        def counted():
+            for item in weights:
+                count[0] += 1
+                yield item
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=counted())
+            self._megarl_fix_after_reload()
+        return count[0]
+
+    def _megarl_fix_after_reload(self) -> None:
+        """Redo two post-load steps that vLLM's in-place reload skips (both silently wrong otherwise).
+
+        1. Fused MoE: the unquantized fused-MoE method copies the new expert
+           weights into place but skips ``moe_kernel.fused_experts.
+           process_weights_after_loading`` (it runs only on the first load).
+           The CPU experts prepack their weights there, so a reloaded MoE model
+           computes with unpacked weights.
+        2. Tied embeddings: ``lm_head`` shares ``embed_tokens.weight`` but
+           loads nothing itself, so its post-load step is not re-run; on CPU
+           that step packs the weight into a GEMM handle, which keeps the old
+           weights (log-probs of the old model's output layer, ~1 nat off).
+        Both steps are idempotent and no-ops where nothing is packed (GPU).
+        Guarded by tests/e2e/test_vllm_engine.py (dense tied, MoE untied).
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            kernel = getattr(method, "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
+            elif isinstance(method, UnquantizedEmbeddingMethod) and module.weight.numel() > 0:
+                method.process_weights_after_loading(module)

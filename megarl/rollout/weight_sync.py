@@ -1,0 +1,222 @@
+"""Moving trainer weights to rollout engines: a bucketed broadcast, or safetensors on disk.
+
+Broadcast: the trainer is rank 0 of a process group of its own (TCPStore +
+gloo on CPU, NCCL on GPU) that it creates with :class:`WeightBroadcaster`;
+engine ``i`` joins as rank ``i + 1`` (vLLM workers through
+``stateless_init_torch_distributed_process_group``, which rendezvouses on the
+same ``tcp://host:port`` store prefix, the HF engine through
+:func:`join_weight_group`). Tensors travel in buckets of at most
+``bucket_bytes`` (one tensor larger than that gets a bucket of its own), each
+bucket as three broadcasts::
+
+    header  int64[2]  = [payload_bytes, meta_bytes]    ([0, 0] ends the stream)
+    meta    uint8[..] = JSON [[name, shape, dtype, offset], ...]
+    payload uint8[..] = the tensors' bytes, each at a 16-byte aligned offset
+
+The stream describes itself, so a receiver needs no plan computed in
+advance, and a receiver that refuses an update can still drain it (the
+trainer never hangs on an engine that said no). Nothing here imports vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from megarl.errors import EngineError
+from megarl.rollout.weight_spec import dtype_name
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+_ALIGN = 16
+
+
+def _tcp_prefix(host: str, port: int) -> str:
+    # must equal vLLM's get_tcp_uri(): its stateless group prefixes its store keys with it
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+    """A process group outside torch.distributed's global state (the trainer has its own)."""
+    from torch.distributed import PrefixStore, TCPStore
+    from torch._C._distributed_c10d import ProcessGroup
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+    prefix_store = PrefixStore(_tcp_prefix(host, port), store)
+    pg = ProcessGroup(prefix_store, rank, world_size)
+    if backend == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        impl = ProcessGroupGloo(prefix_store, rank, world_size, timeout=timeout)
+        backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    elif backend == "nccl":  # GPU machines: same seam, device tensors
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        impl = ProcessGroupNCCL(prefix_store, rank, world_size, opts)
+        backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise EngineError(f"weight broadcast backend {backend!r} unknown; use 'gloo' (CPU) or 'nccl' (GPU)")
+    pg._set_default_backend(backend_type)
+    impl._set_sequence_number_for_group()
+    pg._register_backend(device, backend_type, impl)
+    # keep the store alive as long as the group: the group's rendezvous keys live in it
+    return pg, store, device
+
+
+def _bcast(pg, t: torch.Tensor) -> torch.Tensor:
+    pg.broadcast(t, 0).wait()
+    return t
+
+
+class WeightBroadcaster:
+    """Trainer side (rank 0) of the weight broadcast group; engines join as ranks 1..world_size-1.
+
+    Construction only picks the group's identity; the first :meth:`broadcast`
+    creates the group and blocks until every engine has joined. So: make the
+    broadcaster, hand :meth:`group_info` to the engines'
+    ``update_weights_from_broadcast`` calls (they join on their first update
+    and keep the group for later ones), and broadcast concurrently.
+    """
+
+    def __init__(self, host: str, port: int, world_size: int, backend: str | None = None,
+                 timeout_s: float = 300.0) -> None:
+        if world_size < 2:
+            raise EngineError(f"weight broadcast needs world_size >= 2 (trainer + engines), got {world_size}")
+        self.host, self.port, self.world_size = host, port, world_size
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        # lets engines tell a new group on a reused port from the one they joined before
+        self.group_id = uuid.uuid4().hex
+        self._pg = self._store = None
+        self.device = None
+
+    def connect(self) -> None:
+        """Create the group (blocks until all engines joined); :meth:`broadcast` calls it when needed."""
+        if self._pg is None:
+            self._pg, self._store, self.device = _make_group(self.host, self.port, 0, self.world_size,
+                                                             self.backend, self.timeout_s)
+
+    def group_info(self, rank: int | None = None) -> dict:
+        """What an engine needs to join (``rank`` is filled per engine by :class:`EngineRouter`)."""
+        info = {"host": self.host, "port": self.port, "world_size": self.world_size,
+                "backend": self.backend, "timeout_s": self.timeout_s, "group_id": self.group_id}
+        if rank is not None:
+            info["rank"] = rank
+        return info
+
+    def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+        """Send every tensor, in order, then the end marker; returns {tensors, bytes, seconds}."""
+        t0, n_tensors, n_bytes = time.perf_counter(), 0, 0
+        self.connect()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in named_tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                self._send_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append((name, tensor.detach()))
+            size += nbytes + _ALIGN
+            n_tensors, n_bytes = n_tensors + 1, n_bytes + nbytes
+        if bucket:
+            self._send_bucket(bucket)
+        _bcast(self._pg, torch.zeros(2, dtype=torch.int64, device=self.device))
+        return {"tensors": n_tensors, "bytes": n_bytes, "seconds": time.perf_counter() - t0}
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        meta, offset = [], 0
+        for name, t in bucket:
+            meta.append([name, list(t.shape), dtype_name(t.dtype), offset])
+            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        payload = torch.empty(offset, dtype=torch.uint8, device=self.device)
+        for (name, t), (_, _, _, off) in zip(bucket, meta):
+            flat = t.contiguous().reshape(-1).view(torch.uint8)
+            payload[off:off + flat.numel()].copy_(flat)
+        meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)
+        _bcast(self._pg, torch.tensor([offset, meta_bytes.numel()], dtype=torch.int64, device=self.device))
+        _bcast(self._pg, meta_bytes)
+        _bcast(self._pg, payload)
+
+    def close(self) -> None:
+        if self._pg is None:
+            return
+        try:
+            self._pg.shutdown()
+        except Exception:  # already torn down by a failed peer; nothing left to release
+            pass
+        self._pg = self._store = None
+
+
+def receive_named_tensors(pg, device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Engine side: yield ``(name, tensor)`` from the stream until the end marker.
+
+    Each bucket gets a fresh buffer because loaders may hold on to tensors
+    until a whole layer has arrived (vLLM's layerwise reload does).
+    """
+    while True:
+        header = _bcast(pg, torch.empty(2, dtype=torch.int64, device=device)).tolist()
+        payload_bytes, meta_bytes = int(header[0]), int(header[1])
+        if payload_bytes == 0 and meta_bytes == 0:
+            return
+        meta = json.loads(bytes(_bcast(pg, torch.empty(meta_bytes, dtype=torch.uint8, device=device)).cpu().tolist()))
+        payload = _bcast(pg, torch.empty(payload_bytes, dtype=torch.uint8, device=device))
+        for name, shape, dtype, offset in meta:
+            dt = getattr(torch, dtype)
+            numel = 1
+            for s in shape:
+                numel *= s
+            yield name, payload[offset:offset + numel * dt.itemsize].view(dt).reshape(shape)
+
+
+def join_weight_group(group_info: dict):
+    """Join a :class:`WeightBroadcaster` group as ``group_info["rank"]``; returns (group, store, device)."""
+    return _make_group(group_info["host"], int(group_info["port"]), int(group_info["rank"]),
+                       int(group_info["world_size"]), group_info.get("backend", "gloo"),
+                       float(group_info.get("timeout_s", 300.0)))
+
+
+def save_for_engines(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
+                     shard_bytes: int = 4 << 30) -> Path:
+    """Write tensors as safetensors shards in ``out_dir`` for ``update_weights_from_disk``.
+
+    Shards are written under temporary names and renamed at the end, so an
+    engine never reads a half-written update.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        # safetensors refuses tensors sharing storage (tied weights): give each its own copy
+        shards[-1][name] = t.detach().to("cpu").contiguous().clone()
+        size += nbytes
+    n = len(shards)
+    tmp_paths = []
+    for i, shard in enumerate(shards):
+        final = out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+        tmp = out / f".{final.name}.tmp{os.getpid()}"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        tmp_paths.append((tmp, final))
+    for tmp, final in tmp_paths:
+        os.replace(tmp, final)
+    # shards of an earlier save into the same directory would be loaded too
+    keep = {final for _, final in tmp_paths}
+    for stale in out.glob("*.safetensors"):
+        if stale not in keep:
+            stale.unlink()
+    return out
