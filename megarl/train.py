@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import MegaRLConfig, load_config, save_config
-from megarl.errors import ConfigError, InputError
+from megarl.errors import ConfigError, MegarlError
 
 log = logging.getLogger("megarl.train")
 
@@ -92,13 +92,44 @@ def make_advantage_fn(adv_cfg):
     return assign
 
 
+def build_trainer(cfg: MegaRLConfig, ckpt: Path):
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(str(ckpt), tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
+                           lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay,
+                           adam_eps=cfg.trainer.adam_eps, grad_clip=cfg.trainer.grad_clip,
+                           micro_batch_tokens=cfg.trainer.micro_batch_tokens, seed=cfg.trainer.seed,
+                           use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                           lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
+                           total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr)
+
+
+def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:
+    """A trainer rank other than 0: replay rank 0's trainer and strategy events."""
+    from megarl.trainer.spmd import ControlChannel, FollowerView, follow
+    from recovery import registry
+    from recovery.base import RecoveryContext
+
+    trainer = build_trainer(cfg, ckpt)
+    channel = ControlChannel()
+    view = FollowerView()
+    ctx = RecoveryContext(trainer=trainer, loss_cfg=cfg.loss, live_versions=view.live_versions,
+                          live_trajectories=view.live_trajectories, run_dir=str(run_dir),
+                          checkpoint_dir=str(ckpt), eta=cfg.rollout.eta, publish_every=cfg.trainer.publish_every,
+                          is_driver=False)
+    strategy = registry.build(cfg.recovery, ctx)
+    try:
+        follow(trainer, strategy, channel, make_loss_fn_factory(cfg.loss), view)
+    finally:
+        strategy.close()
+
+
 async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wrap_strategy=None) -> dict:
     from megarl.controller import Controller
     from megarl.rewards.service import RewardService
     from megarl.rollout.client import launch_engine_process, stop_engine_process
     from megarl.rollout.router import EngineRouter
     from megarl.run_log import RunLogger
-    from megarl.trainer.megatron_trainer import MegatronTrainer
     from megarl.workflows import build_workflow
     from recovery import registry
     from recovery.base import RecoveryContext
@@ -115,13 +146,13 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
 
         # engines start (tens of seconds each) while the trainer builds below
         engine_starts = [asyncio.create_task(asyncio.to_thread(start_engine, i)) for i in range(cfg.rollout.n_engines)]
-        trainer = MegatronTrainer(str(ckpt), tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
-                                  lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay,
-                                  adam_eps=cfg.trainer.adam_eps, grad_clip=cfg.trainer.grad_clip,
-                                  micro_batch_tokens=cfg.trainer.micro_batch_tokens, seed=cfg.trainer.seed,
-                                  use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                                  lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
-                                  total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr)
+        trainer = build_trainer(cfg, ckpt)
+        channel = None
+        if trainer.parallel.world_size > 1:
+            from megarl.trainer.spmd import ControlChannel, DrivingTrainer
+
+            channel = ControlChannel()
+            trainer = DrivingTrainer(trainer, channel)
         started = await asyncio.gather(*engine_starts, return_exceptions=True)
         for r in started:
             if isinstance(r, BaseException):
@@ -146,13 +177,18 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
                 vs |= t.policy_versions()
             return vs
 
-        ctx = RecoveryContext(trainer=trainer, loss_cfg=cfg.loss, live_versions=live_versions,
+        ctx = RecoveryContext(trainer=getattr(trainer, "trainer", trainer), loss_cfg=cfg.loss,
+                              live_versions=live_versions,
                               live_trajectories=lambda: controller_ref["c"].buffer.live_trajectories(),
                               run_dir=str(run_dir), checkpoint_dir=str(ckpt), eta=cfg.rollout.eta,
                               publish_every=cfg.trainer.publish_every)
         strategy = registry.build(cfg.recovery, ctx)
         if wrap_strategy is not None:
             strategy = wrap_strategy(strategy)
+        if channel is not None:
+            from megarl.trainer.spmd import DrivingStrategy
+
+            strategy = DrivingStrategy(strategy, channel)
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
         controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
                                 workflow=build_workflow("single_turn", cfg), strategy=strategy,
@@ -166,6 +202,8 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
             strategy.close()
             await router.close()
         trainer.save_hf_checkpoint(str(run_dir / "final"))
+        if channel is not None:
+            trainer.stop_followers()
         shutil.rmtree(weights_dir, ignore_errors=True)
         return {"steps": controller.step, "version": trainer.version}
     finally:
@@ -184,16 +222,54 @@ def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
     from megarl.data import PromptDataset
     from megarl.rewards.service import resolve_reward_fn
 
-    ckpt = ensure_checkpoint(cfg)
-    hf = json.loads((ckpt / "config.json").read_text())
-    validate(cfg, hf)
-    resolve_reward_fn(cfg.reward.fn)
-    dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed, vocab_size=int(hf["vocab_size"]))
-    run_dir = make_run_dir(cfg)
-    save_config(cfg, run_dir / "config.yaml")
+    rank, world = _init_ranks()
+    status: list = [None, None]
+    if rank == 0:
+        try:
+            ckpt = ensure_checkpoint(cfg)
+            hf = json.loads((ckpt / "config.json").read_text())
+            validate(cfg, hf)
+            resolve_reward_fn(cfg.reward.fn)
+            dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed, vocab_size=int(hf["vocab_size"]))
+            run_dir = make_run_dir(cfg)
+            save_config(cfg, run_dir / "config.yaml")
+            status = ["ok", str(run_dir)]
+        except MegarlError as e:
+            status = ["error", f"{type(e).__name__}: {e}"]
+            _share(status, world)
+            raise
+    _share(status, world)
+    if rank != 0:
+        if status[0] != "ok":
+            raise MegarlError(f"rank 0 refused the run: {status[1]}")
+        _follow(cfg, Path(cfg.model.checkpoint), Path(status[1]))
+        return Path(status[1])
     summary = asyncio.run(_train_async(cfg, run_dir, ckpt, dataset, wrap_strategy))
     (run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return run_dir
+
+
+def _init_ranks() -> tuple[int, int]:
+    """(rank, world size) of the trainer ranks; a plain process is rank 0 of 1."""
+    from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
+
+    bootstrap_env_from_mpi()  # under mpirun: RANK/WORLD_SIZE/MASTER_* from MPI (no-op otherwise)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    from megarl.trainer.parallel import init_distributed
+
+    init_distributed()
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _share(status: list, world: int) -> None:
+    """Rank 0's go/no-go (and run directory) to every trainer rank."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(status, src=0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,9 @@ class RecoveryContext:
     eta: int = 1
     #: optimizer steps per published version (trainer.publish_every)
     publish_every: int = 1
+    #: False on follower trainer ranks: they replay rank 0's hooks (trainer collectives) but run no
+    #: side processes; rank 0's anchor is what every rank trains with (megarl/trainer/spmd.py)
+    is_driver: bool = True
 
 
 class OverheadMeter:

@@ -117,6 +117,10 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
 
 
 def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q) -> None:
+    # a world of its own: drop the launcher's rendezvous settings (under torchrun, TORCHELASTIC_USE_AGENT_STORE
+    # would make this process join the trainer's store as a second "rank 0" and wait forever)
+    for key in [k for k in os.environ if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "OMPI_", "PMI_"))]:
+        del os.environ[key]
     os.environ.update(env)
     try:
         import torch
@@ -263,9 +267,12 @@ class Dedicated(RecoveryStrategy):
         if trainer.version != version:
             raise RuntimeError(f"dedicated: weights of version {version} published while the trainer is at "
                                f"version {trainer.version}")
+        path = Path(self.ctx.run_dir) / "dedicated" / f"v{version}"
+        if not self.ctx.is_driver:  # the export is a collective; the scoring process lives on rank 0 only
+            trainer.save_hf_checkpoint(str(path))
+            return
         if self._proc is None:
             self._start()
-        path = Path(self.ctx.run_dir) / "dedicated" / f"v{version}"
         with self.meter.time("dedicated_save_s"):
             trainer.save_hf_checkpoint(str(path))
         self.meter.add("bytes_moved", float(sum(f.stat().st_size for f in path.glob("*.safetensors"))))
@@ -274,13 +281,17 @@ class Dedicated(RecoveryStrategy):
             self.version = version
 
     def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
-        self._enqueue(partials)
+        if self.ctx.is_driver:
+            self._enqueue(partials)
 
     def on_segment_finished(self, traj: Trajectory) -> None:
-        self._enqueue([traj])
+        if self.ctx.is_driver:
+            self._enqueue([traj])
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         check_rows(batch, trajs)
+        if not self.ctx.is_driver:  # rank 0 scores; followers train with the anchor it broadcasts
+            return AnchorResult(logp_anchor=batch.logp_behav.clone(), exact=True)
         with self.meter.time("recovery_s"):
             self._enqueue(trajs)  # segments the loop never reported (only possible for the current version)
             needed = {(t.traj_id, s.start, s.end) for t in trajs for s in t.segments()}

@@ -1,0 +1,206 @@
+"""Several trainer ranks, one controller: rank 0 drives, the other ranks follow.
+
+Every trainer rank builds the same MegatronTrainer and the same recovery
+strategy (each holds only its own parameter shards, so a strategy's copies of
+old versions are sharded like the model). Rank 0 alone runs the controller,
+engines, rewards and dataset. Everything that touches the trainer is a
+collective, so rank 0 announces it first on a gloo control group and every
+follower replays it on its own trainer and strategy, in the same order:
+
+* strategy hooks (``DrivingStrategy`` broadcasts each call with its
+  arguments; cheap notifications such as ``on_segment_finished`` are queued
+  and shipped with the next collective event, so they never race with a train
+  step running in a worker thread);
+* ``anchor``: followers rebuild the same TrainBatch from the same
+  trajectories and call their strategy (its forwards are collectives), then
+  take rank 0's anchor tensor, so a strategy whose anchor only rank 0 can
+  compute (the dedicated model's process lives on rank 0) still trains
+  consistently;
+* ``train_step`` and ``save_hf_checkpoint`` (``DrivingTrainer``).
+
+With one rank none of this is used: the loop talks to the trainer directly.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.types import AnchorResult, Trajectory, TrainBatch
+
+
+class ControlChannel:
+    """Pickled events from rank 0 to every other rank, over a dedicated gloo group."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.rank = dist.get_rank()
+        self.lock = threading.Lock()
+
+    def send(self, event: tuple) -> None:
+        box = [event]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+
+    def recv(self) -> tuple:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def share_tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Rank 0's tensor (or None) on every rank (shape sent first)."""
+        shape = [tuple(t.shape) if t is not None else None]
+        dist.broadcast_object_list(shape, src=0, group=self.group)
+        if shape[0] is None:
+            return None
+        buf = t.contiguous().float() if self.rank == 0 else torch.empty(shape[0], dtype=torch.float32)
+        dist.broadcast(buf, src=0, group=self.group)
+        return buf
+
+
+class DrivingStrategy:
+    """Rank 0's view of the strategy: every hook is replayed on the followers."""
+
+    def __init__(self, inner, channel: ControlChannel) -> None:
+        self.inner = inner
+        self.channel = channel
+        self.exact = inner.exact
+        self.name = inner.name
+        self._pending: list[tuple] = []
+        self._pending_lock = threading.Lock()
+
+    def _event(self, *event) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        # followers see rank 0's live versions, so their snapshot stores free exactly the same versions
+        live_versions = set(self.inner.ctx.live_versions())
+        with self.channel.lock:
+            self.channel.send(("hooks", pending, live_versions))
+            self.channel.send(event)
+
+    # notifications: queued, shipped with the next event
+    def on_segment_finished(self, traj: Trajectory) -> None:
+        with self._pending_lock:
+            self._pending.append(("on_segment_finished", (traj,)))
+        self.inner.on_segment_finished(traj)
+
+    def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
+        with self._pending_lock:
+            self._pending.append(("on_rollout_interrupted", (partials,)))
+        self.inner.on_rollout_interrupted(partials)
+
+    # collective hooks
+    def before_publish(self, old_version: int, new_version: int) -> None:
+        live = self.inner.ctx.live_trajectories()
+        self._event("hook", "before_publish", (old_version, new_version), live)
+        self.inner.before_publish(old_version, new_version)
+
+    def on_weights_published(self, version: int) -> None:
+        self._event("hook", "on_weights_published", (version,), None)
+        self.inner.on_weights_published(version)
+
+    def after_optimizer_step(self, version: int, metrics: dict) -> None:
+        self._event("hook", "after_optimizer_step", (version, metrics), None)
+        self.inner.after_optimizer_step(version, metrics)
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        self._event("anchor", batch.version, trajs)
+        result = self.inner.anchor(batch, trajs)
+        with self.channel.lock:
+            self.channel.share_tensor(result.logp_anchor)
+        return result
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def overhead(self) -> dict:
+        return self.inner.overhead()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class DrivingTrainer:
+    """Rank 0's view of the trainer: collective calls are announced to the followers first."""
+
+    def __init__(self, trainer, channel: ControlChannel) -> None:
+        self.trainer = trainer
+        self.channel = channel
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def train_step(self, batch: TrainBatch, loss_fn) -> dict:
+        with self.channel.lock:
+            self.channel.send(("train_step",))
+        return self.trainer.train_step(batch, loss_fn)
+
+    def save_hf_checkpoint(self, out_dir: str):
+        with self.channel.lock:
+            self.channel.send(("save_hf_checkpoint", out_dir))
+        return self.trainer.save_hf_checkpoint(out_dir)
+
+    def stop_followers(self) -> None:
+        with self.channel.lock:
+            self.channel.send(("stop",))
+
+    def __getattr__(self, name: str):
+        return getattr(self.trainer, name)
+
+
+class FollowerView:
+    """What a follower's strategy context sees of the loop: rank 0's latest live state."""
+
+    def __init__(self) -> None:
+        self.trajectories: list[Trajectory] = []
+        self.versions: set[int] = set()
+
+    def live_trajectories(self) -> list[Trajectory]:
+        return self.trajectories
+
+    def live_versions(self) -> set[int]:
+        return self.versions
+
+
+def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: FollowerView) -> None:
+    """A follower rank's loop: replay rank 0's events until it says stop.
+
+    ``view`` backs the follower strategy's ``ctx.live_trajectories`` and
+    ``ctx.live_versions``: rank 0 sends its live versions with every event and
+    its live trajectories with every ``before_publish``.
+    """
+    batch: TrainBatch | None = None
+    anchor: AnchorResult | None = None
+    while True:
+        event = channel.recv()
+        kind = event[0]
+        if kind == "hooks":
+            _, pending, view.versions = event
+            for name, args in pending:
+                getattr(strategy, name)(*args)
+        elif kind == "hook":
+            _, name, args, live_trajs = event
+            if live_trajs is not None:
+                view.trajectories = live_trajs
+            getattr(strategy, name)(*args)
+        elif kind == "anchor":
+            _, version, trajs = event
+            batch = TrainBatch.from_trajectories(trajs, version=version)
+            mine = strategy.anchor(batch, trajs)
+            shared = channel.share_tensor(None)
+            anchor = AnchorResult(logp_anchor=shared, exact=mine.exact, from_theta=mine.from_theta)
+            if anchor.logp_anchor is not None:
+                batch.logp_anchor = anchor.logp_anchor
+        elif kind == "train_step":
+            trainer.train_step(batch, loss_fn_factory(batch, anchor))
+        elif kind == "save_hf_checkpoint":
+            trainer.save_hf_checkpoint(event[1])
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown control event {kind!r}")
