@@ -92,6 +92,35 @@ def make_advantage_fn(adv_cfg):
     return assign
 
 
+async def _connect_engine(addr: str, timeout_s: float = 600.0):
+    """(None, client) for an engine another process started; waits until it is healthy."""
+    from megarl.errors import EngineError
+    from megarl.rollout.client import EngineClient
+
+    client = EngineClient(addr if addr.startswith("http") else f"http://{addr}")
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await client.health()
+            return None, client
+        except EngineError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineError(f"engine at {addr} did not become healthy within {timeout_s:.0f} s") from None
+            await asyncio.sleep(2.0)
+
+
+def _serve_role(cfg: MegaRLConfig, role) -> None:
+    """A process launched for a server role of a plan."""
+    if role.role == "engine":
+        from megarl.rollout.server import serve
+
+        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port))
+        return
+    raise ConfigError("a dedicated old-logit scorer on its own nodes (MEGARL_ROLE=dedicated) is not supported yet: "
+                      "with recovery.name=dedicated the scorer runs as a process beside trainer rank 0; "
+                      "set placement.dedicated_nodes=0")
+
+
 def build_trainer(cfg: MegaRLConfig, ckpt: Path):
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
@@ -144,8 +173,14 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
                                          env={"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb)},
                                          log_path=str(run_dir / f"engine{i}.log"))
 
-        # engines start (tens of seconds each) while the trainer builds below
-        engine_starts = [asyncio.create_task(asyncio.to_thread(start_engine, i)) for i in range(cfg.rollout.n_engines)]
+        from megarl.launch.roles import current_role
+
+        remote = current_role().engine_addrs
+        if remote:  # started by a launcher on other nodes: connect to them
+            engine_starts = [asyncio.create_task(_connect_engine(addr)) for addr in remote]
+        else:  # engines start (tens of seconds each) while the trainer builds below
+            engine_starts = [asyncio.create_task(asyncio.to_thread(start_engine, i))
+                             for i in range(cfg.rollout.n_engines)]
         trainer = build_trainer(cfg, ckpt)
         channel = None
         if trainer.parallel.world_size > 1:
@@ -209,7 +244,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
     finally:
         rewards.close()
         for r in await asyncio.gather(*engine_starts, return_exceptions=True):
-            if not isinstance(r, BaseException):
+            if not isinstance(r, BaseException) and r[0] is not None:
                 stop_engine_process(r[0])
 
 
@@ -222,6 +257,12 @@ def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
     from megarl.data import PromptDataset
     from megarl.rewards.service import resolve_reward_fn
 
+    from megarl.launch.roles import current_role
+
+    role = current_role()
+    if role.role != "trainer":
+        _serve_role(cfg, role)
+        return Path(".")
     rank, world = _init_ranks()
     status: list = [None, None]
     if rank == 0:

@@ -1,0 +1,43 @@
+"""The whole async loop with two trainer ranks, started through the launch wrappers.
+
+torchrun: TP=2 trainer ranks + one vLLM engine process + the dedicated old-logit
+process. mpirun: DP=2 trainer ranks bootstrapped over MPI, snapshot recovery.
+"""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+COMMON = ["trainer.total_steps=3", "trainer.batch_size=32", "logging.progress=none", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    subprocess.run([str(ROOT / ".venv/bin/megarl"), "init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml",
+                    "--output", str(out)], cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("launcher,extra", [
+    ("torchrun.sh", ["parallel.tp=2", "recovery.name=dedicated"]),
+    ("mpirun.sh", ["recovery.name=snapshot"]),
+])
+def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
+    run_dir = tmp_path / "run"
+    cmd = ["bash", str(ROOT / "launch" / launcher), "--config", "configs/tiny_cpu.yaml", "placement.trainer_ranks=2",
+           f"model.checkpoint={ckpt}", f"logging.output_dir={run_dir}", *COMMON, *extra]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = _records(run_dir)
+    assert [x["version"] for x in records] == [1, 2, 3]
+    assert all(x["staleness_max"] <= 2 and x["skipped"] == 0 for x in records)
+    assert (run_dir / "final" / "model.safetensors").is_file()
