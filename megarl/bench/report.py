@@ -1,0 +1,278 @@
+"""Aggregate per-step metrics records (metrics.jsonl) into the bench report.
+
+Per step, with the bench wrapper's keys (megarl.bench.run; 0 when absent, so
+any metrics.jsonl works) ``va = recovery/bench_verifier_anchor_s`` and
+``vp = recovery/bench_verifier_publish_s``::
+
+    recovery        = recovery_s - va                   # the strategy's anchor(), dedicated waits included
+    step            = step_s - va - vp
+    hooks           = recovery/bench_hook_publish_s + recovery/bench_hook_optimizer_s
+    critical        = recovery + publish_recovery_s + hooks
+    wall            = wall_s - (va + vp summed up to this step)
+    gen_stall_total = gen_stall_total_s - (vp summed up to this step)
+
+Per strategy, over the steady state = steps 2..N (the first step also holds
+start-up: the first batch's generation, the dedicated scorer's model build):
+
+- ``step_time_s_median``, ``recovery_s_median``: medians over steps 2..N.
+- ``critical_path_overhead_frac`` = sum(critical) / sum(step) over steps 2..N:
+  the share of the trainer loop spent in recovery work it waits for.
+  Dedicated's waits for its scorer (``recovery/dedicated_wait_s``) happen
+  inside anchor(), so they are already in ``recovery``, not added twice.
+- ``gen_stall_frac`` = (gen_stall_total[N] - gen_stall_total[1]) /
+  (wall[N] - wall[1]): the share of time the engines were stopped for
+  publishing (drain, recovery, weight load, hooks); step N does not publish.
+- ``peak_rss_mb``: peak resident memory of the run's process tree (run.py).
+- ``extra_param_copies``: max over steps of ``recovery/extra_param_copies``.
+- ``bytes_moved`` = sum of ``recovery/bytes_moved`` + publishes x bytes of one
+  HF checkpoint (the weights each publish writes for the engines).
+- ``max_abs_err_vs_exact``: max over steps of ``verify/max_abs_err`` (null if
+  not verified or not finite).
+
+``throughput_ratio`` = tokens/s of the async run / tokens/s of the sync run,
+each = policy tokens trained in steps 2..N / (wall at step N - wall at step 1).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+#: the stacked phases of overhead.png, in order; each a per-step key of step_phases()
+PHASES = ("wait_batch", "recovery", "train_step", "publish_drain", "publish_recovery", "weight_sync",
+          "recovery_hooks", "other")
+
+
+def load_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _num(rec: dict, key: str) -> float:
+    v = rec.get(key)
+    return float(v) if isinstance(v, (int, float)) else 0.0
+
+
+def step_phases(records: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per step: the phases, ``step``, ``critical``, ``wall`` and ``gen_stall_total``, verifier time removed."""
+    out = []
+    verifier_total = stall_verifier_total = 0.0
+    for r in records:
+        va, vp = _num(r, "recovery/bench_verifier_anchor_s"), _num(r, "recovery/bench_verifier_publish_s")
+        verifier_total += va + vp
+        stall_verifier_total += vp
+        p = {"wait_batch": _num(r, "wait_batch_s"), "recovery": _num(r, "recovery_s") - va,
+             "train_step": _num(r, "train_step_s"), "publish_drain": _num(r, "publish_drain_s"),
+             "publish_recovery": _num(r, "publish_recovery_s"), "weight_sync": _num(r, "weight_sync_s"),
+             "recovery_hooks": _num(r, "recovery/bench_hook_publish_s") + _num(r, "recovery/bench_hook_optimizer_s")}
+        step = _num(r, "step_s") - va - vp
+        p["other"] = step - sum(p.values())
+        p["step"] = step
+        p["critical"] = p["recovery"] + p["publish_recovery"] + p["recovery_hooks"]
+        p["wall"] = _num(r, "wall_s") - verifier_total
+        p["gen_stall_total"] = _num(r, "gen_stall_total_s") - stall_verifier_total
+        out.append(p)
+    return out
+
+
+def _max_key(records: list[dict], key: str) -> float:
+    vals = [r[key] for r in records if key in r]
+    if not vals:
+        return 0.0
+    return math.inf if any(v is None for v in vals) else float(max(vals))  # None: logged non-finite
+
+
+def summarize(records: list[dict[str, Any]], weights_nbytes: int, peak_rss_mb: float,
+              verified: bool = True) -> dict[str, Any]:
+    """The report.json entry of one strategy (module docstring)."""
+    if not records:
+        raise ValueError("no metrics records (the run logged no step)")
+    ph = step_phases(records)
+    steady = _steady(ph)
+    step_sum = sum(p["step"] for p in steady)
+    first, last = (ph[0], ph[-1]) if len(ph) > 1 else ({"wall": 0.0, "gen_stall_total": 0.0}, ph[-1])
+    span = last["wall"] - first["wall"]
+    n_publish = sum(1 for r in records if "publish_s" in r)
+    err = _max_key(records, "verify/max_abs_err") if verified else math.nan
+    return {
+        "step_time_s_median": statistics.median(p["step"] for p in steady),
+        "recovery_s_median": statistics.median(p["recovery"] for p in steady),
+        "critical_path_overhead_frac": sum(p["critical"] for p in steady) / step_sum if step_sum > 0 else 0.0,
+        "gen_stall_frac": (last["gen_stall_total"] - first["gen_stall_total"]) / span if span > 0 else 0.0,
+        "peak_rss_mb": float(peak_rss_mb),
+        "extra_param_copies": _max_key(records, "recovery/extra_param_copies"),
+        "bytes_moved": int(round(sum(_num(r, "recovery/bytes_moved") for r in records) + n_publish * weights_nbytes)),
+        "max_abs_err_vs_exact": err if math.isfinite(err) else None,
+    }
+
+
+def _steady(ph: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Steps 2..N (all of them when there is only one)."""
+    return ph[1:] or ph
+
+
+def phase_medians(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds per step (steps 2..N) of each phase, and of the whole step (``step``)."""
+    ph = _steady(step_phases(records))
+    return {k: statistics.median(p[k] for p in ph) for k in (*PHASES, "step")}
+
+
+def tokens_per_s(records: list[dict[str, Any]]) -> float:
+    """Policy tokens trained per second after the first step (engine and trainer start-up excluded)."""
+    if len(records) < 2:
+        raise ValueError("throughput needs at least 2 steps")
+    ph = step_phases(records)
+    seconds = ph[-1]["wall"] - ph[0]["wall"]
+    return sum(_num(r, "tokens") for r in records[1:]) / seconds if seconds > 0 else math.nan
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    if a is None or b is None or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+def targets(strategies: dict[str, dict], async_vs_sync: dict) -> list[dict[str, Any]]:
+    """The design targets with their measured values; ``passed`` is None when not measured."""
+    s = strategies.get
+    rows = [
+        ("ewma step time / recompute step time", _ratio(s("ewma"), s("recompute"), "step_time_s_median"), "<=", 1.05),
+        ("snapshot step time / ewma step time", _ratio(s("snapshot"), s("ewma"), "step_time_s_median"), "<=", 1.5),
+        ("dedicated: recovery share of the trainer critical path",
+         s("dedicated", {}).get("critical_path_overhead_frac"), "<=", 0.05),
+        ("interrupt_sync: engine stall share of wall time", s("interrupt_sync", {}).get("gen_stall_frac"), "<=", 0.10),
+        ("async / sync throughput (tokens/s)", async_vs_sync.get("throughput_ratio"), ">=", 2.0),
+    ]
+    out = []
+    for name, value, op, bound in rows:
+        ok = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        out.append({"target": name, "value": value, "op": op, "bound": bound, "passed": ok})
+    return out
+
+
+def build_report(runs: dict[str, dict[str, Any]], sync_runs: dict[str, list[dict]] | None,
+                 meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``runs[name] = {"records", "child": {"peak_rss_mb", ...}, "weights_nbytes"}``; ``sync_runs`` = {"async", "sync"} records."""
+    verified = bool((meta or {}).get("verify", True))
+    strategies = {n: summarize(r["records"], r["weights_nbytes"], r["child"]["peak_rss_mb"], verified)
+                  for n, r in runs.items()}
+    async_vs_sync: dict[str, Any] = {"throughput_ratio": None}
+    if sync_runs is not None:
+        a, s = tokens_per_s(sync_runs["async"]), tokens_per_s(sync_runs["sync"])
+        async_vs_sync = {"throughput_ratio": _finite(a / s) if s > 0 else None, "tokens_per_s_async": _finite(a),
+                         "tokens_per_s_sync": _finite(s)}
+    return {"strategies": strategies, "async_vs_sync": async_vs_sync,
+            "phases_s_median": {n: phase_medians(r["records"]) for n, r in runs.items()},
+            "targets": targets(strategies, async_vs_sync), "meta": meta or {}}
+
+
+# -- rendering -------------------------------------------------------------------------
+COLUMNS = (("strategy", "strategy"), ("step_time_s_median", "step s (median)"),
+           ("recovery_s_median", "recovery s (median)"), ("critical_path_overhead_frac", "critical path %"),
+           ("gen_stall_frac", "engine stall %"), ("peak_rss_mb", "peak RSS MB"),
+           ("extra_param_copies", "extra copies"), ("bytes_moved", "MB moved"),
+           ("max_abs_err_vs_exact", "max abs err vs exact"))
+
+
+def _fmt(key: str, v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if key.endswith("_frac"):
+        return f"{100 * v:.1f}"
+    if key == "bytes_moved":
+        return f"{v / 1e6:.1f}"
+    if key == "peak_rss_mb":
+        return f"{v:.0f}"
+    if key == "extra_param_copies":
+        return f"{v:g}"
+    if key == "max_abs_err_vs_exact":
+        return f"{v:.2e}"
+    return f"{v:.4f}"
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    return [[name, *(_fmt(k, s[k]) for k, _ in COLUMNS[1:])] for name, s in report["strategies"].items()]
+
+
+def target_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for t in report["targets"]:
+        status = {True: "PASS", False: "FAIL", None: "SKIP"}[t["passed"]]
+        value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"{status}  {t['target']}: {value} (target {t['op']} {t['bound']:g})")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    meta = report.get("meta", {})
+    head = [h for _, h in COLUMNS]
+    overrides = " ".join(f"`{o}`" for o in meta.get("overrides", []))
+    out = ["# megarl bench", "",
+           f"Config `{meta.get('config', '?')}`{' with ' + overrides if overrides else ''}, "
+           f"{meta.get('steps', '?')} steps per strategy, eta={meta.get('eta', '?')}, one run each, "
+           "sequentially in this order.", ""]
+    if "cpu_count" in meta:
+        out += [f"Machine: {meta['cpu_count']} CPUs, load average {meta['loadavg_start']:.2f} at the start and "
+                f"{meta['loadavg_end']:.2f} at the end (other processes share the cores: single runs are noisy).",
+                ""]
+    out += [
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    avs = report["async_vs_sync"]
+    out += ["", "## Async vs sync (behav)", ""]
+    if avs.get("throughput_ratio") is None:
+        out.append("Not measured (run with --compare-sync).")
+    else:
+        out.append(f"{avs['tokens_per_s_async']:.1f} tokens/s async (eta={meta.get('eta', '?')}) vs "
+                   f"{avs['tokens_per_s_sync']:.1f} tokens/s sync (eta=0): ratio {avs['throughput_ratio']:.2f}")
+    out += ["", "## Targets", "", "```", *target_lines(report), "```", "",
+            "## Median seconds per step by phase", ""]
+    phases = report.get("phases_s_median", {})
+    cols = [*PHASES, "step"]
+    out += ["| strategy | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    out += [f"| {n} | " + " | ".join(f"{p[c]:.4f}" for c in cols) + " |" for n, p in phases.items()]
+    out += ["", "## Definitions", "", *_DEFINITIONS, ""]
+    return "\n".join(out)
+
+
+_DEFINITIONS = [
+    "- Seconds are per optimizer step, over steps 2..N (step 1 also holds start-up); the verifier's truth "
+    "forwards and parameter copies are measured and subtracted from recovery, step, wall and stall times.",
+    "- critical path % = sum(recovery in anchor (dedicated waits included) + publish recovery + recovery hooks "
+    "at publish and after the optimizer step) / sum(step time).",
+    "- engine stall % = seconds engines were stopped by publishing / wall seconds, both from the end of "
+    "step 1 to the end of the run.",
+    "- peak RSS = sampled peak of the summed resident memory of the trainer process and its children "
+    "(engines, reward workers, dedicated scorer); shared pages count once per process.",
+    "- MB moved = recovery bytes moved + publishes x size of one HF weights checkpoint.",
+    "- max abs err = largest |anchor - true logp_old| over all policy tokens (approximate anchors differ "
+    "by design).",
+    "- Phase medians are taken separately, so a bar's stack need not equal the median step time "
+    "(marked on the plot).",
+]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The table and the target lines on stdout (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="megarl bench")
+    for i, (_, head) in enumerate(COLUMNS):
+        table.add_column(head, justify="left" if i == 0 else "right")
+    for row in table_rows(report):
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(table)
+    avs = report["async_vs_sync"]["throughput_ratio"]
+    console.print(f"async / sync throughput: {'not measured' if avs is None else f'{avs:.2f}'}")
+    for line in target_lines(report):
+        style = "green" if line.startswith("PASS") else "red" if line.startswith("FAIL") else "yellow"
+        console.print(line, style=style, markup=False, highlight=False)

@@ -1,0 +1,280 @@
+"""`megarl bench` orchestration: one real training run per strategy, then the report.
+
+Every strategy runs from the same config and seed, one after another, each in
+its own fresh Python process (``python -m megarl.bench.run SPEC``) so that its
+peak memory is its own: the parent samples the resident set of that process
+and all its descendants (vLLM engines, reward workers, the dedicated scorer).
+
+Inside the child the strategy is wrapped in :class:`BenchStrategy`, a
+:class:`~megarl.verify.VerifyingStrategy` that also times every hook. The
+verifier's own work (the true-``logp_old`` forwards inside ``anchor`` and the
+parameter copies it keeps at each publish) is reported per step under
+``recovery/bench_verifier_anchor_s`` and ``recovery/bench_verifier_publish_s``
+and subtracted by :mod:`megarl.bench.report` from ``recovery_s``, ``step_s``,
+``wall_s`` and ``gen_stall_total_s``. The subtraction is first order: while
+the verifier runs, the engines keep generating, so later steps may wait a
+little less for their batch than they would without it.
+
+The strategy's own hook time outside ``anchor`` and ``before_publish``, which
+the loop does not time separately, is reported as
+``recovery/bench_hook_publish_s`` (``on_weights_published`` inside a publish,
+e.g. snapshot's copy or dedicated's checkpoint write) and
+``recovery/bench_hook_optimizer_s`` (``after_optimizer_step``, e.g. ewma's
+average update).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import MegarlError
+from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.verify import VerifyingStrategy
+
+#: seconds between two samples of the process tree's resident memory
+RSS_SAMPLE_INTERVAL_S = 0.5
+
+
+class _AnchorClock:
+    """Stands in for the strategy under test inside VerifyingStrategy; times its ``anchor``."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+        self.last_s = 0.0
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        t0 = time.perf_counter()
+        try:
+            return self._strategy.anchor(batch, trajs)
+        finally:
+            self.last_s = time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._strategy, name)
+
+
+class BenchStrategy(VerifyingStrategy):
+    """VerifyingStrategy that reports the time of the verifier and of the inner hooks.
+
+    With ``verify=False`` no truth is computed and no parameters are kept;
+    only the hook timings remain.
+    """
+
+    name = "bench"
+
+    def __init__(self, inner: Any, verify: bool = True) -> None:
+        super().__init__(inner)
+        self.verify = verify
+        self._clock = _AnchorClock(inner)
+        self.inner = self._clock
+        self._in_loop = False  # the first publish (version 0) happens before the timed loop
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        t0 = time.perf_counter()
+        result = super().anchor(batch, trajs) if self.verify else self._clock.anchor(batch, trajs)
+        self.meter.add("bench_verifier_anchor_s", time.perf_counter() - t0 - self._clock.last_s)
+        return result
+
+    def on_weights_published(self, version: int) -> None:
+        t0 = time.perf_counter()
+        if self.verify:
+            self.params_by_version[version] = self.ctx.trainer.get_params()
+            # versions no live token references can never be asked for again
+            oldest_live = min(self.ctx.live_versions() | {version})
+            for v in [v for v in self.params_by_version if v < oldest_live]:
+                del self.params_by_version[v]
+        t1 = time.perf_counter()
+        self._clock.on_weights_published(version)
+        t2 = time.perf_counter()
+        if self._in_loop:
+            self.meter.add("bench_verifier_publish_s", t1 - t0)
+            self.meter.add("bench_hook_publish_s", t2 - t1)
+        self._in_loop = True
+
+    def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
+        with self.meter.time("bench_hook_optimizer_s"):
+            self._clock.after_optimizer_step(version, metrics)
+
+    def overhead(self) -> dict[str, float]:
+        out = dict(self._clock.overhead())
+        out.update(self.meter.pop_step())
+        return out
+
+
+# -- the child: one strategy, one train() ------------------------------------------------
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train ``spec["strategy"]`` for ``spec["steps"]`` steps into ``spec["run_dir"]``; returns the child summary."""
+    import resource
+
+    from megarl.config import load_config
+    from megarl.train import train
+
+    run_dir = Path(spec["run_dir"])
+    cfg = load_config(spec["config"], [*spec["overrides"], f"recovery.name={spec['strategy']}",
+                                       f"trainer.total_steps={spec['steps']}", "logging.progress=none",
+                                       "logging.tensorboard=false", f"logging.output_dir={run_dir}"])
+    holder: dict[str, BenchStrategy] = {}
+
+    def wrap(inner):
+        holder["s"] = BenchStrategy(inner, verify=spec["verify"])
+        return holder["s"]
+
+    t0 = time.perf_counter()
+    train(cfg, wrap_strategy=wrap)
+    kib = 1024.0  # ru_maxrss is in KiB on Linux
+    summary = {"strategy": spec["strategy"], "total_s": time.perf_counter() - t0,
+               "verify": holder["s"].report() if spec["verify"] else None,
+               "ru_maxrss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib,
+               "ru_maxrss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib}
+    (run_dir / "bench_child.json").write_text(json.dumps(summary, default=_json_default) + "\n")
+    return summary
+
+
+def _json_default(x: Any) -> Any:
+    return None if isinstance(x, float) else str(x)
+
+
+# -- the parent: processes, memory, report ----------------------------------------------
+class _TreeRssSampler(threading.Thread):
+    """Peak of the summed RSS of a process and all its descendants (psutil; idle without it)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak_mb = 0.0
+        self._stop_event = threading.Event()
+        try:
+            import psutil
+        except ImportError:
+            self._psutil = None
+        else:
+            self._psutil = psutil
+
+    @property
+    def available(self) -> bool:
+        return self._psutil is not None
+
+    def run(self) -> None:
+        if self._psutil is None:
+            return
+        ps = self._psutil
+        try:
+            root = ps.Process(self.pid)
+        except ps.Error:
+            return
+        while not self._stop_event.is_set():
+            total = 0
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except ps.Error:
+                return
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                except ps.Error:
+                    pass
+            self.peak_mb = max(self.peak_mb, total / 2**20)
+            self._stop_event.wait(RSS_SAMPLE_INTERVAL_S)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    """Metrics files are appended to, so a previous bench run in ``run_dir`` is removed first."""
+    if run_dir.exists():
+        if any(run_dir.iterdir()) and not (run_dir / "config.yaml").exists():
+            raise MegarlError(f"{run_dir} exists and is not a previous bench run; choose another --output")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one strategy in a fresh process; adds ``peak_rss_mb`` (process tree) to its summary."""
+    run_dir = Path(spec["run_dir"])
+    _prepare_run_dir(run_dir)
+    log_path = run_dir / "bench.log"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megarl.bench.run", json.dumps(spec)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    sampler = _TreeRssSampler(proc.pid)
+    sampler.start()
+    try:
+        rc = proc.wait()
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
+    finally:
+        sampler.stop()
+    if rc != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-25:]
+        raise MegarlError(f"bench run of {spec['strategy']!r} failed (exit code {rc}); log {log_path}:\n"
+                          + "\n".join(tail))
+    summary = json.loads((run_dir / "bench_child.json").read_text())
+    if sampler.available:
+        # sampled every RSS_SAMPLE_INTERVAL_S; the child's own exact peak is a floor
+        summary["peak_rss_mb"] = max(sampler.peak_mb, summary["ru_maxrss_self_mb"])
+        summary["peak_rss_method"] = "psutil tree sum"
+    else:
+        summary["peak_rss_mb"] = summary["ru_maxrss_self_mb"] + summary["ru_maxrss_children_mb"]
+        summary["peak_rss_method"] = "getrusage self + largest child"
+    return summary
+
+
+def weights_nbytes(run_dir: Path) -> int:
+    """Bytes of one published version: the HF safetensors the run wrote at the end (same layout as a publish)."""
+    return sum(f.stat().st_size for f in (run_dir / "final").glob("*.safetensors"))
+
+
+def bench(config: str, strategies: list[str], steps: int | None, output: str, overrides: list[str], *,
+          compare_sync: bool = False, verify: bool = True, log=print) -> dict[str, Any]:
+    """Run every strategy (and the sync/async pair), then write report.json, report.md and the plots."""
+    from megarl.bench import plots, report
+    from megarl.config import load_config
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(config, overrides)  # fails fast on a bad config or override
+    steps = steps or cfg.trainer.total_steps
+    load_start = os.getloadavg()[0]
+    runs: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(strategies, 1):
+        log(f"[{i}/{len(strategies)}] {name} ...")
+        child = run_child({"config": config, "overrides": overrides, "strategy": name, "steps": steps,
+                           "run_dir": str(out / name), "verify": verify})
+        runs[name] = {"records": report.load_metrics(out / name / "metrics.jsonl"), "child": child,
+                      "weights_nbytes": weights_nbytes(out / name)}
+        log(f"      done in {child['total_s']:.0f} s, peak RSS {child['peak_rss_mb']:.0f} MB")
+
+    sync_runs: dict[str, list[dict]] | None = None
+    if compare_sync:
+        sync_runs = {}
+        for label, eta in (("async", cfg.rollout.eta), ("sync", 0)):
+            run_name = f"{label}_eta{eta}"
+            log(f"[compare-sync] behav with rollout.eta={eta} ...")
+            run_child({"config": config, "overrides": [*overrides, f"rollout.eta={eta}"], "strategy": "behav",
+                       "steps": steps, "run_dir": str(out / run_name), "verify": False})
+            sync_runs[label] = report.load_metrics(out / run_name / "metrics.jsonl")
+
+    meta = {"config": config, "overrides": overrides, "steps": steps, "eta": cfg.rollout.eta, "verify": verify,
+            "cpu_count": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0]}
+    rep = report.build_report(runs, sync_runs, meta=meta)
+    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    (out / "report.md").write_text(report.render_markdown(rep))
+    plots.overhead_plot(rep, out / "overhead.png")
+    plots.reward_plot({n: r["records"] for n, r in runs.items()}, out / "reward.png")
+    return rep
+
+
+if __name__ == "__main__":
+    run_one(json.loads(sys.argv[1]))
