@@ -105,8 +105,9 @@ class ReplayBuffer:
 
     # -- views for recovery --------------------------------------------------------
     def live_trajectories(self) -> list[Trajectory]:
-        out = [t for g in self.ready for t in g.trajectories]
-        out += [t for g in self.running_groups.values() for t in g.trajectories]
+        # list() copies in one step under the GIL: safe to call from the trainer's worker thread
+        out = [t for g in list(self.ready) for t in list(g.trajectories)]
+        out += [t for g in list(self.running_groups.values()) for t in list(g.trajectories)]
         return out
 
     def state_dict(self) -> dict:

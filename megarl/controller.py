@@ -174,7 +174,13 @@ class Controller:
 
     # -- publishing ----------------------------------------------------------------
     async def publish(self, new_version: int) -> dict[str, float]:
-        """Move the trainer's weights to the engines as ``new_version``."""
+        """Move the trainer's weights to the engines as ``new_version``.
+
+        The export runs before generation stops; only aborting, the strategy's
+        publish hooks and loading into the engines stall generation.
+        """
+        t_prep = time.perf_counter()
+        await self.publisher.prepare(new_version)
         t0 = time.perf_counter()
         self.weights_ready.clear()
         old = self.version
@@ -187,7 +193,7 @@ class Controller:
         self.strategy.on_rollout_interrupted(partials)
         self.strategy.before_publish(old, new_version)
         t_sync = time.perf_counter()
-        await self.publisher(new_version)
+        await self.publisher.apply(new_version)
         t_loaded = time.perf_counter()
         self.version = new_version
         self.strategy.on_weights_published(new_version)
@@ -195,7 +201,8 @@ class Controller:
         await self.buffer.notify()
         t1 = time.perf_counter()
         self.gen_stall_s += t1 - t0
-        return {"publish_s": t1 - t0, "publish_drain_s": t_stopped - t0, "publish_recovery_s": t_sync - t_stopped,
+        return {"publish_s": t1 - t_prep, "weight_export_s": t0 - t_prep, "publish_stall_s": t1 - t0,
+                "publish_drain_s": t_stopped - t0, "publish_recovery_s": t_sync - t_stopped,
                 "weight_sync_s": t_loaded - t_sync}
 
     # -- training ------------------------------------------------------------------
@@ -210,9 +217,12 @@ class Controller:
                 t_got = time.perf_counter()
                 record = await asyncio.to_thread(self._train_on, trajs)
                 t_trained = time.perf_counter()
-                self.strategy.after_optimizer_step(self.trainer.version, record)
+                # in a worker thread: strategies may run forwards here while the engines keep generating
+                await asyncio.to_thread(self.strategy.after_optimizer_step, self.trainer.version, record)
+                record["after_step_hooks_s"] = time.perf_counter() - t_trained
                 pub: dict[str, float] = {}
-                if self.trainer.version % self.cfg.trainer.publish_every == 0 and self.step + 1 < total_steps:
+                if (self.trainer.version > self.version and self.trainer.version % self.cfg.trainer.publish_every == 0
+                        and self.step + 1 < total_steps):
                     pub = await self.publish(self.trainer.version)
                 self.step += 1
                 record.update(pub)

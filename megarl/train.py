@@ -92,6 +92,25 @@ def make_advantage_fn(adv_cfg):
     return assign
 
 
+class DiskPublisher:
+    """Weights to engines through safetensors on (shared) disk: export, then load."""
+
+    def __init__(self, trainer, router, weights_dir: Path) -> None:
+        self.trainer = trainer
+        self.router = router
+        self.weights_dir = weights_dir
+
+    async def prepare(self, version: int) -> None:
+        await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(self.weights_dir / f"v{version}"))
+
+    async def apply(self, version: int) -> None:
+        current = self.weights_dir / f"v{version}"
+        await self.router.update_weights_from_disk(str(current), version)
+        for old in self.weights_dir.glob("v*"):
+            if old != current:
+                shutil.rmtree(old, ignore_errors=True)
+
+
 async def _connect_engine(addr: str, timeout_s: float = 600.0):
     """(None, client) for an engine another process started; waits until it is healthy."""
     from megarl.errors import EngineError
@@ -195,13 +214,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
         router = EngineRouter([r[1] for r in started])
         weights_dir = run_dir / "weights"
 
-        async def publisher(version: int) -> None:
-            d = weights_dir / f"v{version}"
-            await asyncio.to_thread(trainer.save_hf_checkpoint, str(d))
-            await router.update_weights_from_disk(str(d), version)
-            for old in weights_dir.glob("v*"):
-                if old != d:
-                    shutil.rmtree(old, ignore_errors=True)
+        publisher = DiskPublisher(trainer, router, weights_dir)
 
         controller_ref: dict = {}
 

@@ -275,6 +275,7 @@ class Dedicated(RecoveryStrategy):
             self._start()
         with self.meter.time("dedicated_save_s"):
             trainer.save_hf_checkpoint(str(path))
+        self.meter.set("extra_param_copies", 1.0)  # the scoring process holds one full copy
         self.meter.add("bytes_moved", float(sum(f.stat().st_size for f in path.glob("*.safetensors"))))
         with self._lock:
             self._in_q.put(("version", (version, str(path))))

@@ -5,6 +5,9 @@ parameters taken at ``on_weights_published(v)`` (the trainer is then exactly
 at v). It is needed because by ``before_publish(v, v')`` the optimizer has
 already moved the trainer past v. Only this one copy is ever held.
 
+``after_optimizer_step``: the engines still generate; tokens of the published
+version in trajectories that have finished are scored now, off the stall.
+
 ``before_publish(old, new)``: the loop has stopped the engines; every policy
 token of version ``old`` in the live trajectories (finished and partial, plus
 the partials reported by ``on_rollout_interrupted``) whose ``logp_old`` is
@@ -92,6 +95,16 @@ class InterruptSync(RecoveryStrategy):
     def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
         for t in partials:
             self._interrupted[t.traj_id] = t
+
+    def after_optimizer_step(self, version: int, metrics: dict) -> None:
+        # finished trajectories of the published version can be scored now, while the engines keep
+        # generating; only the partial ones are left for the stall in before_publish
+        if self._kept_version is None:
+            return
+        with self.meter.time("prescore_s"):
+            done = [t for t in self.ctx.live_trajectories() if t.finish_reason is not None]
+            n = self._score(done, self._kept_version)
+        self.meter.add("prescored_tokens", float(n))
 
     def before_publish(self, old_version: int, new_version: int) -> None:
         with self.meter.time("gen_stall_s"):

@@ -90,8 +90,14 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
     trainer = StepCounterTrainerForGateTests(rng)
     prompts = iter(lambda: SimpleNamespace(prompt_ids=[1, 5, 2], meta={}), None)
 
-    async def publisher(version):
-        engine.version = version
+    class Publisher:
+        async def prepare(self, version):
+            pass
+
+        async def apply(self, version):
+            engine.version = version
+
+    publisher = Publisher()
 
     def advantages(trajs):
         for t in trajs:
