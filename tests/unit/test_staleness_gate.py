@@ -112,7 +112,7 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
     return trainer, records
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=60)
 @given(eta=st.integers(0, 3), groups_per_batch=st.integers(1, 3), n=st.integers(1, 4),
        seed=st.integers(0, 10_000), interruptible=st.booleans())
 def test_staleness_bound_never_violated(eta, groups_per_batch, n, seed, interruptible):
