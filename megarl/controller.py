@@ -21,6 +21,15 @@ Generation never waits for training and training never waits for generation
 beyond the staleness gate: the train step runs in a worker thread while the
 event loop keeps feeding the engines. A recovery strategy sees only the hooks
 (recovery/base.py); it never edits this loop.
+
+Nothing lost: every ``logging.save_every`` steps and at the end the
+``checkpointer`` (megarl/checkpoint.py) writes the loop's :meth:`state_dict`
+with the trainer's and strategy's; :meth:`load_state_dict` continues from it
+(running groups are regenerated from their prompts). A request whose engine
+died (``EngineLost``, megarl/rollout/supervisor.py) is sent again, prompt +
+partial, once an engine is up. A step the trainer skipped (non-finite loss or
+gradient norm) is logged with its reason and not published; after
+``trainer.max_consecutive_skips`` in a row the run checkpoints and stops.
 """
 from __future__ import annotations
 
@@ -32,6 +41,8 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from megarl.buffer import Group, ReplayBuffer
+from megarl.errors import TrainingError
+from megarl.rollout.supervisor import EngineLost
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch
 
 log = logging.getLogger("megarl.controller")
@@ -45,12 +56,15 @@ class Controller:
     (RewardService), ``dataset`` (PromptDataset), ``workflow``, ``strategy``
     (recovery), ``publisher(version) -> awaitable`` that moves the trainer's
     weights to every engine, ``loss_fn_factory(batch) -> loss_fn`` and
-    ``on_step(record)`` for logging.
+    ``on_step(record)`` for logging. Optional: ``checkpointer`` (``await
+    checkpointer.save(controller)``) and ``journal`` (``journal.write(name,
+    record)``: accepted and trained trajectory ids per group and step).
     """
 
     def __init__(self, cfg, *, trainer, router, rewards, dataset, workflow, strategy,
                  publisher: Callable[[int], Any], loss_fn_factory: Callable[[TrainBatch], Any],
-                 advantages: Callable[[list[Trajectory]], None], on_step: Callable[[dict], None]) -> None:
+                 advantages: Callable[[list[Trajectory]], None], on_step: Callable[[dict], None],
+                 checkpointer=None, journal=None) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.router = router
@@ -62,6 +76,8 @@ class Controller:
         self.loss_fn_factory = loss_fn_factory
         self.advantages = advantages
         self.on_step = on_step
+        self.checkpointer = checkpointer
+        self.journal = journal
         self.B = cfg.trainer.batch_size
         self.n = cfg.rollout.group_size
         self.eta = cfg.rollout.eta
@@ -70,15 +86,24 @@ class Controller:
         self.step = 0
         self.weights_ready = asyncio.Event()
         self.weights_ready.set()
+        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
         self.inflight: dict[str, Trajectory] = {}  # request id -> trajectory being generated
         self.n_requests_inflight = 0
         self._all_returned = asyncio.Event()
         self._all_returned.set()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
-        self.counters = {"n_interrupted": 0, "n_reward_failed": 0, "n_dropped": 0}
+        self.counters = {"n_interrupted": 0, "n_reward_failed": 0, "n_dropped": 0, "n_engine_resubmits": 0}
         self._step_counters = dict(self.counters)
         self.gen_stall_s = 0.0
+        #: groups admitted so far; trajectory ids are {id_prefix}g{k}-{j}. A resumed attempt gets its own
+        #: prefix, so groups a killed attempt admitted after its last checkpoint never share an id with new ones
+        self.group_counter = 0
+        self.id_prefix = ""
+        self._items: dict[str, Any] = {}  # group id -> its prompt, while the group runs
+        self._regenerate: list[Any] = []  # prompts of groups that were running at the checkpoint
+        self._resumed = False
+        self._consecutive_skips = 0
 
     # -- generation ------------------------------------------------------------------
     async def _generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams) -> GenerateResult:
@@ -95,6 +120,10 @@ class Controller:
         chunk = 0
         while True:
             await self.weights_ready.wait()
+            await self._slots.acquire()  # at most rollout.max_concurrency requests in flight
+            if not self.weights_ready.is_set():  # a publish began while this request waited for a slot
+                self._slots.release()
+                continue
             rid = f"{traj.traj_id}/{len(traj.response_ids)}/{chunk}"
             # a distinct, reproducible seed per trajectory and resubmission
             seed = (self.cfg.trainer.seed * 1_000_003 + zlib.crc32(rid.encode())) % (2**31)
@@ -104,11 +133,18 @@ class Controller:
             self._all_returned.clear()
             try:
                 res = await self.router.generate(req)
+            except EngineLost:
+                res = None
             finally:
+                self._slots.release()
                 self.inflight.pop(rid, None)
                 self.n_requests_inflight -= 1
                 if self.n_requests_inflight == 0:
                     self._all_returned.set()
+            if res is None:  # its engine died and took this chunk with it: send it again once one is up
+                self.counters["n_engine_resubmits"] += 1
+                await self.router.wait_available()
+                continue
             traj.append_policy(res.output_ids, res.logp_behav, res.versions)
             out_ids += res.output_ids
             logps += res.logp_behav
@@ -136,6 +172,7 @@ class Controller:
         except Exception:
             log.exception("group %s failed; its samples are dropped", group.group_id)
             self.counters["n_dropped"] += len(group.trajectories)
+            self._items.pop(group.group_id, None)
             await self.buffer.accept(group, [])
             return
         failed = [t for t in trajs if t.reward_failed]
@@ -145,27 +182,39 @@ class Controller:
             kept = [t for t in trajs if not t.reward_failed]
             self.counters["n_dropped"] += len(failed)
         if kept:
-            self.advantages(kept)
-        await self.buffer.accept(group, kept)
+            try:
+                self.advantages(kept)
+            except Exception:  # e.g. non-finite rewards: the group must still leave the gate's count
+                log.exception("advantages of group %s failed; its samples are dropped", group.group_id)
+                self.counters["n_dropped"] += len(kept)
+                kept = []
+        self._items.pop(group.group_id, None)
+        accepted_total = await self.buffer.accept(group, kept)
+        if kept and self.journal is not None:
+            self.journal.write("accepted", {"step": self.step, "accepted_total": accepted_total,
+                                            "group_id": group.group_id, "traj_ids": [t.traj_id for t in kept]})
 
     async def _rollout_loop(self) -> None:
         data = iter(self.dataset)
-        gi = 0
         while not self._stopping:
+            failure = getattr(self.router, "failure", None)
+            if failure is not None:  # every engine is gone for good
+                raise failure
             async with self.buffer._changed:
                 await self.buffer._changed.wait_for(
                     lambda: self._stopping or (self.weights_ready.is_set()
                                                and self.buffer.can_admit(self.n, self.version)))
             if self._stopping:
                 return
-            item = next(data)
-            gid = f"g{gi}"
+            item = self._regenerate.pop(0) if self._regenerate else next(data)
+            gid = f"{self.id_prefix}g{self.group_counter}"
             trajs = [Trajectory(traj_id=f"{gid}-{j}", group_id=gid, prompt_ids=list(item.prompt_ids),
                                 meta=dict(item.meta), logp_old=[] if self.strategy.exact else None)
                      for j in range(self.n)]
             group = Group(gid, self.version, trajs)
             self.buffer.admit(group)
-            gi += 1
+            self._items[gid] = item
+            self.group_counter += 1
             task = asyncio.create_task(self._run_group(group, item))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -206,29 +255,73 @@ class Controller:
                 "weight_sync_s": t_loaded - t_sync}
 
     # -- training ------------------------------------------------------------------
+    async def _next_batch(self, roll: asyncio.Task) -> list[Trajectory]:
+        """The next batch; if the rollout loop dies instead, its error (no waiting forever for data)."""
+        get = asyncio.ensure_future(self.buffer.get_batch(self.trainer.version, self.version))
+        await asyncio.wait({get, roll}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            roll.result()  # raises the rollout loop's error
+            raise RuntimeError("the rollout loop stopped")
+        return get.result()
+
+    async def _checkpoint(self) -> None:
+        if self.checkpointer is not None and self.checkpointer.last_step != self.step:
+            t0 = time.perf_counter()
+            await self.checkpointer.save(self)
+            log.info("step %d: checkpoint in %.2f s", self.step, time.perf_counter() - t0)
+
     async def train(self, total_steps: int) -> None:
-        self.strategy.on_weights_published(self.version)
+        if not self._resumed:  # a resumed strategy's state already holds the engines' version
+            self.strategy.on_weights_published(self.version)
+        elif (self.trainer.version > self.version and self.trainer.version % self.cfg.trainer.publish_every == 0
+              and self.step < total_steps):
+            # the checkpointed run ended before publishing its last step; the gate needs that version
+            await self.publish(self.trainer.version)
         roll = asyncio.create_task(self._rollout_loop())
         t_start = time.perf_counter()
+        save_every = self.cfg.logging.save_every
+        max_skips = self.cfg.trainer.max_consecutive_skips
         try:
             while self.step < total_steps:
                 t0 = time.perf_counter()
-                trajs = await self.buffer.get_batch(self.trainer.version)
+                trajs = await self._next_batch(roll)
                 t_got = time.perf_counter()
                 record = await asyncio.to_thread(self._train_on, trajs)
                 t_trained = time.perf_counter()
-                # in a worker thread: strategies may run forwards here while the engines keep generating
-                await asyncio.to_thread(self.strategy.after_optimizer_step, self.trainer.version, record)
+                skipped = bool(record.get("skipped"))
+                if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
+                    self._consecutive_skips += 1
+                    record["skip_reason"] = getattr(self.trainer, "last_skip_reason", None) or "skipped"
+                else:
+                    self._consecutive_skips = 0
+                    # in a worker thread: strategies may run forwards here while the engines keep generating
+                    await asyncio.to_thread(self.strategy.after_optimizer_step, self.trainer.version, record)
+                record["consecutive_skips"] = self._consecutive_skips
                 record["after_step_hooks_s"] = time.perf_counter() - t_trained
                 pub: dict[str, float] = {}
-                if (self.trainer.version > self.version and self.trainer.version % self.cfg.trainer.publish_every == 0
+                if (not skipped and self.trainer.version > self.version
+                        and self.trainer.version % self.cfg.trainer.publish_every == 0
                         and self.step + 1 < total_steps):
                     pub = await self.publish(self.trainer.version)
                 self.step += 1
                 record.update(pub)
                 record.update(self._step_record(trajs, t0, t_got, t_trained, t_start))
                 self.on_step(record)
+                if self.journal is not None:
+                    self.journal.write("trained_ids", {"step": self.step, "version": self.trainer.version,
+                                                       "skipped": skipped, "traj_ids": [t.traj_id for t in trajs]})
                 await self.buffer.notify()
+                if max_skips > 0 and self._consecutive_skips >= max_skips:
+                    await self._checkpoint()
+                    raise TrainingError(
+                        f"{self._consecutive_skips} consecutive steps skipped (last: {record['skip_reason']}, step "
+                        f"{self.step}, version {self.trainer.version}); stopping (trainer.max_consecutive_skips="
+                        f"{max_skips}). A checkpoint of this step is in the run directory: lower trainer.lr or check "
+                        f"the rewards, then resume with --resume")
+                if save_every > 0 and self.step % save_every == 0:
+                    await self._checkpoint()
+            await self._checkpoint()
         finally:
             self._stopping = True
             await self.buffer.notify()
@@ -284,5 +377,42 @@ class Controller:
             "wall_s": time.perf_counter() - t_start,
             "gen_stall_total_s": self.gen_stall_s,
             **step_counts,
+            **(self.router.stats() if hasattr(self.router, "stats") else {}),
             **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
         }
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's part of a checkpoint; call it on the event loop (a consistent cut).
+
+        The buffer's accepted-but-untrained trajectories keep their per-token
+        versions, logp_behav and any recovered logp_old; groups still running
+        contribute only their prompts, which :meth:`load_state_dict` generates again.
+        """
+        running = sorted(self.buffer.running_groups.values(), key=lambda g: g.seq)
+        prompts = self._regenerate + [self._items[g.group_id] for g in running if g.group_id in self._items]
+        return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
+                "counters": dict(self.counters), "gen_stall_s": self.gen_stall_s,
+                "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
+                "running_prompts": [{"prompt_id": getattr(p, "prompt_id", ""), "prompt_ids": list(p.prompt_ids),
+                                     "meta": dict(p.meta)} for p in prompts]}
+
+    def load_state_dict(self, state: dict[str, Any], id_prefix: str = "") -> None:
+        """Continue from :meth:`state_dict`: before :meth:`train`, after the trainer and strategy are restored.
+
+        ``id_prefix`` starts the ids of the groups this attempt admits (unique per attempt, e.g. ``r1.``).
+        """
+        from megarl.data import Prompt
+
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        self.group_counter = int(state["group_counter"])
+        self.counters.update(state["counters"])
+        self._step_counters = dict(self.counters)
+        self.gen_stall_s = float(state.get("gen_stall_s", 0.0))
+        self.buffer.load_state_dict(state["buffer"])
+        self.dataset.load_state_dict(state["dataset"])
+        self._regenerate = [Prompt(d["prompt_id"], list(d["prompt_ids"]), dict(d["meta"]))
+                            for d in state["running_prompts"]]
+        self.id_prefix = id_prefix
+        self._resumed = True

@@ -19,3 +19,7 @@ class InputError(MegarlError):
 
 class EngineError(MegarlError):
     """A rollout engine failed to start, died, or refused a request."""
+
+
+class TrainingError(MegarlError):
+    """Training cannot go on (e.g. too many consecutive steps with a non-finite loss or gradient norm)."""

@@ -1,4 +1,11 @@
-"""Per-step run outputs: metrics.jsonl, TensorBoard events and a live progress line."""
+"""Per-step run outputs: metrics.jsonl, TensorBoard events, a live progress line, and id journals.
+
+Journals (``write(name, record)``, one JSON line each, flushed): ``accepted.jsonl``
+(per accepted group: ``step``, ``accepted_total`` after it, ``group_id``,
+``traj_ids``) and ``trained_ids.jsonl`` (per step: ``step``, ``version``,
+``skipped``, ``traj_ids``). With them a run shows that no accepted trajectory was
+lost or trained twice, across resumes too (megarl/checkpoint.py).
+"""
 from __future__ import annotations
 
 import json
@@ -26,6 +33,7 @@ class RunLogger:
         self.total_steps = total_steps
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._file = self.metrics_path.open("a")
+        self._journals: dict[str, Any] = {}
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -61,7 +69,17 @@ class RunLogger:
             self._bar.update(1)
             self._bar.set_postfix_str(info)
 
+    def write(self, name: str, record: dict[str, Any]) -> None:
+        """Append ``record`` to ``RUN_DIR/{name}.jsonl``."""
+        f = self._journals.get(name)
+        if f is None:
+            f = self._journals[name] = (self.run_dir / f"{name}.jsonl").open("a")
+        f.write(json.dumps(_jsonable(record)) + "\n")
+        f.flush()
+
     def close(self) -> None:
+        for f in self._journals.values():
+            f.close()
         if self._bar is not None:
             (self._bar.stop if hasattr(self._bar, "stop") else self._bar.close)()
         if self._tb is not None:

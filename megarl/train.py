@@ -1,6 +1,10 @@
 """Build a run from a config and train: the one entry point behind `megarl train` and the launchers.
 
 ``python -m megarl.train --config X [key=value ...]`` is the same as ``megarl train``.
+``train(cfg, resume=RUN_DIR)`` continues a run from its newest valid checkpoint
+(megarl/checkpoint.py): engines restart from the checkpoint's weights at its
+version, the trainer, strategy, replay buffer, dataset and RNG continue, and the
+run's logs are rewound to the checkpoint before new lines are appended.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from megarl.config import MegaRLConfig, load_config, save_config
@@ -24,6 +29,9 @@ def make_run_dir(cfg: MegaRLConfig) -> Path:
         run_dir = Path(cfg.logging.output_dir)
     else:
         run_dir = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
+        raise ConfigError(f"{run_dir} holds the checkpoints of an earlier run; continue it with "
+                          f"`megarl train --config ... --resume {run_dir}` or choose another --output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -172,25 +180,66 @@ def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:
         strategy.close()
 
 
-async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wrap_strategy=None) -> dict:
+def _prepare_resume(run_dir: Path, step_dir: Path, state: dict) -> tuple[int, tuple[str, int] | None]:
+    """Rewind the run directory to ``step_dir``; (attempt number, the (weights dir, version) engines load or None).
+
+    Every resume appends a line to ``RUN_DIR/resumes.jsonl``; its attempt number
+    prefixes the new trajectory ids (``r{n}.g{k}-{j}``).
+    """
+    from megarl.checkpoint import link_or_copy_tree, read_manifest, remove_temp_dirs, rewind_run_logs
+
+    manifest = read_manifest(step_dir)
+    remove_temp_dirs(run_dir / "checkpoints")
+    rewind_run_logs(run_dir, manifest)
+    for stale in ("weights", "dedicated"):  # the killed run's working files
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    resumes = run_dir / "resumes.jsonl"
+    attempt = 1 + (len(resumes.read_text().splitlines()) if resumes.is_file() else 0)
+    with resumes.open("a") as f:
+        f.write(json.dumps({"attempt": attempt, "checkpoint": str(step_dir), "step": manifest["step"],
+                            "version": manifest["version"], "time": time.time()}) + "\n")
+    version = int(state["version"])
+    if version == 0:
+        return attempt, None
+    weights = run_dir / "weights" / f"v{version}"  # the publisher owns it from here: deleted at the next publish
+    link_or_copy_tree(step_dir / "engine_weights", weights)
+    return attempt, (str(weights), version)
+
+
+async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wrap_strategy=None,
+                       resume_from: Path | None = None) -> dict:
+    from megarl.checkpoint import Checkpointer, load_file, load_rank_state, restore_rng, run_settings
     from megarl.controller import Controller
     from megarl.rewards.service import RewardService
     from megarl.rollout.client import launch_engine_process, stop_engine_process
-    from megarl.rollout.router import EngineRouter
+    from megarl.rollout.supervisor import EngineSupervisor
     from megarl.run_log import RunLogger
     from megarl.workflows import build_workflow
     from recovery import registry
     from recovery.base import RecoveryContext
 
+    state = None
+    engine_weights = (str(ckpt), 0)
+    attempt = 0
+    if resume_from is not None:
+        state = load_file(resume_from / "controller.pt")
+        attempt, weights = _prepare_resume(run_dir, resume_from, state)
+        engine_weights = weights or engine_weights
     rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
                             memory_mb=cfg.reward.memory_mb, on_failure=cfg.reward.on_failure)
     engine_starts: list[asyncio.Task] = []
+    supervisor = None
+    launches = [0] * cfg.rollout.n_engines
     try:
         def start_engine(i: int):
+            # always the base checkpoint (an engine may read its start directory later); the supervisor
+            # then loads the current weights (engine_weights, after a resume)
             port = cfg.rollout.base_port + i if cfg.rollout.base_port else None
+            log_name = f"engine{i}.log" if not launches[i] else f"engine{i}.restart{launches[i]}.log"
+            launches[i] += 1
             return launch_engine_process(str(ckpt), cfg.rollout.backend, port,
                                          env={"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb)},
-                                         log_path=str(run_dir / f"engine{i}.log"))
+                                         log_path=str(run_dir / log_name))
 
         from megarl.launch.roles import current_role
 
@@ -211,7 +260,11 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
         for r in started:
             if isinstance(r, BaseException):
                 raise r
-        router = EngineRouter([r[1] for r in started])
+        supervisor = router = EngineSupervisor(
+            started, launch=None if remote else start_engine, weights=engine_weights,
+            health_interval_s=cfg.rollout.health_interval_s, health_timeout_s=cfg.rollout.health_timeout_s,
+            max_restarts=cfg.rollout.max_engine_restarts, work_dir=run_dir)
+        await router.start()
         weights_dir = run_dir / "weights"
 
         publisher = DiskPublisher(trainer, router, weights_dir)
@@ -237,35 +290,54 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
             from megarl.trainer.spmd import DrivingStrategy
 
             strategy = DrivingStrategy(strategy, channel)
+        checkpointer = Checkpointer(run_dir, trainer, strategy, weights_dir, keep_last=cfg.logging.keep_last,
+                                    run=run_settings(cfg, trainer.parallel.world_size, trainer.hf_config))
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
         controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
                                 workflow=build_workflow("single_turn", cfg), strategy=strategy,
                                 publisher=publisher, loss_fn_factory=make_loss_fn_factory(cfg.loss),
-                                advantages=make_advantage_fn(cfg.advantage), on_step=logger.log)
+                                advantages=make_advantage_fn(cfg.advantage), on_step=logger.log,
+                                checkpointer=checkpointer, journal=logger)
         controller_ref["c"] = controller
         try:
+            if state is not None:
+                t0 = time.perf_counter()
+                if channel is not None:
+                    trainer.load_rank_states(str(resume_from), strategy)
+                else:
+                    load_rank_state(resume_from, trainer, strategy)
+                controller.load_state_dict(state, id_prefix=f"r{attempt}.")
+                checkpointer.last_step = controller.step
+                restore_rng(state["rng"])
+                log.info("resumed %s at step %d, version %d (engines at %d) in %.1f s", resume_from,
+                         controller.step, trainer.version, controller.version, time.perf_counter() - t0)
             await controller.train(cfg.trainer.total_steps)
+            trainer.save_hf_checkpoint(str(run_dir / "final"))
         finally:
             logger.close()
             strategy.close()
-            await router.close()
-        trainer.save_hf_checkpoint(str(run_dir / "final"))
-        if channel is not None:
-            trainer.stop_followers()
+            if channel is not None:  # also after an error: followers must not wait for events forever
+                trainer.stop_followers()
         shutil.rmtree(weights_dir, ignore_errors=True)
         return {"steps": controller.step, "version": trainer.version}
     finally:
         rewards.close()
-        for r in await asyncio.gather(*engine_starts, return_exceptions=True):
-            if not isinstance(r, BaseException) and r[0] is not None:
-                stop_engine_process(r[0])
+        if supervisor is not None:
+            await supervisor.close()
+        else:
+            for r in await asyncio.gather(*engine_starts, return_exceptions=True):
+                if not isinstance(r, BaseException) and r[0] is not None:
+                    stop_engine_process(r[0])
 
 
-def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
+def train(cfg: MegaRLConfig, wrap_strategy=None, resume: str | Path | None = None) -> Path:
     """Run the loop; ``wrap_strategy(strategy) -> strategy`` may wrap the recovery strategy (verification).
 
-    Every input is checked before the run directory is made, so bad input
-    leaves nothing half-written behind.
+    ``resume`` (default ``logging.resume``): a run directory to continue from its
+    newest valid checkpoint (the run keeps writing there; ``logging.output_dir`` is ignored).
+
+    Every input is checked before the run directory is made (or, resuming,
+    before anything in it changes), so bad input leaves nothing half-written behind.
     """
     from megarl.data import PromptDataset
     from megarl.rewards.service import resolve_reward_fn
@@ -278,15 +350,29 @@ def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
         return Path(".")
     rank, world = _init_ranks()
     status: list = [None, None]
+    resume = resume or cfg.logging.resume or None
+    resume_from = None
     if rank == 0:
         try:
+            if resume is not None:
+                from megarl.checkpoint import find_latest_checkpoint
+
+                resume_from = find_latest_checkpoint(resume)
+                cfg.logging.output_dir = str(resume)
             ckpt = ensure_checkpoint(cfg)
             hf = json.loads((ckpt / "config.json").read_text())
             validate(cfg, hf)
+            if resume_from is not None:
+                from megarl.checkpoint import check_run_settings, read_manifest
+
+                check_run_settings(cfg, read_manifest(resume_from), resume_from, world, hf)
             resolve_reward_fn(cfg.reward.fn)
             dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed, vocab_size=int(hf["vocab_size"]))
-            run_dir = make_run_dir(cfg)
-            save_config(cfg, run_dir / "config.yaml")
+            if resume_from is not None:
+                run_dir = Path(resume)
+            else:
+                run_dir = make_run_dir(cfg)
+                save_config(cfg, run_dir / "config.yaml")
             status = ["ok", str(run_dir)]
         except MegarlError as e:
             status = ["error", f"{type(e).__name__}: {e}"]
@@ -298,7 +384,7 @@ def train(cfg: MegaRLConfig, wrap_strategy=None) -> Path:
             raise MegarlError(f"rank 0 refused the run: {status[1]}")
         _follow(cfg, Path(cfg.model.checkpoint), Path(status[1]))
         return Path(status[1])
-    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, dataset, wrap_strategy))
+    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, dataset, wrap_strategy, resume_from))
     (run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return run_dir
 

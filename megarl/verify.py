@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,11 @@ def verify(config_path: str, strategies: list[str], steps: int, output: str, ove
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in strategies:
+        run_dir = out.parent / f"verify-{name}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of an old one
         cfg = load_config(config_path, [*overrides, f"recovery.name={name}", f"trainer.total_steps={steps}",
                                         "logging.progress=none", "logging.tensorboard=false",
-                                        f"logging.output_dir={out.parent / ('verify-' + name)}"])
+                                        f"logging.output_dir={run_dir}"])
         if cfg.rollout.eta < 2 or not cfg.rollout.interruptible:
             raise ConfigError(f"verify-recovery needs rollout.eta >= 2 and interruptible rollouts "
                               f"(got eta={cfg.rollout.eta}, interruptible={cfg.rollout.interruptible})")

@@ -19,6 +19,8 @@ def register(sub) -> None:
                    help="vllm on CPU: KV cache size in GiB (default: $VLLM_CPU_KVCACHE_SPACE or vLLM's)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm: most requests batched at once")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm on GPU: memory fraction")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="shut down when this process (the one that started the engine) dies")
     p.set_defaults(func=run)
 
 
@@ -32,7 +34,8 @@ def run(args) -> int:
         vllm_only = {"kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
                      "gpu_memory_utilization": args.gpu_memory_utilization}
         options.update({k: v for k, v in vllm_only.items() if v is not None})
-    asyncio.run(serve(args.checkpoint, args.backend, host=args.host, port=args.port, **options))
+    asyncio.run(serve(args.checkpoint, args.backend, host=args.host, port=args.port, parent_pid=args.parent_pid,
+                      **options))
     return 0
 
 

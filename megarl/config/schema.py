@@ -113,9 +113,13 @@ class RolloutConfig:
     kv_cache_gb: int = 1
     """KV cache of a vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE, a whole number)."""
     max_concurrency: int = 256
-    """Maximum in-flight generation requests over all engines."""
+    """Maximum generation requests in flight over all engines; admitted samples beyond it queue in the controller."""
     health_interval_s: float = 5.0
-    """Seconds between engine health checks."""
+    """Seconds between engine health checks (a dead or silent engine is restarted with the current weights)."""
+    health_timeout_s: float = 30.0
+    """An engine that does not answer /health within this many seconds is taken for dead and restarted."""
+    max_engine_restarts: int = 3
+    """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
 
 
 @dataclass
@@ -188,9 +192,11 @@ class LoggingConfig:
     progress: Literal["rich", "tqdm", "none"] = "rich"
     """Live progress display."""
     save_every: int = 0
-    """Checkpoint every k steps (0 = only at the end)."""
+    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = only at the end); `megarl train --resume RUN_DIR` continues from the newest."""
     keep_last: int = 2
-    """Checkpoints kept."""
+    """Checkpoints kept (the newest ones; 0 = all)."""
+    resume: str = ""
+    """Run directory to continue from its newest valid checkpoint (`megarl train --resume RUN_DIR` sets it; launch plans pass it to every rank); the run keeps writing there."""
 
 
 @dataclass

@@ -117,17 +117,25 @@ def _tail(path: Path, n: int = 30) -> str:
 def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | None = None,
                           host: str = "127.0.0.1", *, extra_args: list[str] | tuple = (),
                           env: dict | None = None, log_path: str | None = None,
-                          startup_timeout_s: float = 300.0) -> tuple[subprocess.Popen, EngineClient]:
+                          startup_timeout_s: float = 300.0, initial_version: int = 0,
+                          exit_with_parent: bool = True) -> tuple[subprocess.Popen, EngineClient]:
     """Start ``python -m megarl.cli engine ...`` and wait until its /health answers.
 
     The process gets its own session (process group), so :func:`stop_engine_process`
-    also ends vLLM's engine-core child. Output goes to ``log_path`` (a temp file
+    also ends vLLM's engine-core child. With ``exit_with_parent`` (default) it
+    shuts itself down when this process dies, however it dies (``--parent-pid``).
+    ``initial_version`` is the weight version the checkpoint holds (a restart
+    or a resume from later weights). Output goes to ``log_path`` (a temp file
     by default, ``proc.log_path``); its tail is in the EngineError if start fails.
     """
     port = port or free_port(host)
     log = Path(log_path or tempfile.mkstemp(prefix=f"megarl-engine-{port}-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "megarl.cli", "engine", "--checkpoint", str(checkpoint), "--backend", backend,
            "--host", host, "--port", str(port), *extra_args]
+    if initial_version:
+        cmd += ["--initial-version", str(initial_version)]
+    if exit_with_parent:
+        cmd += ["--parent-pid", str(os.getpid())]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                 start_new_session=True)

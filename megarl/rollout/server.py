@@ -8,6 +8,12 @@
     GET  /version                                          -> {"version"}
     GET  /health                                           -> engine.health()
 
+With ``parent_pid`` (``megarl engine --parent-pid``, set by ``launch_engine_process``)
+the server shuts down when that process dies, even by SIGKILL: the engine runs
+in its own session, so nothing else would stop it. A watchdog thread polls
+``os.getppid()``; after an orderly shutdown has had 15 s, it kills the
+engine's whole process group (vLLM's engine-core included).
+
 Errors come back as ``{"error": message, "type": "InputError" | "EngineError" | ...}``
 (400 for bad input, 500 otherwise); :class:`megarl.rollout.client.EngineClient`
 raises the same exception class on its side.
@@ -16,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 from aiohttp import web
@@ -119,8 +127,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
-    """Load the engine, serve HTTP until SIGINT/SIGTERM, then shut the engine down."""
+class ParentWatch:
+    """Ends this process when ``parent_pid`` is no longer its parent: ``stop()`` first, a group SIGKILL later."""
+
+    def __init__(self, parent_pid: int, grace_s: float = 15.0, poll_s: float = 0.5) -> None:
+        self.parent_pid = parent_pid
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.stop = None  # set once serving: a graceful shutdown
+        threading.Thread(target=self._run, name="megarl-parent-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while os.getppid() == self.parent_pid:
+            time.sleep(self.poll_s)
+        print(f"megarl engine: parent process {self.parent_pid} is gone; shutting down", file=sys.stderr, flush=True)
+        if self.stop is not None:
+            self.stop()
+            time.sleep(self.grace_s)
+        if os.getpgrp() == os.getpid():  # leader of its own group (launch_engine_process): take the children too
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+
+async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: int = 8000,
+                parent_pid: int | None = None, **options) -> None:
+    """Load the engine, serve HTTP until SIGINT/SIGTERM (or ``parent_pid`` dies), then shut the engine down."""
+    watch = ParentWatch(parent_pid) if parent_pid else None
     sock = bind_socket(host, port)
     t0 = time.perf_counter()
     try:
@@ -138,6 +170,8 @@ async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: in
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if watch is not None:
+            watch.stop = lambda: loop.call_soon_threadsafe(stop.set)
         await stop.wait()
     finally:
         await runner.cleanup()

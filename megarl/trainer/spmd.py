@@ -16,7 +16,13 @@ follower replays it on its own trainer and strategy, in the same order:
   take rank 0's anchor tensor, so a strategy whose anchor only rank 0 can
   compute (the dedicated model's process lives on rank 0) still trains
   consistently;
-* ``train_step`` and ``save_hf_checkpoint`` (``DrivingTrainer``).
+* ``train_step`` and ``save_hf_checkpoint`` (``DrivingTrainer``);
+* checkpoints: ``save_state`` / ``load_state`` (``DrivingTrainer.save_rank_states`` /
+  ``load_rank_states``). Rank 0 announces the checkpoint directory, then every
+  rank writes (reads) its own ``trainer/rank{r}.pt`` and ``strategy/rank{r}.pt``
+  (megarl/checkpoint.py); an all-gather of each rank's outcome ends the event,
+  so rank 0 publishes the checkpoint only after every shard is on disk, and a
+  follower's failure is raised on rank 0 too.
 
 With one rank none of this is used: the loop talks to the trainer directly.
 """
@@ -57,6 +63,12 @@ class ControlChannel:
         buf = t.contiguous().float() if self.rank == 0 else torch.empty(shape[0], dtype=torch.float32)
         dist.broadcast(buf, src=0, group=self.group)
         return buf
+
+    def gather_errors(self, error: str | None) -> list[str]:
+        """Every rank's error (None when it succeeded); all ranks get the full list. Also a barrier."""
+        box: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(box, error, group=self.group)
+        return [f"rank {r}: {e}" for r, e in enumerate(box) if e is not None]
 
 
 class DrivingStrategy:
@@ -145,12 +157,47 @@ class DrivingTrainer:
             self.channel.send(("save_hf_checkpoint", out_dir))
         return self.trainer.save_hf_checkpoint(out_dir)
 
+    def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
+        """Every rank writes its trainer and strategy state into ``step_dir``; returns once all have."""
+        from megarl.checkpoint import save_rank_state
+
+        with self.channel.lock:
+            self.channel.send(("save_state", step_dir))
+            _run_on_all(self.channel, lambda: save_rank_state(step_dir, self.trainer, strategy_state))
+
+    def load_rank_states(self, step_dir: str, strategy) -> None:
+        """Every rank loads its trainer and strategy state from ``step_dir``."""
+        from megarl.checkpoint import load_rank_state
+
+        with self.channel.lock:
+            self.channel.send(("load_state", step_dir))
+            _run_on_all(self.channel, lambda: load_rank_state(step_dir, self.trainer, strategy))
+
     def stop_followers(self) -> None:
         with self.channel.lock:
             self.channel.send(("stop",))
 
     def __getattr__(self, name: str):
         return getattr(self.trainer, name)
+
+
+def _run_on_all(channel: ControlChannel, fn) -> None:
+    """Run ``fn`` on this rank, then compare outcomes with every rank; rank 0 raises any rank's error."""
+    from megarl.errors import CheckpointError, MegarlError
+
+    error = None
+    try:
+        fn()
+    except Exception as e:  # reported to every rank, so nobody waits in a collective that never comes
+        error = f"{type(e).__name__}: {e}"
+        if channel.rank == 0:
+            channel.gather_errors(error)
+            raise
+    errors = channel.gather_errors(error)
+    if errors and channel.rank == 0:
+        raise CheckpointError("checkpoint state failed on " + "; ".join(errors))
+    if error is not None:
+        raise MegarlError(f"rank {channel.rank}: {error}")
 
 
 class FollowerView:
@@ -200,6 +247,14 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             trainer.train_step(batch, loss_fn_factory(batch, anchor))
         elif kind == "save_hf_checkpoint":
             trainer.save_hf_checkpoint(event[1])
+        elif kind == "save_state":
+            from megarl.checkpoint import save_rank_state
+
+            _run_on_all(channel, lambda: save_rank_state(event[1], trainer, strategy.state_dict()))
+        elif kind == "load_state":
+            from megarl.checkpoint import load_rank_state
+
+            _run_on_all(channel, lambda: load_rank_state(event[1], trainer, strategy))
         elif kind == "stop":
             return
         else:

@@ -1,0 +1,371 @@
+"""Run checkpoints: everything a killed run needs to continue as if it had not stopped.
+
+Layout of ``RUN_DIR/checkpoints/step_{n}/`` (n = loop steps done)::
+
+    manifest.json           sha256 + size of every other file, and a summary (step, versions, accepted_total, run)
+    controller.pt           step, engine version, counters, group counter, dataset position, replay buffer
+                            (accepted-but-untrained trajectories with per-token versions, logp_behav, logp_old),
+                            prompts of groups still running, python/numpy/torch RNG states
+    trainer/rank{r}.pt      MegatronTrainer.save_state: model + optimizer + scheduler + version + RNG, per rank
+    strategy/rank{r}.pt     the recovery strategy's state_dict, per rank (its copies are sharded like the model)
+    engine_weights/         HF weights of the version the engines generate with (absent at version 0:
+                            the engines then start from model.checkpoint)
+
+What "accepted" means at checkpoint time: a group is accepted when
+``ReplayBuffer.accept`` has counted it; the checkpoint is taken synchronously on
+the event loop, so every accept is either in it (``accepted_total`` includes it,
+its trajectories are trained or in the buffer) or after it. Groups still
+running are not in it: only their prompts are, and a resumed run generates
+them again under new trajectory ids. ``accepted.jsonl`` lines carry the
+``accepted_total`` after their accept, so "accepted before the checkpoint"
+is ``line.accepted_total <= manifest.accepted_total``.
+
+Writing is atomic: files go to ``checkpoints/.tmp-step_{n}-*``, are fsynced, the
+manifest is written last, and one rename publishes the directory; a crash
+leaves at most a ``.tmp-`` directory, which is never read and is removed on
+resume. Loading checks the manifest first; a missing or corrupt file raises
+:class:`~megarl.errors.CheckpointError` naming it.
+
+Megatron's distributed checkpointing (``dist_checkpointing``) is not used: the
+trainer's parts are ``torch.save`` of each rank's ``model.state_dict()`` and
+``optimizer.state_dict()`` (plus the distributed optimizer's
+``get_parameter_state_dp_reshardable``), which needs the same parallel layout
+on resume (checked) but no resharding machinery.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from megarl.errors import CheckpointError
+
+log = logging.getLogger("megarl.checkpoint")
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+#: run settings a resumed run must share with the checkpoint (name -> config path)
+RUN_KEYS = {"batch_size": "trainer.batch_size", "group_size": "rollout.group_size", "eta": "rollout.eta",
+            "recovery": "recovery.name", "seed": "trainer.seed", "tp": "parallel.tp", "pp": "parallel.pp",
+            "ep": "parallel.ep", "distributed_optimizer": "parallel.use_distributed_optimizer"}
+#: HF config fields that fix the shapes of the saved model and optimizer state
+MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
+
+
+# -- files ------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def link_or_copy_tree(src: Path, dst: Path) -> None:
+    """``dst`` gets the files of ``src``: hard links where the filesystem allows (files are never rewritten in place)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in _files(src):
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+
+
+def build_manifest(root: Path, meta: dict) -> dict:
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(root) if p.name != MANIFEST or p.parent != root}
+    return {"format": FORMAT, **meta, "files": files}
+
+
+def read_manifest(step_dir: Path) -> dict:
+    path = step_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {step_dir} is not a complete checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path} has no 'files' table")
+    return manifest
+
+
+def verify_checkpoint(step_dir: str | Path) -> dict:
+    """The manifest of ``step_dir`` after checking every file it lists; CheckpointError names the first bad file."""
+    step_dir = Path(step_dir)
+    manifest = read_manifest(step_dir)
+    for rel, want in sorted(manifest["files"].items()):
+        path = step_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (listed in {step_dir / MANIFEST})")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"{path} has {size} bytes, the manifest says {want['size']}: truncated or corrupt")
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path} does not match its sha256 in {step_dir / MANIFEST}: corrupt")
+    return manifest
+
+
+# -- writing ----------------------------------------------------------------------
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the published checkpoints under ``root``, oldest first (temp dirs excluded)."""
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(out)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    for _, path in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_temp_dirs(root: Path) -> None:
+    """Leftovers of writes a crash interrupted; never part of a checkpoint."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None], *, keep_last: int = 0,
+                     meta: dict | None = None) -> Path:
+    """Atomically publish ``root/step_{step}``: ``fill(tmp_dir)`` writes the files, then manifest, fsync, rename."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp-step_{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        manifest = build_manifest(tmp, {"step": step, "created": time.time(), **(meta or {})})
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        for p in _files(tmp):
+            _fsync_file(p)
+        for d in sorted({p.parent for p in _files(tmp)}, key=lambda d: -len(d.parts)):
+            _fsync_dir(d)
+        if final.exists():  # the same step again (a resumed run passing an older checkpoint's step)
+            old = root / f".old-step_{step}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep_last)
+    return final
+
+
+def find_latest_checkpoint(run_dir: str | Path) -> Path:
+    """The newest checkpoint of ``run_dir`` whose files match its manifest; CheckpointError when there is none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume {run_dir}: no such run directory")
+    found = list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        raise CheckpointError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} (checkpoints are "
+                              f"written every logging.save_every steps and at the end of a run)")
+    problems = []
+    for _, path in reversed(found):
+        try:
+            verify_checkpoint(path)
+            if problems:
+                log.warning("resuming from %s; newer checkpoints are damaged: %s", path, "; ".join(problems))
+            return path
+        except CheckpointError as e:
+            problems.append(str(e))
+    raise CheckpointError(f"--resume {run_dir}: no valid checkpoint: " + "; ".join(problems))
+
+
+# -- state ------------------------------------------------------------------------
+def capture_rng() -> dict:
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_rank_state(step_dir: str | Path, trainer, strategy_state: dict) -> None:
+    """This rank's trainer (trainer/rank{r}.pt) and strategy state (strategy/rank{r}.pt)."""
+    import torch
+
+    step_dir = Path(step_dir)
+    trainer.save_state(str(step_dir / "trainer"))
+    (step_dir / "strategy").mkdir(parents=True, exist_ok=True)
+    torch.save(strategy_state, step_dir / "strategy" / f"rank{_rank()}.pt")
+
+
+def load_rank_state(step_dir: str | Path, trainer, strategy) -> None:
+    step_dir = Path(step_dir)
+    trainer.load_state(str(step_dir / "trainer"))
+    strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{_rank()}.pt"))
+
+
+def load_file(path: str | Path) -> Any:
+    """``torch.load`` of a checkpoint file; a missing or unreadable one is a CheckpointError naming it."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # pickle/zip errors of a damaged file
+        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
+
+
+def check_run_settings(cfg, manifest: dict, step_dir: Path, world_size: int, hf_config: dict) -> None:
+    """A resumed run must batch, gate, seed, recover and shard like the run that wrote the checkpoint.
+
+    Checked before anything in the run directory changes, so a mismatch leaves it as it was.
+    """
+    from megarl.errors import ConfigError
+
+    saved = manifest.get("run", {})
+    mine = run_settings(cfg, world_size, hf_config)
+    bad = [f"{RUN_KEYS.get(k, k)}={mine[k]} (checkpoint: {saved[k]})"
+           for k in mine if k in saved and saved[k] != mine[k]]
+    if bad:
+        raise ConfigError(f"--resume: this run differs from the one that wrote {step_dir} in " + ", ".join(bad)
+                          + "; resume with the run's own config (RUN_DIR/config.yaml) and trainer ranks")
+
+
+def run_settings(cfg, world_size: int, hf_config: dict) -> dict:
+    """What :func:`check_run_settings` compares: RUN_KEYS, the trainer world size and the model's shape."""
+    out: dict[str, Any] = {}
+    for name, key in RUN_KEYS.items():
+        section, field = key.split(".")
+        out[name] = getattr(getattr(cfg, section), field)
+    out["world_size"] = world_size
+    out["model"] = {k: hf_config[k] for k in MODEL_KEYS if k in hf_config}
+    return out
+
+
+def _filter_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line the kill cut short
+            continue
+        if keep(rec):
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def rewind_run_logs(run_dir: Path, manifest: dict) -> None:
+    """Drop log lines of work the checkpoint does not contain (steps after it, groups accepted after it)."""
+    step, accepted = int(manifest["step"]), int(manifest["accepted_total"])
+    _filter_jsonl(run_dir / "metrics.jsonl", lambda r: int(r.get("step", 0)) <= step)
+    _filter_jsonl(run_dir / "trained_ids.jsonl", lambda r: int(r.get("step", 0)) <= step)
+    _filter_jsonl(run_dir / "accepted.jsonl", lambda r: int(r.get("accepted_total", 0)) <= accepted)
+
+
+# -- the loop's checkpointer ------------------------------------------------------
+class Checkpointer:
+    """Writes ``RUN_DIR/checkpoints/step_{n}`` for the controller (see the module doc).
+
+    ``save`` captures the controller's and the strategy's state synchronously on
+    the event loop (a consistent cut: no accept, admission or hook can run in
+    between), then writes files in a worker thread while generation goes on.
+    """
+
+    def __init__(self, run_dir: str | Path, trainer, strategy, weights_dir: str | Path, *, keep_last: int,
+                 run: dict | None = None) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.trainer = trainer
+        self.strategy = strategy
+        self.weights_dir = Path(weights_dir)
+        self.keep_last = keep_last
+        self.run = run or {}
+        self.last_step: int | None = None
+        self.last_seconds = 0.0
+
+    async def save(self, controller) -> Path:
+        t0 = time.perf_counter()
+        state = controller.state_dict()
+        state["rng"] = capture_rng()
+        strategy_state = self.strategy.state_dict()
+        engine_version = controller.version
+        meta = {"version": int(self.trainer.version), "engine_version": int(engine_version),
+                "accepted_total": int(state["buffer"]["accepted_total"]), "run": self.run}
+        path = await asyncio.to_thread(self._write, controller.step, state, strategy_state, engine_version, meta)
+        self.last_step = controller.step
+        self.last_seconds = time.perf_counter() - t0
+        log.info("checkpoint %s written in %.2f s", path, self.last_seconds)
+        return path
+
+    def _write(self, step: int, state: dict, strategy_state: dict, engine_version: int, meta: dict) -> Path:
+        import torch
+
+        def fill(tmp: Path) -> None:
+            torch.save(state, tmp / "controller.pt")
+            if hasattr(self.trainer, "save_rank_states"):  # several ranks: each writes its own shard files
+                self.trainer.save_rank_states(str(tmp), strategy_state)
+            else:
+                save_rank_state(tmp, self.trainer, strategy_state)
+            if engine_version > 0:
+                src = self.weights_dir / f"v{engine_version}"
+                if not (src / "config.json").is_file():
+                    raise CheckpointError(f"the engines' weights of version {engine_version} are not in {src}")
+                link_or_copy_tree(src, tmp / "engine_weights")
+
+        return write_checkpoint(self.root, step, fill, keep_last=self.keep_last, meta=meta)

@@ -1,0 +1,209 @@
+"""Nothing lost: the real `megarl train` CLI killed with SIGKILL and resumed, engines killed, NaN steps, bad resumes.
+
+What is checked after kill -9 + `--resume` (see megarl/checkpoint.py for the definitions):
+
+* metrics.jsonl holds steps 1..N with versions 1..N, contiguous (lines of steps
+  after the checkpoint, which the resumed run redoes, are rewound);
+* no trajectory id is trained twice over both runs, every trained id was accepted;
+* every id accepted before the checkpoint — an ``accepted.jsonl`` line with
+  ``accepted_total <= manifest.accepted_total``, as the killed run wrote it — is
+  trained exactly once; groups accepted after the checkpoint are generated again
+  under new ids;
+* the killed run's engine process is gone (it exits when its parent dies).
+
+Speed: the resume runs use the HF engine backend (starts in ~4 s) except the
+snapshot one and the engine-kill test, which run the vLLM CPU engine.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGARL = [sys.executable, "-m", "megarl.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false",
+         "logging.save_every=2", "logging.keep_last=2"]
+
+
+def megarl(*args, timeout=600):
+    return subprocess.run([*MEGARL, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def start(args, log: Path) -> subprocess.Popen:
+    """The CLI in its own process group (so the whole trainer side can be SIGKILLed at once)."""
+    return subprocess.Popen([*MEGARL, *args], cwd=ROOT, env=ENV, start_new_session=True,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(cond, proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"run exited early ({proc.returncode}):\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def process_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    r = megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("strategy,backend", [("snapshot", "vllm"), ("ewma", "hf"), ("dedicated", "hf")])
+def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
+    run = tmp_path / "run"
+    common = ["--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", f"recovery.name={strategy}",
+              f"rollout.backend={backend}", *SMALL]
+    first = start(["train", "--output-dir", str(run), *common, "trainer.total_steps=40"], tmp_path / "first.log")
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_2").is_dir(), first, tmp_path / "first.log")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    engine_pid = int((run / "engine0.pid").read_text())
+    assert process_gone(engine_pid), f"engine {engine_pid} of the killed run is still running"
+    killed = {name: jsonl(run / name) for name in ("metrics.jsonl", "accepted.jsonl", "trained_ids.jsonl")}
+    steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    manifest = json.loads((run / "checkpoints" / f"step_{steps[-1]}" / "manifest.json").read_text())
+    k, accepted_at_ckpt = manifest["step"], manifest["accepted_total"]
+    size = du(run / "checkpoints" / f"step_{k}")
+
+    t0 = time.monotonic()
+    second = start(["train", "--resume", str(run), *common, "trainer.total_steps=10"], tmp_path / "second.log")
+    wait_for(lambda: len(jsonl(run / "metrics.jsonl")) > k or second.poll() == 0, second, tmp_path / "second.log")
+    resume_s = time.monotonic() - t0
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    print(f"\n{strategy}/{backend}: killed after checkpoint step_{k}; resume to first new step {resume_s:.1f} s; "
+          f"checkpoint {size / 1e6:.2f} MB")
+
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(1, 11))
+    assert [r["version"] for r in metrics] == list(range(1, 11)), "versions continue without a gap"
+    assert all(r["staleness_max"] <= 2 and r["skipped"] == 0 for r in metrics)
+
+    trained_lines = jsonl(run / "trained_ids.jsonl")
+    assert [r["step"] for r in trained_lines] == list(range(1, 11))
+    trained = [i for r in trained_lines for i in r["traj_ids"]]
+    assert len(trained) == len(set(trained)) == 10 * 32, "a trajectory was trained twice"
+    assert trained_lines[:k] == [r for r in killed["trained_ids.jsonl"] if r["step"] <= k]
+
+    accepted_lines = jsonl(run / "accepted.jsonl")
+    accepted = [i for r in accepted_lines for i in r["traj_ids"]]
+    assert len(accepted) == len(set(accepted)) and set(trained) <= set(accepted)
+    before = [r for r in killed["accepted.jsonl"] if r["accepted_total"] <= accepted_at_ckpt]
+    assert before and accepted_lines[:len(before)] == before
+    assert sum(len(r["traj_ids"]) for r in before) == accepted_at_ckpt
+    for i in (i for r in before for i in r["traj_ids"]):
+        assert trained.count(i) == 1, f"{i} was accepted before the checkpoint but trained {trained.count(i)} times"
+    redone = {i for r in killed["accepted.jsonl"] if r["accepted_total"] > accepted_at_ckpt for i in r["traj_ids"]}
+    assert not redone & set(accepted), "groups accepted after the checkpoint come back under new ids"
+    assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
+    assert all(r["group_id"].startswith("r1.") for r in accepted_lines[len(before):])
+    assert (run / "final" / "model.safetensors").is_file()
+    assert sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == [8, 10]
+
+
+def test_engine_killed_mid_generation_is_restarted(ckpt, tmp_path):
+    run = tmp_path / "run"
+    proc = start(["train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(run), f"model.checkpoint={ckpt}",
+                  "trainer.total_steps=8", "rollout.health_interval_s=1", *SMALL], tmp_path / "run.log")
+    try:
+        wait_for(lambda: len(jsonl(run / "metrics.jsonl")) >= 2, proc, tmp_path / "run.log")
+        engine_pid = int((run / "engine0.pid").read_text())
+        os.killpg(engine_pid, signal.SIGKILL)  # the engine and vLLM's engine-core
+        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [r["version"] for r in metrics] == list(range(1, 9))
+    assert metrics[-1]["n_engine_restarts"] == 1 and metrics[-1]["n_engine_failures"] == 1
+    assert sum(r["n_engine_resubmits"] for r in metrics) > 0
+    trained = [i for r in jsonl(run / "trained_ids.jsonl") for i in r["traj_ids"]]
+    assert len(trained) == len(set(trained)) == 8 * 32
+    new_pid = int((run / "engine0.pid").read_text())
+    assert new_pid != engine_pid and (run / "engine0.restart1.log").is_file()
+    assert process_gone(new_pid), "the restarted engine is stopped at the end"
+
+
+@pytest.fixture(scope="module")
+def diverged_run(ckpt, tmp_path_factory):
+    run = tmp_path_factory.mktemp("nan") / "run"
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(run), f"model.checkpoint={ckpt}",
+               "rollout.backend=hf", "trainer.total_steps=10", "trainer.max_consecutive_skips=2",
+               "reward.fn=tests.e2e.resume_fixtures:exploding_reward", "advantage.std_normalize=false", *SMALL)
+    return run, r
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(diverged_run):
+    run, r = diverged_run
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "2 consecutive steps skipped (last: non-finite grad norm" in r.stderr and "Traceback" not in r.stderr
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [(m["step"], m["version"], m["skipped"], m["skip_reason"]) for m in metrics] == [
+        (1, 0, 1.0, "non-finite grad norm"), (2, 0, 1.0, "non-finite grad norm")]
+    assert not (run / "weights").exists() or not list((run / "weights").glob("v*")), "nothing was published"
+    from megarl.checkpoint import verify_checkpoint
+
+    manifest = verify_checkpoint(run / "checkpoints" / "step_2")
+    assert manifest["version"] == 0 and manifest["engine_version"] == 0
+    assert process_gone(int((run / "engine0.pid").read_text()))
+
+
+def test_bad_resume_is_refused_and_writes_nothing(ckpt, diverged_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(diverged_run[0], run)
+    target = run / "checkpoints" / "step_2" / "trainer" / "rank0.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    args = ["--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", "rollout.backend=hf", *SMALL]
+    r = megarl("train", "--resume", str(run), *args, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert str(target) in r.stderr and "sha256" in r.stderr, r.stderr
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before, "a refused resume changes nothing"
+
+    r = megarl("train", "--resume", str(diverged_run[0]), *args, "trainer.batch_size=16", "parallel.tp=2", timeout=120)
+    assert r.returncode == 2 and "trainer.batch_size=16 (checkpoint: 32)" in r.stderr, r.stderr[-2000:]
+    assert "parallel.tp=2 (checkpoint: 1)" in r.stderr and "world_size" not in r.stderr, r.stderr[-2000:]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = megarl("train", "--resume", str(empty), *args, timeout=120)
+    assert r.returncode == 2 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(empty.iterdir()) == []
+    r = megarl("train", "--resume", str(tmp_path / "missing"), *args, timeout=120)
+    assert r.returncode == 2 and "no such run directory" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "missing").exists()
+    r = megarl("train", "--output-dir", str(run), *args, timeout=120)  # a fresh run must not mix into it
+    assert r.returncode == 2 and "--resume" in r.stderr, r.stderr[-2000:]

@@ -1,0 +1,287 @@
+"""Checkpoints: manifest checks, atomic writes, keep_last, log rewinding, trainer and loop state round trips.
+
+The loop test runs the real Controller and ReplayBuffer against the timing
+simulators of test_staleness_gate.py, checkpoints it, "kills" it (drops the
+objects), restores a fresh controller from the checkpointed state and checks
+that no accepted trajectory is lost or trained twice.
+"""
+import asyncio
+import copy
+import json
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.checkpoint import (find_latest_checkpoint, list_checkpoints, remove_temp_dirs, rewind_run_logs,
+                               verify_checkpoint, write_checkpoint)
+from megarl.errors import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fill_files(tmp: Path) -> None:
+    (tmp / "controller.pt").write_bytes(b"controller state" * 10)
+    (tmp / "trainer").mkdir()
+    (tmp / "trainer" / "rank0.pt").write_bytes(bytes(range(256)) * 4)
+
+
+def test_manifest_lists_every_file_and_verifies(tmp_path):
+    path = write_checkpoint(tmp_path / "checkpoints", 4, fill_files, meta={"accepted_total": 96})
+    assert path.name == "step_4"
+    manifest = verify_checkpoint(path)
+    assert set(manifest["files"]) == {"controller.pt", "trainer/rank0.pt"}
+    assert manifest["files"]["trainer/rank0.pt"]["size"] == 1024
+    assert manifest["step"] == 4 and manifest["accepted_total"] == 96
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda f: f.write_bytes(f.read_bytes()[:100] + bytes([f.read_bytes()[100] ^ 1]) + f.read_bytes()[101:]),
+     "does not match its sha256"),
+    (lambda f: f.write_bytes(f.read_bytes()[:-1]), "has 1023 bytes"),
+    (lambda f: f.unlink(), "is missing"),
+])
+def test_damaged_file_is_refused_by_name(tmp_path, damage, message):
+    path = write_checkpoint(tmp_path / "checkpoints", 2, fill_files)
+    target = path / "trainer" / "rank0.pt"
+    damage(target)
+    with pytest.raises(CheckpointError, match=message) as e:
+        verify_checkpoint(path)
+    assert str(target) in str(e.value)
+
+
+def test_missing_manifest_is_refused(tmp_path):
+    path = write_checkpoint(tmp_path / "checkpoints", 2, fill_files)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        verify_checkpoint(path)
+
+
+def test_failed_fill_leaves_nothing(tmp_path):
+    def fill(tmp):
+        fill_files(tmp)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_checkpoint(tmp_path / "checkpoints", 2, fill)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_crash_mid_write_leaves_no_step_dir(tmp_path):
+    # a real crash: the writing process dies (os._exit) half-way through its files
+    code = (f"import os; from pathlib import Path; from megarl.checkpoint import write_checkpoint\n"
+            f"def fill(tmp):\n"
+            f"    (tmp / 'controller.pt').write_bytes(b'x' * 1000)\n"
+            f"    os._exit(9)\n"
+            f"write_checkpoint(Path({str(tmp_path / 'checkpoints')!r}), 6, fill)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    root = tmp_path / "checkpoints"
+    assert list_checkpoints(root) == []
+    assert [p.name.startswith(".tmp-step_6") for p in root.iterdir()] == [True]
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        find_latest_checkpoint(tmp_path)
+    remove_temp_dirs(root)
+    assert list(root.iterdir()) == []
+
+
+def test_keep_last_and_newest_valid(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        write_checkpoint(root, step, fill_files, keep_last=2)
+    assert [s for s, _ in list_checkpoints(root)] == [6, 8]
+    assert find_latest_checkpoint(tmp_path).name == "step_8"
+    (root / "step_8" / "controller.pt").write_bytes(b"garbage")
+    assert find_latest_checkpoint(tmp_path).name == "step_6"  # the newest whose files match
+    (root / "step_6" / "controller.pt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        find_latest_checkpoint(tmp_path)
+    assert str(root / "step_8" / "controller.pt") in str(e.value)
+    assert str(root / "step_6" / "controller.pt") in str(e.value)
+    for step in (10, 12, 14):
+        write_checkpoint(root, step, fill_files, keep_last=0)
+    assert [s for s, _ in list_checkpoints(root)] == [6, 8, 10, 12, 14]
+
+
+def test_same_step_is_replaced(tmp_path):
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 2, fill_files)
+    write_checkpoint(root, 2, lambda tmp: (tmp / "controller.pt").write_bytes(b"new"))
+    assert verify_checkpoint(root / "step_2")["files"].keys() == {"controller.pt"}
+    assert [p.name for p in root.iterdir()] == ["step_2"]
+
+
+def test_resume_of_missing_dir_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no such run directory"):
+        find_latest_checkpoint(tmp_path / "nope")
+
+
+def test_rewind_run_logs(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
+    (tmp_path / "trained_ids.jsonl").write_text("".join(json.dumps({"step": s, "traj_ids": [f"g{s}-0"]}) + "\n"
+                                                        for s in range(1, 7)))
+    (tmp_path / "accepted.jsonl").write_text("".join(json.dumps({"accepted_total": 8 * k}) + "\n"
+                                                     for k in range(1, 10)))
+    rewind_run_logs(tmp_path, {"step": 4, "accepted_total": 48})
+    read = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    assert [r["step"] for r in read("metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read("trained_ids.jsonl")] == [1, 2, 3, 4]
+    assert [r["accepted_total"] for r in read("accepted.jsonl")] == [8, 16, 24, 32, 40, 48]
+
+
+# -- trainer state ------------------------------------------------------------------------
+def test_trainer_state_round_trip_is_bitwise(tmp_path):
+    from recovery_scorer import make_traj, tiny_checkpoint
+
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+    from megarl.types import TrainBatch
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    batch = TrainBatch.from_trajectories([make_traj("s0", [1, 4, 5], [("policy", 6, 0)], seed=11),
+                                          make_traj("s1", [1, 6], [("policy", 5, 0)], seed=12)], version=0)
+
+    def loss_fn(logp, mb, normalizer):
+        return -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"], {}
+
+    a = MegatronTrainer(str(ckpt), lr=1e-2, micro_batch_tokens=64, lr_warmup_steps=3)
+    a.save_state(str(tmp_path / "before"))  # no optimizer yet: it is built lazily
+    a.train_step(batch, loss_fn)
+    a.train_step(batch, loss_fn)
+    a.save_state(str(tmp_path / "state"))
+    lr_a = a.train_step(batch, loss_fn)["lr"]
+    want = a.get_params()
+
+    b = MegatronTrainer(str(ckpt), lr=1e-2, micro_batch_tokens=64, lr_warmup_steps=3)
+    b.load_state(str(tmp_path / "before"))
+    assert b.version == 0 and b.optimizer is None
+    b.load_state(str(tmp_path / "state"))
+    assert b.version == 2
+    lr_b = b.train_step(batch, loss_fn)["lr"]
+    got = b.get_params()
+    assert lr_a == lr_b and b.version == 3
+    assert all(bool((want[k] == got[k]).all()) for k in want), "params after the resumed step differ"
+    with pytest.raises(CheckpointError, match="rank0.pt is missing"):
+        b.load_state(str(tmp_path / "nowhere"))
+
+
+# -- the loop's state ----------------------------------------------------------------------
+class StateTrainer:
+    """The gate tests' step counter, plus save/load of its version."""
+
+    def __init__(self, rng):
+        from test_staleness_gate import StepCounterTrainerForGateTests
+
+        self.inner = StepCounterTrainerForGateTests(rng)
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    @property
+    def trained(self):
+        return self.inner.trained
+
+    def train_step(self, batch, loss_fn):
+        return self.inner.train_step(batch, loss_fn)
+
+
+class CapturingCheckpointer:
+    def __init__(self):
+        self.saved: dict[int, dict] = {}
+        self.last_step = None
+
+    async def save(self, controller):
+        self.saved[controller.step] = pickle.loads(pickle.dumps(controller.state_dict()))
+        self.saved[controller.step]["trainer_version"] = controller.trainer.version
+        self.last_step = controller.step
+
+
+class Journal:
+    def __init__(self):
+        self.lines: dict[str, list] = {"accepted": [], "trained_ids": []}
+
+    def write(self, name, record):
+        self.lines[name].append(copy.deepcopy(record))
+
+
+def make_controller(seed, steps_state=None, eta=2):
+    from test_staleness_gate import Rewards, SimulatedEngineForGateTests, SingleTurn
+
+    from megarl.config import load_config
+    from megarl.controller import Controller
+    from megarl.data import PromptDataset
+    from recovery.base import RecoveryContext
+    from recovery.behav import Behav
+
+    rng = random.Random(seed)
+    cfg = load_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4", "logging.save_every=3"])
+    engine = SimulatedEngineForGateTests(rng, 12)
+    trainer = StateTrainer(rng)
+
+    class Publisher:
+        async def prepare(self, version):
+            pass
+
+        async def apply(self, version):
+            engine.version = version
+
+    def advantages(trajs):
+        for t in trajs:
+            t.advantage = 0.0
+
+    checkpointer, journal = CapturingCheckpointer(), Journal()
+    c = Controller(cfg, trainer=trainer, router=engine, rewards=Rewards(),
+                   dataset=PromptDataset("reverse_digits", seed=0), workflow=SingleTurn(),
+                   strategy=Behav(None, RecoveryContext(trainer=trainer)), publisher=Publisher(),
+                   loss_fn_factory=lambda b, a: None, advantages=advantages, on_step=lambda r: None,
+                   checkpointer=checkpointer, journal=journal)
+    if steps_state is not None:
+        trainer.inner.version = steps_state["trainer_version"]
+        engine.version = steps_state["version"]
+        c.load_state_dict(steps_state, id_prefix="r1.")
+        checkpointer.last_step = c.step
+    return c, trainer, checkpointer, journal
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loop_state_round_trip_loses_nothing(seed):
+    c1, t1, ck1, j1 = make_controller(seed)
+    asyncio.run(c1.train(8))  # "killed" after step 8; checkpoints at 3 and 6 (and 8, the end)
+    state = ck1.saved[6]
+    c2, t2, ck2, j2 = make_controller(seed + 100, state)
+    asyncio.run(c2.train(12))
+
+    def ids_of(trained):
+        return [i for _, _, ids in trained for i in ids]
+
+    trained = ids_of(t1.trained[:6]) + ids_of(t2.trained)
+    assert len(trained) == len(set(trained)) == 12 * 8, "a trajectory was trained twice"
+    accepted_before = [i for rec in j1.lines["accepted"] if rec["accepted_total"] <= state["buffer"]["accepted_total"]
+                       for i in rec["traj_ids"]]
+    assert set(accepted_before) <= set(trained), "an accepted trajectory was lost"
+    assert [v for v, _, _ in t2.trained] == list(range(6, 12)), "versions continue without a gap"
+    assert all(max(v - x for x in vs) <= 2 for v, vs, _ in t2.trained)
+    later = set(trained) - set(accepted_before)
+    accepted_after = {i for rec in j2.lines["accepted"] for i in rec["traj_ids"]}
+    assert later <= accepted_after, "everything else was accepted by the resumed run"
+    gids = [rec["group_id"] for rec in j1.lines["accepted"] if rec["accepted_total"] <= state["buffer"]["accepted_total"]]
+    gids += [rec["group_id"] for rec in j2.lines["accepted"]]
+    assert len(gids) == len(set(gids)), "group ids are unique across the resume"
+    resumed = [rec["group_id"] for rec in j2.lines["accepted"]]
+    assert all(g.startswith("r1.g") and int(g[4:]) >= state["group_counter"] for g in resumed), resumed
+    assert not {i for rec in j1.lines["accepted"] for i in rec["traj_ids"]} & accepted_after, \
+        "the killed attempt's ids (also those after the checkpoint) never come back"
+
+
+def test_resume_from_the_end_of_a_synchronous_run():
+    # the last step of a run is never published; the resumed run publishes it first, else eta=0 would stall
+    c1, t1, ck1, _ = make_controller(5, eta=0)
+    asyncio.run(c1.train(4))
+    state = ck1.saved[4]
+    assert state["trainer_version"] == 4 and state["version"] == 3
+    c2, t2, _, _ = make_controller(6, state, eta=0)
+    asyncio.run(asyncio.wait_for(c2.train(6), 30))
+    assert [(v, set(vs)) for v, vs, _ in t2.trained] == [(4, {4}), (5, {5})]

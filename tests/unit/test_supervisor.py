@@ -1,0 +1,160 @@
+"""EngineSupervisor with in-process stand-ins for engine processes and their HTTP clients.
+
+The real thing (a vLLM engine process SIGKILLed mid-run) is tests/e2e/test_resume.py;
+here the failure modes are driven one at a time: a request on a dead engine, a
+dead engine nobody is talking to, a request an alive engine refuses, failed restarts.
+"""
+import asyncio
+
+import pytest
+
+from megarl.errors import EngineError
+from megarl.rollout.supervisor import EngineLost, EngineSupervisor
+from megarl.types import GenerateRequest, GenerateResult
+
+
+class FakeProc:
+    def __init__(self, pid):
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        return self.returncode
+
+
+class FakeEngine:
+    """An engine client; ``die()`` makes it behave like a SIGKILLed engine process."""
+
+    def __init__(self, pid):
+        self.proc = FakeProc(pid)
+        self.alive = True
+        self.version = 0
+        self.updates = []
+        self.refuse = False
+
+    def die(self):
+        self.alive = False
+        self.proc.returncode = -9
+
+    async def generate(self, req):
+        await asyncio.sleep(0.01)
+        if not self.alive:
+            raise EngineError("engine unreachable (ClientConnectorError)")
+        if self.refuse:
+            raise EngineError("refused")
+        return GenerateResult(req.request_id, [4], [-1.0], [self.version], "stop")
+
+    async def health(self):
+        if not self.alive:
+            raise EngineError("engine unreachable")
+        return {"ok": True, "version": self.version}
+
+    async def update_weights_from_disk(self, path, version):
+        if not self.alive:
+            raise EngineError("engine unreachable")
+        self.updates.append((path, version))
+        self.version = version
+
+    async def abort_all(self):
+        if not self.alive:
+            raise EngineError("engine unreachable")
+
+    async def close(self):
+        pass
+
+
+def make(n=2, launch_fails=False, **kw):
+    engines = [FakeEngine(1000 + i) for i in range(n)]
+    launched = []
+    stopped = []
+
+    def launch(i):
+        if launch_fails:
+            launched.append(None)
+            raise EngineError("engine exited with code 1 before serving")
+        e = FakeEngine(2000 + len(launched))
+        launched.append(e)
+        return e.proc, e
+
+    sup = EngineSupervisor([(e.proc, e) for e in engines], launch=launch, weights=("/ckpt", 0),
+                           health_interval_s=kw.pop("health_interval_s", 60.0), health_timeout_s=1.0,
+                           stop=lambda proc, timeout: stopped.append(proc.pid), **kw)
+    return sup, engines, launched, stopped
+
+
+def req(i=0):
+    return GenerateRequest(f"g0-{i}/0/0", [1, 5, 2])
+
+
+def test_request_on_dead_engine_is_lost_and_engine_restarted_with_current_weights():
+    async def main():
+        sup, engines, launched, stopped = make()
+        await sup.start()
+        await sup.update_weights_from_disk("/run/weights/v3", 3)
+        engines[0].die()
+        with pytest.raises(EngineLost):
+            await sup.generate(req())  # least loaded: engine 0
+        assert sup.stats()["n_engines_live"] == 1
+        assert (await sup.generate(req(1))).versions == [3]  # engine 1 serves meanwhile
+        await sup.wait_available()
+        for _ in range(100):
+            if sup.stats()["n_engine_restarts"]:
+                break
+            await asyncio.sleep(0.01)
+        assert sup.stats() == {"n_engine_failures": 1, "n_engine_restarts": 1, "n_engines_live": 2}
+        assert launched[0].updates == [("/run/weights/v3", 3)], "restarted engine loads the published weights"
+        assert stopped == [1000], "what was left of the dead engine is stopped"
+        assert sup.slots[0].client is launched[0]
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_health_check_finds_a_dead_engine_without_requests():
+    async def main():
+        sup, engines, launched, _ = make(n=1, health_interval_s=0.02)
+        await sup.start()
+        engines[0].die()
+        for _ in range(200):
+            if sup.stats()["n_engine_restarts"]:
+                break
+            await asyncio.sleep(0.01)
+        assert sup.stats()["n_engine_restarts"] == 1 and launched
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_refused_request_on_a_live_engine_is_an_error_not_a_loss():
+    async def main():
+        sup, engines, _, _ = make(n=1)
+        engines[0].refuse = True
+        with pytest.raises(EngineError) as e:
+            await sup.generate(req())
+        assert not isinstance(e.value, EngineLost)
+        assert sup.stats()["n_engine_failures"] == 0
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_publish_while_an_engine_is_down_and_dropping_after_failed_restarts():
+    async def main():
+        sup, engines, launched, _ = make(n=2, launch_fails=True, max_restarts=2)
+        engines[1].die()
+        await sup.update_weights_from_disk("/run/weights/v1", 1)  # engine 1 is found gone, not an error
+        assert engines[0].version == 1
+        for _ in range(200):
+            if sup.slots[1].state == "dropped":
+                break
+            await asyncio.sleep(0.01)
+        assert sup.slots[1].state == "dropped" and sup.failure is None  # capacity reduced, run goes on
+        await sup.wait_available()
+        engines[0].die()
+        with pytest.raises(EngineLost):
+            await sup.generate(req())
+        with pytest.raises(EngineError, match="every rollout engine failed"):
+            await asyncio.wait_for(sup.wait_available(), 5)
+        await sup.close()
+
+    asyncio.run(main())
