@@ -59,6 +59,15 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
     if cfg.rollout.eta < 0:
         raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
+    if cfg.rollout.weight_sync != "disk":
+        raise ConfigError("rollout.weight_sync=broadcast: the engines and EngineRouter support broadcast updates, "
+                          "but the training loop publishes through disk only so far; use rollout.weight_sync=disk")
+    if cfg.model.dtype != "float32":
+        raise ConfigError(f"model.dtype={cfg.model.dtype}: the trainer runs float32 only so far; "
+                          f"use model.dtype=float32")
+    if cfg.advantage.kl_coef > 0 and cfg.placement.trainer_ranks > 1:
+        raise ConfigError("advantage.kl_coef > 0 needs a single trainer rank so far; set advantage.kl_coef=0 "
+                          "or placement.trainer_ranks=1")
     max_len = int(hf.get("max_position_embeddings", 0))
     need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if max_len and need > max_len:
@@ -66,21 +75,43 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"max_position_embeddings {max_len}; lower one of them")
 
 
-def make_loss_fn_factory(loss_cfg):
+def make_loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None):
+    """``factory(batch, anchor) -> loss_fn`` for the trainer: the policy loss, plus the reference KL.
+
+    ``ref_logprobs(batch) -> [B, L-1]`` scores the batch with the reference
+    policy (needed when ``kl_coef > 0``); the penalty is the k3 estimator
+    exp(ref - theta) - (ref - theta) - 1 (Schulman, "Approximating KL
+    divergence", 2020), averaged over all policy tokens of the batch.
+    """
+    import torch
+
     from megarl.losses import loss_normalizer, policy_loss
 
     def factory(batch, anchor):
         ref = batch.logp_anchor if batch.logp_anchor is not None else batch.logp_behav
         # the global denominator, so that micro-batch losses add up to the full-batch loss
         normalizer = loss_normalizer(ref, batch.logp_behav, batch.loss_mask, loss_cfg)
+        if kl_coef > 0:
+            batch_ref = ref_logprobs(batch)
+            rows = {tid: i for i, tid in enumerate(batch.traj_ids)}
+            n_valid = max(float(batch.loss_mask.sum()), 1.0)
 
         def loss_fn(logp_theta, mb, _counts=None):
             if anchor.from_theta is not None:
                 logp_anchor = anchor.from_theta(logp_theta.detach(), mb)
             else:
                 logp_anchor = mb.logp_anchor
-            return policy_loss(logp_theta, logp_anchor, mb.logp_behav, mb.advantages, mb.loss_mask,
-                               loss_cfg, normalizer=normalizer)
+            loss, metrics = policy_loss(logp_theta, logp_anchor, mb.logp_behav, mb.advantages, mb.loss_mask,
+                                        loss_cfg, normalizer=normalizer)
+            if kl_coef > 0:
+                idx = [rows[t] for t in mb.traj_ids]
+                logp_ref = batch_ref[idx, : logp_theta.shape[1]].to(logp_theta.device)
+                mask = mb.loss_mask.to(logp_theta.device) > 0
+                diff = torch.where(mask, logp_ref - logp_theta, torch.zeros_like(logp_theta))
+                kl = (torch.exp(diff) - diff - 1.0).sum() / n_valid
+                loss = loss + kl_coef * kl
+                metrics = {**metrics, "kl_ref": float(kl.detach()) * n_valid / max(float(mask.sum()), 1.0)}
+            return loss, metrics
 
         return loss_fn
 
@@ -146,6 +177,28 @@ def _serve_role(cfg: MegaRLConfig, role) -> None:
     raise ConfigError("a dedicated old-logit scorer on its own nodes (MEGARL_ROLE=dedicated) is not supported yet: "
                       "with recovery.name=dedicated the scorer runs as a process beside trainer rank 0; "
                       "set placement.dedicated_nodes=0")
+
+
+def _workflow(cfg: MegaRLConfig):
+    from megarl.workflows import build_workflow
+
+    if cfg.rollout.workflow == "multi_turn":
+        return build_workflow("multi_turn", cfg, env=cfg.rollout.tool_env, max_turns=cfg.rollout.max_turns,
+                              max_response_len=cfg.rollout.max_new_tokens)
+    return build_workflow("single_turn", cfg)
+
+
+def _loss_fn_factory(cfg: MegaRLConfig, trainer):
+    """The loss factory; with a reference KL, the reference is the initial weights of this trainer."""
+    if cfg.advantage.kl_coef <= 0:
+        return make_loss_fn_factory(cfg.loss)
+    ref_params = trainer.get_params()
+
+    def ref_logprobs(batch):
+        with trainer.use_params(ref_params):
+            return trainer.logprobs(batch)
+
+    return make_loss_fn_factory(cfg.loss, cfg.advantage.kl_coef, ref_logprobs)
 
 
 def build_trainer(cfg: MegaRLConfig, ckpt: Path):
@@ -214,7 +267,6 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
     from megarl.rollout.client import launch_engine_process, stop_engine_process
     from megarl.rollout.supervisor import EngineSupervisor
     from megarl.run_log import RunLogger
-    from megarl.workflows import build_workflow
     from recovery import registry
     from recovery.base import RecoveryContext
 
@@ -293,9 +345,11 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
         checkpointer = Checkpointer(run_dir, trainer, strategy, weights_dir, keep_last=cfg.logging.keep_last,
                                     run=run_settings(cfg, trainer.parallel.world_size, trainer.hf_config))
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
+        # built before any resume loads a checkpoint: the KL reference is the run's initial weights
+        loss_fn_factory = _loss_fn_factory(cfg, getattr(trainer, "trainer", trainer))
         controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
-                                workflow=build_workflow("single_turn", cfg), strategy=strategy,
-                                publisher=publisher, loss_fn_factory=make_loss_fn_factory(cfg.loss),
+                                workflow=_workflow(cfg), strategy=strategy,
+                                publisher=publisher, loss_fn_factory=loss_fn_factory,
                                 advantages=make_advantage_fn(cfg.advantage), on_step=logger.log,
                                 checkpointer=checkpointer, journal=logger)
         controller_ref["c"] = controller

@@ -106,8 +106,14 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 20
     """Maximum generated tokens per trajectory (policy tokens, over all turns)."""
+    workflow: Literal["single_turn", "multi_turn"] = "single_turn"
+    """How a trajectory is rolled out: one answer, or policy turns interleaved with tool output."""
+    tool_env: str = "digit_count"
+    """Tool environment of the multi_turn workflow (megarl/workflows/registry.py TOOL_ENVS)."""
+    max_turns: int = 4
+    """Policy turns per trajectory in the multi_turn workflow."""
     weight_sync: Literal["disk", "broadcast"] = "disk"
-    """How new weights reach the engines: safetensors on shared disk or a gloo/NCCL broadcast group."""
+    """How new weights reach the engines: safetensors on shared disk, or a gloo/NCCL broadcast group (engines and EngineRouter support it; the training loop refuses it until its publisher is wired)."""
     bucket_mb: int = 256
     """Bucket size of the broadcast weight sync."""
     kv_cache_gb: int = 1
@@ -163,7 +169,7 @@ class AdvantageConfig:
     eps: float = 1e-4
     """Added to the std."""
     kl_coef: float = 0.0
-    """Reference-KL penalty coefficient (0 = off)."""
+    """Reference-KL penalty coefficient (0 = off): adds kl_coef * mean k3(pi_ref || pi_theta) over policy tokens; pi_ref = the initial weights (one extra forward per step; one trainer rank)."""
 
 
 @dataclass

@@ -100,3 +100,21 @@ def test_empty_dataset_and_too_long_prompt(ckpt, tmp_path):
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", f"data.path={long}",
                "--output-dir", str(tmp_path / "r2"), timeout=120)
     assert r.returncode == 2 and "longer than" in r.stderr, r.stderr[-2000:]
+
+
+def test_multi_turn_workflow_with_reference_kl(ckpt, tmp_path):
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(tmp_path), f"model.checkpoint={ckpt}",
+               "rollout.workflow=multi_turn", "rollout.max_turns=3", "advantage.kl_coef=0.05",
+               "recovery.name=interrupt_sync", "trainer.total_steps=3", "logging.tensorboard=false", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["kl_ref"] == 0.0  # the first step trains the reference weights themselves
+    assert all(x["kl_ref"] >= 0.0 for x in records) and records[-1]["kl_ref"] > 0.0
+    assert all(x["staleness_max"] <= 2 for x in records)
+
+
+def test_unwired_settings_are_refused(ckpt, tmp_path):
+    for override in ("rollout.weight_sync=broadcast", "model.dtype=bfloat16"):
+        r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", override,
+                   "--output-dir", str(tmp_path / "r"), timeout=120)
+        assert r.returncode == 2 and override.split("=")[0] in r.stderr, r.stderr[-2000:]
