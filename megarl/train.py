@@ -59,6 +59,15 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
     if cfg.rollout.eta < 0:
         raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
+    max_len = int(hf.get("max_position_embeddings", 0))
+    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if max_len and need > max_len:
+        raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
+                          f"max_position_embeddings {max_len}; lower one of them")
+
+
+def refuse_unwired(cfg: MegaRLConfig) -> None:
+    """Settings the config accepts (the GPU configs use them) but this training loop does not honour yet."""
     if cfg.rollout.weight_sync != "disk":
         raise ConfigError("rollout.weight_sync=broadcast: the engines and EngineRouter support broadcast updates, "
                           "but the training loop publishes through disk only so far; use rollout.weight_sync=disk")
@@ -68,11 +77,6 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
     if cfg.advantage.kl_coef > 0 and cfg.placement.trainer_ranks > 1:
         raise ConfigError("advantage.kl_coef > 0 needs a single trainer rank so far; set advantage.kl_coef=0 "
                           "or placement.trainer_ranks=1")
-    max_len = int(hf.get("max_position_embeddings", 0))
-    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    if max_len and need > max_len:
-        raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
-                          f"max_position_embeddings {max_len}; lower one of them")
 
 
 def make_loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None):
@@ -416,6 +420,7 @@ def train(cfg: MegaRLConfig, wrap_strategy=None, resume: str | Path | None = Non
             ckpt = ensure_checkpoint(cfg)
             hf = json.loads((ckpt / "config.json").read_text())
             validate(cfg, hf)
+            refuse_unwired(cfg)
             if resume_from is not None:
                 from megarl.checkpoint import check_run_settings, read_manifest
 
