@@ -46,6 +46,16 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def resolve_names(spec: str) -> list[str]:
+    """``"all"`` or a comma-separated list of strategy names, checked against the registry."""
+    valid = names()
+    chosen = valid if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in valid]
+    if unknown or not chosen:
+        raise ConfigError(f"unknown strategies {unknown or spec!r}; valid: {', '.join(valid)} (or 'all')")
+    return chosen
+
+
 def get(name: str) -> type:
     _discover()
     if name not in _REGISTRY:

@@ -21,13 +21,9 @@ def run(args) -> int:
     from megarl.bench.report import print_table
     from megarl.bench.run import bench
     from megarl.errors import ConfigError
-    from recovery.registry import names
+    from recovery.registry import resolve_names
 
-    valid = names()
-    chosen = valid if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in valid]
-    if unknown or not chosen:
-        raise ConfigError(f"unknown strategies {unknown or args.strategies!r}; valid: {', '.join(valid)}")
+    chosen = resolve_names(args.strategies)
     if args.steps is not None and args.steps < 2:
         raise ConfigError(f"--steps={args.steps}: the bench needs at least 2 steps (the first one is start-up)")
     report = bench(args.config, chosen, args.steps, args.output, list(args.overrides),

@@ -28,29 +28,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _read_prompts(path: str) -> list[list[int]]:
-    import json
-
-    from megarl.errors import InputError
-
-    prompts = []
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read --input {path}: {e}") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ids = json.loads(line)["input_ids"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise InputError(f'{path}:{n}: expected {{"input_ids": [...]}} ({type(e).__name__}: {e})') from e
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise InputError(f"{path}:{n}: input_ids must be a list of integers")
-        prompts.append(ids)
-    return prompts
-
-
 def _default_stop_ids(checkpoint: str) -> list[int]:
     from megarl.rollout.weight_spec import read_config
 
@@ -80,7 +57,9 @@ def run(args) -> int:
     import json
     import time
 
-    prompts = _read_prompts(args.input)
+    from megarl.commands._jsonl_input import read_input_ids
+
+    prompts = read_input_ids(args.input)
     t0 = time.perf_counter()
     results = asyncio.run(_generate_all(args, prompts))
     with open(args.output, "w", encoding="utf-8") as f:

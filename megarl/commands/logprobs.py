@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from megarl.commands._jsonl_input import read_input_ids
 from megarl.errors import InputError
 
 #: rows per trainer call: bounds the [rows, longest] padded batch held at once
@@ -27,30 +28,6 @@ def register(sub) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget per micro-batch")
     p.set_defaults(func=run)
-
-
-def read_inputs(path: str, max_len: int, vocab_size: int) -> list[list[int]]:
-    """Parse and check every line before any model is built (errors name the line)."""
-    if not Path(path).is_file():
-        raise InputError(f"input file {path} does not exist")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["input_ids"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"{path}:{lineno}: expected a JSON object with 'input_ids' ({e})") from e
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InputError(f"{path}:{lineno}: input_ids must be a list of integers")
-            if len(ids) > max_len:
-                raise InputError(f"{path}:{lineno}: {len(ids)} tokens > max_position_embeddings {max_len}")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise InputError(f"{path}:{lineno}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-            rows.append(ids)
-    return rows
 
 
 def _batch(rows: list[list[int]]):
@@ -71,7 +48,7 @@ def run(args) -> int:
     from megarl.models.bridge import read_hf_config
 
     hf = read_hf_config(args.checkpoint)
-    rows = read_inputs(args.input, int(hf["max_position_embeddings"]), int(hf["vocab_size"]))
+    rows = read_input_ids(args.input, int(hf["max_position_embeddings"]), int(hf["vocab_size"]))
     results: list[list[float]] = [[] for _ in rows]  # rows of < 2 tokens have no log-probs
     scored = [i for i, r in enumerate(rows) if len(r) >= 2]
     rank = int(os.environ.get("RANK", "0"))

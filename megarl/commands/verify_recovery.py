@@ -14,15 +14,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from megarl.errors import ConfigError
     from megarl.verify import verify
-    from recovery.registry import names
+    from recovery.registry import resolve_names
 
-    valid = names()
-    chosen = valid if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in valid]
-    if unknown:
-        raise ConfigError(f"unknown strategies {unknown}; valid: {', '.join(valid)}")
+    chosen = resolve_names(args.strategies)
     verify(args.config, chosen, args.steps, args.output, args.overrides)
     print(f"wrote {args.output}")
     return 0
