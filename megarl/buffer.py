@@ -1,4 +1,4 @@
-"""Replay buffer and staleness gate of the async loop (DESIGN §4).
+"""Replay buffer and staleness gate of the async loop (docs/design.md §4).
 
 Counting is in trajectories. A group of n samples of one prompt is admitted
 together and accepted together (its advantages need the whole group).

@@ -1,7 +1,7 @@
 """Dataclasses that cross megarl's boundaries.
 
 The controller, the trainer, the rollout engines, the reward service and the
-recovery strategies exchange only these. Symbols follow DESIGN: for each
+recovery strategies exchange only these. Symbols follow docs/design.md: for each
 generated token t, ``versions[t]`` is v_t, the policy version that sampled it,
 ``logp_behav[t]`` the engine's log-prob of the distribution it sampled from,
 ``logp_old[t]`` the trainer's log-prob under the same version v_t.

@@ -1,4 +1,4 @@
-"""ewma (approximate): PPO-EWMA proximal policy (Hilton, Cobbe, Schulman 2021; DESIGN §3).
+"""ewma (approximate): PPO-EWMA proximal policy (Hilton, Cobbe, Schulman 2021; docs/design.md §3).
 
 The proximal parameters phi are a bias-corrected exponentially weighted moving
 average of theta, updated after every optimizer step (n starts at 0)::

@@ -1,4 +1,4 @@
-"""The policy loss shared by every old-logit recovery strategy (DESIGN §3)."""
+"""The policy loss shared by every old-logit recovery strategy (docs/design.md §3)."""
 from megarl.losses.config import PolicyLossConfig
 from megarl.losses.policy import loss_normalizer, policy_loss
 

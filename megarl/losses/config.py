@@ -1,4 +1,4 @@
-"""Configuration of the one policy-loss formula (DESIGN §3)."""
+"""Configuration of the one policy-loss formula (docs/design.md §3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""The one policy-gradient loss used by every old-logit recovery strategy (DESIGN §3).
+"""The one policy-gradient loss used by every old-logit recovery strategy (docs/design.md §3).
 
 Per token t of a [B, T] batch, with ``logp_anchor`` = ``logp_old`` for an exact
 recovery strategy or ``logp_prox`` for an approximate one, and A_t the advantage:

@@ -3,7 +3,7 @@
 megatron-core is written for GPUs. Its real code path (GPTModel with the local
 layer spec, Megatron DDP, the Megatron optimizer, the pipeline schedules, the
 MoE dispatchers) runs on CPU with gloo once six things are adapted; each patch
-below says what fails without it (measured, see /work/shared/CPU_STACK.md):
+below says what fails without it (measured on a 2-core CPU machine):
 
 1. ``torch.cuda.current_device()`` (~175 call sites, RoPE first) returns the
    CPU device, so ``device=torch.cuda.current_device()`` allocates on CPU.

@@ -1,4 +1,4 @@
-"""Reverse a digit string with a long-tailed length (shared/TINY_TASK.md).
+"""Reverse a digit string with a long-tailed length: a task a tiny model learns with RL on 2 CPU cores.
 
 Vocab 16: PAD=0, BOS=1, SEP=2, EOS=3, digits 0-9 = tokens 4-13.
 Prompt ``BOS d1..dn SEP``; the answer is the digits reversed, then EOS.
