@@ -62,7 +62,7 @@ class Controller:
     """
 
     def __init__(self, cfg, *, trainer, router, rewards, dataset, workflow, strategy,
-                 publisher: Callable[[int], Any], loss_fn_factory: Callable[[TrainBatch], Any],
+                 publisher: Any, loss_fn_factory: Callable[[TrainBatch, Any], Any],
                  advantages: Callable[[list[Trajectory]], None], on_step: Callable[[dict], None],
                  checkpointer=None, journal=None) -> None:
         self.cfg = cfg
@@ -218,8 +218,6 @@ class Controller:
             task = asyncio.create_task(self._run_group(group, item))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-
-    stop_token_ids: tuple[int, ...] = ()
 
     # -- publishing ----------------------------------------------------------------
     async def publish(self, new_version: int) -> dict[str, float]:

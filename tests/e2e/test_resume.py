@@ -19,21 +19,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-MEGARL = [sys.executable, "-m", "megarl.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+from conftest import ENV, MEGARL, ROOT, run_megarl
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false",
          "logging.save_every=2", "logging.keep_last=2"]
 
 
-def megarl(*args, timeout=600):
-    return subprocess.run([*MEGARL, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+megarl = run_megarl
 
 
 def start(args, log: Path) -> subprocess.Popen:
@@ -68,14 +64,6 @@ def process_gone(pid: int, timeout: float = 30.0) -> bool:
 
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    r = megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml", "--output", str(out))
-    assert r.returncode == 0, r.stderr
-    return out
 
 
 @pytest.mark.parametrize("strategy,backend", [("snapshot", "vllm"), ("ewma", "hf"), ("dedicated", "hf")])

@@ -1,28 +1,14 @@
 """The real `megarl train` and `megarl verify-recovery` CLIs: vLLM CPU engine + Megatron trainer."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-MEGARL = [sys.executable, "-m", "megarl.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+from conftest import run_megarl
+
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none"]
 
 
-def megarl(*args, timeout=600):
-    return subprocess.run([*MEGARL, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    r = megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml", "--output", str(out))
-    assert r.returncode == 0, r.stderr
-    return out
+megarl = run_megarl
 
 
 @pytest.fixture(scope="module")
