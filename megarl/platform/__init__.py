@@ -20,6 +20,17 @@ def have_transformer_engine() -> bool:
     return True
 
 
+def define_missing_te_general_gemm() -> None:
+    """megatron-core 0.16.1's MoE router reads the name ``te_general_gemm``, bound only when
+    TransformerEngine imports; without TE (CPU, or a GPU without TE) that is a NameError at the
+    first MoE forward. Bound to None it takes the plain ``torch.mm`` path. Seen on CPU and on an
+    H200 with torch 2.11 and no TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def prepare_megatron() -> None:
     """Make ``import megatron.core`` safe here; apply the CPU patches when CUDA is absent."""
     import torch
@@ -29,6 +40,7 @@ def prepare_megatron() -> None:
     block_broken_transformer_engine()
     if not torch.cuda.is_available():
         apply_cpu_patches()
+    define_missing_te_general_gemm()
 
 
-__all__ = ["have_transformer_engine", "prepare_megatron"]
+__all__ = ["define_missing_te_general_gemm", "have_transformer_engine", "prepare_megatron"]

@@ -20,8 +20,9 @@ below says what fails without it (measured on a 2-core CPU machine):
    and converts its split sizes to numpy only ``if tensor.is_cuda``; gloo's
    ``all_to_all_single`` raises TypeError on tensor splits, so on CPU they are
    always converted.
-6. Without TransformerEngine, 0.16.1's MoE router references the undefined
-   name ``te_general_gemm`` (NameError): defined as None (the torch path).
+(Without TransformerEngine, 0.16.1's MoE router also references the undefined
+name ``te_general_gemm``; that fix is not CPU-specific and lives in
+megarl/platform/__init__.py, applied on GPUs without TE too.)
 
 Patches are applied only when ``torch.cuda.is_available()`` is False, at most
 once per process (:func:`apply_cpu_patches` is idempotent), and never on a GPU
@@ -268,14 +269,6 @@ def _patch_moe() -> None:
         mod.maybe_move_tensor_to_cpu = _cpu_move_tensor
 
 
-# -- 6. te_general_gemm -------------------------------------------------------------
-def _patch_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # None selects the plain torch.mm router path
-
-
 def apply_cpu_patches() -> bool:
     """Apply every CPU adaptation once; returns True when they are active.
 
@@ -294,7 +287,6 @@ def apply_cpu_patches() -> bool:
     _patch_device_strings()
     _patch_type_asserts()
     _patch_moe()
-    _patch_te_general_gemm()
     _APPLIED = True
     return True
 

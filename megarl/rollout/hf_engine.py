@@ -54,6 +54,13 @@ def processed_logprobs(logits: torch.Tensor, s: SamplingParams) -> torch.Tensor:
 _LOAD_LOCK = threading.Lock()
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _load_model(checkpoint: str | Path, device: str):
     import transformers
 
@@ -87,9 +94,10 @@ class HFEngine:
         self.last_update_s: float | None = None
 
     @classmethod
-    async def create(cls, checkpoint: str, *, initial_version: int = 0, device: str = "cpu",
+    async def create(cls, checkpoint: str, *, initial_version: int = 0, device: str = "auto",
                      seed: int = 0) -> "HFEngine":
         config = read_config(checkpoint)
+        device = resolve_device(device)
         try:
             model = await asyncio.to_thread(_load_model, checkpoint, device)
         except Exception as e:

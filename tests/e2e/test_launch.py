@@ -103,6 +103,17 @@ def test_gpu_check_self_test():
     assert "gpu_check self-test passed" in p.stdout
 
 
+def test_gpu_checks_run_on_cpu(tmp_path):
+    """The device-independent GPU checks also run on CPU (GPU_CHECK_ALLOW_CPU=1), so their own code
+    is exercised on every CI run: Megatron vs HF parity (dense and MoE) and the broadcast round
+    trip into the HF engine."""
+    p = run(["bash", "launch/gpu_check.sh", "megatron_parity", "hf_broadcast"], timeout=560,
+            GPU_CHECK_ALLOW_CPU="1", GPU_CHECK_WORKDIR=str(tmp_path), GPU_CHECK_TIMEOUT="240")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert "PASS megatron_parity: tiny_qwen3 max" in p.stdout and "tiny_qwen3_moe max" in p.stdout
+    assert "PASS hf_broadcast:" in p.stdout
+
+
 @pytest.mark.skipif(not os.environ.get("MEGARL_RUN_GPU_CHECK"), reason="set MEGARL_RUN_GPU_CHECK=1 on a GPU machine")
 def test_gpu_check_on_gpu():
     p = run(["bash", "launch/gpu_check.sh"], timeout=600)
