@@ -29,7 +29,7 @@ def test_launch_dry_run_30b_on_four_simulated_nodes():
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "allocation  simulated: 4 node(s) x 8 GPUs (node[01-04])" in out
-    assert "tp=2 pp=1 ep=8 dp=8 (expert dp=1), sequence parallel; 16 ranks" in out
+    assert "tp=1 pp=1 ep=8 dp=16 (expert dp=2); 16 ranks" in out
     assert out.count("vLLM TP=4") == 4 and "engine3     node04" in out
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node01,node02 --gres=gpu:8" in out
     assert out.count("srun --nodes=1 --ntasks=1") == 4
