@@ -57,7 +57,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 #: run settings a resumed run must share with the checkpoint (name -> config path)
 RUN_KEYS = {"batch_size": "trainer.batch_size", "group_size": "rollout.group_size", "eta": "rollout.eta",
             "recovery": "recovery.name", "seed": "trainer.seed", "tp": "parallel.tp", "pp": "parallel.pp",
-            "ep": "parallel.ep", "distributed_optimizer": "parallel.use_distributed_optimizer"}
+            "ep": "parallel.ep", "distributed_optimizer": "parallel.use_distributed_optimizer",
+            "dtype": "model.dtype"}
 #: HF config fields that fix the shapes of the saved model and optimizer state
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")

@@ -27,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget per micro-batch")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter dtype of the model (log-probs are computed in float32 either way)")
     p.set_defaults(func=run)
 
 
@@ -56,7 +58,7 @@ def run(args) -> int:
         from megarl.trainer.megatron_trainer import MegatronTrainer
 
         trainer = MegatronTrainer(args.checkpoint, tp=args.tp, pp=args.pp, ep=args.ep,
-                                  micro_batch_tokens=args.micro_batch_tokens)
+                                  micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype)
         rank = trainer.parallel.rank
         for start in range(0, len(scored), ROWS_PER_CALL):
             chunk = scored[start: start + ROWS_PER_CALL]

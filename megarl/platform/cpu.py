@@ -14,7 +14,8 @@ below says what fails without it (measured on a 2-core CPU machine):
    with ``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``
    (:func:`seed_model_parallel_rng`) which keeps CPU generator states.
 4. ``clip_grads`` and the optimizer constructors assert
-   ``param.type() == 'torch.cuda.FloatTensor'``: inside exactly those
+   ``param.type() == 'torch.cuda.FloatTensor'`` (``'torch.cuda.BFloat16Tensor'``
+   for the bf16 parameters of mixed-precision training): inside exactly those
    functions ``Tensor.type()`` reports the CUDA type name.
 5. The MoE alltoall dispatcher creates CUDA streams/events (stand-ins here)
    and converts its split sizes to numpy only ``if tensor.is_cuda``; gloo's

@@ -27,6 +27,22 @@ from megarl.errors import ConfigError, InputError
 from megarl.types import GenerateRequest, GenerateResult
 
 BACKENDS = ("vllm", "hf")
+#: weight dtypes an engine can be asked for (`megarl engine --dtype`); see :func:`resolve_dtype`
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_dtype(dtype: str, config: dict) -> str:
+    """The dtype an engine loads its weights in; ``auto`` is the one the checkpoint's config.json records.
+
+    megarl resolves ``auto`` itself instead of handing it to vLLM, whose own
+    ``auto`` runs a float32 checkpoint in half precision: engines and trainer
+    agree on the precision only if it is stated. transformers 5 writes the
+    field as ``dtype``, earlier versions as ``torch_dtype``; absent, float32.
+    """
+    if dtype != "auto":
+        return dtype
+    recorded = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return str(recorded).removeprefix("torch.")
 
 
 @runtime_checkable

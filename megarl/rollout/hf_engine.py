@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from megarl.errors import EngineError, InputError
-from megarl.rollout.base import check_request, effective_max_new_tokens
+from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
                                         safetensors_files, tied_optional_names)
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams
@@ -61,11 +61,12 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _load_model(checkpoint: str | Path, device: str):
+def _load_model(checkpoint: str | Path, device: str, dtype: str = "float32"):
+    """The checkpoint as a transformers model in ``dtype`` (the loader casts whatever dtype is stored)."""
     import transformers
 
     with _LOAD_LOCK:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 
@@ -74,8 +75,11 @@ class HFEngine:
 
     backend = "hf"
 
-    def __init__(self, model, checkpoint: str, config: dict, initial_version: int, device: str) -> None:
+    def __init__(self, model, checkpoint: str, config: dict, initial_version: int, device: str,
+                 dtype: str = "float32") -> None:
         self.model = model
+        #: weight dtype, kept across weight updates (an update in another dtype is cast on load)
+        self.dtype = dtype
         self.checkpoint = checkpoint
         self.config = config
         self.device = device
@@ -95,14 +99,16 @@ class HFEngine:
 
     @classmethod
     async def create(cls, checkpoint: str, *, initial_version: int = 0, device: str = "auto",
-                     seed: int = 0) -> "HFEngine":
+                     seed: int = 0, dtype: str | None = None) -> "HFEngine":
+        """``dtype``: "float32" (default), "bfloat16", or "auto" (the checkpoint's recorded dtype)."""
         config = read_config(checkpoint)
+        dtype = resolve_dtype(dtype or "float32", config)
         device = resolve_device(device)
         try:
-            model = await asyncio.to_thread(_load_model, checkpoint, device)
+            model = await asyncio.to_thread(_load_model, checkpoint, device, dtype)
         except Exception as e:
             raise EngineError(f"HF engine for {checkpoint} failed to start: {type(e).__name__}: {e}") from e
-        return cls(model, str(checkpoint), config, initial_version, device)
+        return cls(model, str(checkpoint), config, initial_version, device, dtype)
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Lock]:
         if self._gate is None:
@@ -185,7 +191,7 @@ class HFEngine:
             shutil.copy(Path(self.checkpoint) / "config.json", Path(tmp) / "config.json")
             for f in safetensors_files(weights_dir):
                 (Path(tmp) / f.name).symlink_to(f.resolve())
-            self.model = _load_model(tmp, self.device)
+            self.model = _load_model(tmp, self.device, self.dtype)
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         _, lock = self._events()
@@ -231,7 +237,8 @@ class HFEngine:
         return self._version
 
     async def health(self) -> dict:
-        return {"ok": True, "backend": self.backend, "version": self._version, "in_flight": self._in_flight,
+        return {"ok": True, "backend": self.backend, "dtype": self.dtype, "version": self._version,
+                "in_flight": self._in_flight,
                 "checkpoint": self.checkpoint, "max_model_len": self.max_model_len,
                 "paused": self._user_paused, "last_update_s": self.last_update_s}
 

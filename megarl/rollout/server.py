@@ -164,8 +164,8 @@ async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: in
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()
-        print(f"megarl engine ({backend}) serving {checkpoint} on http://{host}:{port} "
-              f"(started in {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        print(f"megarl engine ({backend}, {getattr(engine, 'dtype', '?')}) serving {checkpoint} on "
+              f"http://{host}:{port} (started in {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

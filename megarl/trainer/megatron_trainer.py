@@ -19,6 +19,16 @@ micro-batches (and DDP averages over DP) unless
 schedule keep losses as returned and DDP sum gradients, and runs
 ``finalize_model_grads`` without its per-token division. ``loss_fn`` gets the
 global counts (``normalizer``) to build means itself.
+
+Precision (``dtype``). ``float32``: parameters, gradients and optimizer are
+fp32. ``bfloat16``: Megatron-LM's mixed-precision recipe: TransformerConfig
+``bf16=True`` with bf16 ``params_dtype``, the GPTModel wrapped in
+``Float16Module`` (bf16 forward, fp32 outputs), DDP gradient buffers in fp32
+(``grad_reduce_in_fp32``) and an optimizer holding fp32 main parameters
+(``Float16OptimizerWithFloat16Params``, or the distributed optimizer's fp32
+shards) that are copied back to the bf16 model after every step. Log-probs
+are computed in fp32 in either case: megatron's ``vocab_parallel_cross_entropy``
+casts the (bf16) logits to fp32 before its log-softmax.
 """
 from __future__ import annotations
 
@@ -37,6 +47,8 @@ log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, object, dict], tuple]
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+#: the parameter dtypes the trainer runs in (module doc, "Precision")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronTrainer:
@@ -46,7 +58,7 @@ class MegatronTrainer:
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, adam_eps: float = 1e-8,
                  grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
-                 total_steps: int | None = None, min_lr: float = 0.0):
+                 total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32"):
         from megarl.models.bridge import load_hf_weights, read_hf_config
         from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
         from megarl.trainer.parallel import init_distributed, init_parallel
@@ -57,6 +69,8 @@ class MegatronTrainer:
             raise ConfigError(f"lr_decay={lr_decay!r} needs total_steps")
         if micro_batch_tokens < 1:
             raise ConfigError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         import torch.distributed as dist
 
         self.checkpoint_dir = str(checkpoint_dir)
@@ -69,7 +83,9 @@ class MegatronTrainer:
             raise ConfigError(f"MoE with tp={tp} needs sequence parallelism, which MegatronTrainer does not "
                               f"support yet; shard experts with ep instead")
         self.parallel = init_parallel(tp=tp, pp=pp, ep=ep, seed=seed)
-        self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep)
+        #: "float32" or "bfloat16": the dtype of the model's parameters (and of exported weights)
+        self.dtype = dtype
+        self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype])
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
         self.micro_batch_tokens = int(micro_batch_tokens)
@@ -93,6 +109,13 @@ class MegatronTrainer:
         from megarl.models.build import build_gpt_model
 
         gpt = build_gpt_model(self.hf_config, self.config)
+        if self.config.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            # as Megatron-LM's get_model: casts the parameters to bf16, the first stage's inputs to
+            # bf16 and the last stage's outputs (per-token cross entropy) back to fp32
+            gpt = Float16Module(self.config, gpt)
+        # fp32 gradient buffers (main_grad) in both precisions: bf16 gradients would lose the small updates
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=use_distributed_optimizer)
         model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=gpt)]
@@ -112,10 +135,12 @@ class MegatronTrainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         a = self._opt_args
+        # bf16=True selects the optimizers with fp32 main params (Float16OptimizerWithFloat16Params, or
+        # the distributed optimizer's fp32 shards); bf16 needs no loss scaling
         opt_config = OptimizerConfig(optimizer="adam", lr=a["lr"], min_lr=a["min_lr"],
                                      weight_decay=a["weight_decay"], adam_beta1=a["betas"][0],
                                      adam_beta2=a["betas"][1], adam_eps=a["adam_eps"], clip_grad=self.grad_clip,
-                                     params_dtype=self.config.params_dtype,
+                                     bf16=self.config.bf16, params_dtype=self.config.params_dtype,
                                      use_distributed_optimizer=a["use_distributed_optimizer"])
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
@@ -313,7 +338,8 @@ class MegatronTrainer:
                                          if hasattr(o, "get_parameter_state_dp_reshardable") else None
                                          for o in self._optimizers()],
                          "scheduler": self.scheduler.state_dict()}
-        state = {"version": self.version, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+        state = {"version": self.version, "dtype": self.dtype, "rank": dist.get_rank(),
+                 "world_size": dist.get_world_size(),
                  "layout": self._layout(), "model": [chunk.state_dict() for chunk in self.model],
                  "optimizer": optimizer, "torch_rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -351,6 +377,10 @@ class MegatronTrainer:
         if state["world_size"] != dist.get_world_size() or state["layout"] != self._layout():
             raise CheckpointError(f"{path} was written by {state['world_size']} ranks with layout {state['layout']}; "
                                   f"this run has {dist.get_world_size()} ranks with {self._layout()}")
+        saved_dtype = state.get("dtype", "float32")  # checkpoints from before bf16 training are float32
+        if saved_dtype != self.dtype:
+            # the optimizer states differ in kind (a bf16 run's holds fp32 main params), not only in precision
+            raise CheckpointError(f"{path} was written by a {saved_dtype} trainer; this trainer is {self.dtype}")
         try:
             for chunk, sd in zip(self.model, state["model"], strict=True):
                 chunk.load_state_dict(sd)
@@ -394,7 +424,11 @@ class MegatronTrainer:
         return module
 
     def get_params(self) -> dict[str, torch.Tensor]:
-        """Detached fp32 CPU clones of this rank's local parameters (megatron names)."""
+        """Detached fp32 CPU clones of this rank's local parameters (megatron names).
+
+        These are the weights the forward uses: under bf16 the bf16 model parameters (exactly
+        representable in fp32), not the optimizer's fp32 main parameters.
+        """
         return {n: p.detach().float().cpu().clone() for n, p in self._module().named_parameters()}
 
     @torch.no_grad()
@@ -407,7 +441,11 @@ class MegatronTrainer:
             p.copy_(params[n])
 
     def set_params(self, params: dict[str, torch.Tensor]) -> None:
-        """Load ``params`` (as from :meth:`get_params`) into the model and the optimizer's master copies."""
+        """Load ``params`` (as from :meth:`get_params`) into the model and the optimizer's master copies.
+
+        Under bf16 the model rounds them to bf16 and the fp32 main parameters are set to those
+        rounded values (megatron's ``reload_model_params``).
+        """
         self._copy_in(params)
         if self.optimizer is not None:
             self.optimizer.reload_model_params()  # no-op for fp32 params (no separate master copy)
@@ -432,4 +470,12 @@ class MegatronTrainer:
         """Write an HF checkpoint (config.json + model.safetensors) of the current weights; rank 0 writes."""
         from megarl.models.bridge import save_hf_checkpoint
 
-        return save_hf_checkpoint(self.model, out_dir, self.hf_config, self.config)
+        return save_hf_checkpoint(self.model, out_dir, self._exported_hf_config(), self.config)
+
+    def _exported_hf_config(self) -> dict:
+        """config.json of the exported weights: its dtype field says what they are (an engine started
+        with ``--dtype auto`` loads that)."""
+        hf = dict(self.hf_config)
+        for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
+            hf[key] = self.dtype
+        return hf

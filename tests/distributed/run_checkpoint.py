@@ -3,6 +3,8 @@
 Per mode: train 2 steps, ``save_state``, train a 3rd step; a second trainer
 ``load_state``s and trains the same 3rd step. Each rank writes the largest
 parameter difference between the two (0 = bitwise) to ``OUT/<mode>.rank<r>.json``.
+The bf16 modes also run bf16 tensors through gloo's collectives (TP, the
+distributed optimizer's parameter all-gather, pipeline sends).
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-# mode -> (tp, use_distributed_optimizer)
-MODES = {"dp2_distopt": (1, True), "tp2": (2, False)}
+# mode -> (tp, pp, use_distributed_optimizer, dtype)
+MODES = {"dp2_distopt": (1, 1, True, "float32"), "tp2": (2, 1, False, "float32"),
+         "dp2_distopt_bf16": (1, 1, True, "bfloat16"), "tp2_bf16": (2, 1, False, "bfloat16"),
+         "pp2_bf16": (1, 2, False, "bfloat16")}
 
 
 def main(argv=None) -> int:
@@ -38,10 +42,10 @@ def main(argv=None) -> int:
     def loss_fn(logp, mb, normalizer):
         return -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"], {}
 
-    for mode, (tp, dist_opt) in MODES.items():
+    for mode, (tp, pp, dist_opt, dtype) in MODES.items():
         def build():
-            return MegatronTrainer(args.checkpoint, tp=tp, lr=1e-2, micro_batch_tokens=64, seed=0,
-                                   use_distributed_optimizer=dist_opt)
+            return MegatronTrainer(args.checkpoint, tp=tp, pp=pp, lr=1e-2, micro_batch_tokens=64, seed=0,
+                                   use_distributed_optimizer=dist_opt, dtype=dtype)
 
         a = build()
         a.train_step(batch, loss_fn)

@@ -1,7 +1,8 @@
 """MegatronTrainer.save_state / load_state on 2 ranks: the resumed step is bitwise the uninterrupted one.
 
 DP2 with the distributed optimizer (its parameter state is sharded over DP) and
-TP2 (model and optimizer shards per rank); see run_checkpoint.py.
+TP2 (model and optimizer shards per rank), in float32 and in bf16 (where the
+optimizer state holds the fp32 main params), and PP2 in bf16; see run_checkpoint.py.
 """
 import json
 import os
@@ -37,7 +38,7 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("mode", ["dp2_distopt", "tp2"])
+@pytest.mark.parametrize("mode", ["dp2_distopt", "tp2", "dp2_distopt_bf16", "tp2_bf16", "pp2_bf16"])
 def test_resumed_step_is_bitwise(results, mode):
     for rank in (0, 1):
         res = json.loads((results / f"{mode}.rank{rank}.json").read_text())

@@ -75,6 +75,21 @@ def test_cuda_type_names_only_inside_patched_functions(cpu):
     assert p.type() == "torch.FloatTensor"
 
 
+def test_bf16_optimizer_accepts_cpu_bf16_params(cpu):
+    """Mixed precision: the constructor sorts params by CUDA type name ('torch.cuda.BFloat16Tensor')."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    w = torch.nn.Parameter(torch.full((4,), 1.5, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = Float16OptimizerWithFloat16Params(torch.optim.Adam([w, b]),
+                                            OptimizerConfig(bf16=True, params_dtype=torch.bfloat16), None, None)
+    assert opt.float16_groups == [[w]] and opt.fp32_from_fp32_groups == [[b]]
+    (main,) = opt.fp32_from_float16_groups[0]
+    assert main.dtype == torch.float32 and torch.equal(main, w.float()) and w.main_param is main
+    assert w.type() == "torch.BFloat16Tensor"
+
+
 def test_moe_adaptations(cpu):
     import numpy as np
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
