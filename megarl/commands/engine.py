@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from megarl.rollout.base import BACKENDS
+from megarl.rollout.base import BACKENDS, ENGINE_DTYPES
 
 
 def register(sub) -> None:
@@ -15,10 +15,15 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests with their own seed ignore it)")
     p.add_argument("--initial-version", type=int, default=0, help="weight version of the checkpoint")
+    p.add_argument("--dtype", choices=ENGINE_DTYPES, default=None,
+                   help="weight dtype (the trainer's model.dtype); auto = the dtype in the checkpoint's "
+                        "config.json; default: float32, except vllm on GPU (vLLM's own choice)")
     p.add_argument("--kv-cache-gib", type=int, default=None,
                    help="vllm on CPU: KV cache size in GiB (default: $VLLM_CPU_KVCACHE_SPACE or vLLM's)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm: most requests batched at once")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm on GPU: memory fraction")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="vllm: tensor-parallel workers of this engine (each joins a broadcast weight group)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="shut down when this process (the one that started the engine) dies")
     p.set_defaults(func=run)
@@ -30,9 +35,16 @@ def run(args) -> int:
     from megarl.rollout.server import serve
 
     options = {"seed": args.seed, "initial_version": args.initial_version}
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    if args.tensor_parallel_size not in (None, 1) and args.backend != "vllm":
+        print(f"megarl engine: --tensor-parallel-size {args.tensor_parallel_size} needs --backend vllm "
+              f"(the hf engine runs one worker)", file=sys.stderr)
+        return 2
     if args.backend == "vllm":
         vllm_only = {"kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
-                     "gpu_memory_utilization": args.gpu_memory_utilization}
+                     "gpu_memory_utilization": args.gpu_memory_utilization,
+                     "tensor_parallel_size": args.tensor_parallel_size}
         options.update({k: v for k, v in vllm_only.items() if v is not None})
     asyncio.run(serve(args.checkpoint, args.backend, host=args.host, port=args.port, parent_pid=args.parent_pid,
                       **options))

@@ -10,8 +10,10 @@ from megarl.types import GenerateRequest, GenerateResult
 class EngineRouter:
     """Sends each request to the engine with the fewest in-flight requests (ties: lowest index).
 
-    Control calls go to every engine concurrently. For a broadcast update,
-    engine ``i`` joins the trainer's group as rank ``i + 1``.
+    Control calls go to every engine concurrently. For a broadcast update the
+    trainer is rank 0 and the engines' workers follow in engine order: an engine
+    with ``n_workers`` workers (vLLM tensor parallelism) takes that many ranks,
+    starting at the rank it is given (:meth:`broadcast_layout`).
     """
 
     def __init__(self, engines: list) -> None:
@@ -45,10 +47,25 @@ class EngineRouter:
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         await self._all(e.update_weights_from_disk(path, version) for e in self.engines)
 
+    async def broadcast_layout(self) -> tuple[list[int], int]:
+        """(first rank of each engine, world size) of a broadcast group: trainer rank 0, then every
+        engine worker; an engine's worker count is ``n_workers`` of its /health (1 if absent)."""
+        health = await self._all(e.health() for e in self.engines)
+        first, rank = [], 1
+        for h in health:
+            first.append(rank)
+            rank += int(h.get("n_workers", 1))
+        return first, rank
+
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
                                             version: int) -> None:
-        await self._all(e.update_weights_from_broadcast({**group_info, "rank": i + 1}, names_shapes_dtypes, version)
-                        for i, e in enumerate(self.engines))
+        """``group_info["world_size"]`` must be the layout's (:meth:`broadcast_layout`)."""
+        first, world = await self.broadcast_layout()
+        if int(group_info.get("world_size", world)) != world:
+            raise EngineError(f"broadcast group of world size {group_info['world_size']} does not fit the engines' "
+                              f"{world - 1} worker(s) + the trainer = {world}")
+        await self._all(e.update_weights_from_broadcast({**group_info, "rank": r}, names_shapes_dtypes, version)
+                        for r, e in zip(first, self.engines))
 
     async def version(self) -> int:
         """The oldest version any engine serves (they agree after a successful update)."""

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from megarl.errors import EngineError, InputError
-from megarl.rollout.base import check_request, effective_max_new_tokens
+from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
                                         tied_optional_names)
 from megarl.types import GenerateRequest, GenerateResult
@@ -83,12 +83,19 @@ class VLLMEngine:
         self._user_paused = False
         self._update_lock = None  # created on first use, inside the serving event loop
         self.last_update_s: float | None = None
+        self.n_workers = 1  # vLLM workers (tensor-parallel ranks); each joins a broadcast group
 
     @classmethod
     async def create(cls, checkpoint: str, *, seed: int = 0, initial_version: int = 0, dtype: str | None = None,
                      max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
-                     enforce_eager: bool | None = None, kv_cache_gib: int | None = None) -> "VLLMEngine":
+                     enforce_eager: bool | None = None, kv_cache_gib: int | None = None,
+                     tensor_parallel_size: int = 1) -> "VLLMEngine":
+        """``dtype``: "float32", "bfloat16", "auto" (the checkpoint's recorded dtype, see
+        megarl.rollout.base.resolve_dtype) or None: float32 on CPU (exact log-prob parity), vLLM's own
+        choice on GPU."""
         config = read_config(checkpoint)  # fail on a bad checkpoint before paying for the vLLM import
+        if dtype is not None:
+            dtype = resolve_dtype(dtype, config)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.platforms import current_platform
@@ -112,6 +119,8 @@ class VLLMEngine:
                       generation_config="vllm", worker_extension_cls=_WORKER_EXT,
                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
                       disable_log_stats=True)
+        if tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
         if gpu_memory_utilization is not None:
@@ -122,6 +131,9 @@ class VLLMEngine:
         except Exception as e:
             raise EngineError(f"vLLM engine for {checkpoint} failed to start: {type(e).__name__}: {e}") from e
         engine = cls(llm, str(checkpoint), config, initial_version)
+        #: the weight dtype vLLM resolved ("float32", "bfloat16", ...)
+        engine.dtype = str(getattr(getattr(llm, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
+        engine.n_workers = tensor_parallel_size
         await llm.update_weight_version(str(initial_version))
         return engine
 
@@ -237,10 +249,11 @@ class VLLMEngine:
         return self._version
 
     async def health(self) -> dict:
-        return {"ok": not self.llm.errored, "backend": self.backend, "version": self._version,
+        return {"ok": not self.llm.errored, "backend": self.backend, "dtype": getattr(self, "dtype", None),
+                "version": self._version,
                 "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
                 "max_model_len": self.max_model_len, "paused": self._user_paused,
-                "last_update_s": self.last_update_s}
+                "last_update_s": self.last_update_s, "n_workers": self.n_workers}
 
     async def pause(self) -> None:
         self._user_paused = True

@@ -30,6 +30,15 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _tp_rank() -> int:
+    """This worker's rank in the engine's vLLM tensor-parallel group (0 without TP)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
 class MegarlWorkerExtension:
     """Weight updates from disk or from a trainer broadcast (see megarl.rollout.weight_sync)."""
 
@@ -51,11 +60,16 @@ class MegarlWorkerExtension:
 
     # -- helpers -----------------------------------------------------------------------------
     def _megarl_group(self, group_info: dict):
-        """Join the trainer's group on the first update and keep it for the following ones."""
+        """Join the trainer's group on the first update and keep it for the following ones.
+
+        ``group_info["rank"]`` is the engine's first rank; an engine with vLLM tensor
+        parallelism k has k workers, and worker t joins as that rank + t (every worker
+        receives the full tensors and its own ``load_weights`` keeps its shard).
+        """
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         from datetime import timedelta
 
-        key = (group_info["host"], int(group_info["port"]), int(group_info["rank"]),
+        key = (group_info["host"], int(group_info["port"]), int(group_info["rank"]) + _tp_rank(),
                int(group_info["world_size"]), group_info.get("backend", "gloo"), group_info.get("group_id"))
         cached = getattr(self, "_megarl_pg", None)
         if cached is not None and cached[0] == key:

@@ -44,9 +44,9 @@ def ckpts(tmp_path_factory):
             for name, yaml, seed in [("dense0", dense, 0), ("dense1", dense, 1), ("moe0", moe, 0), ("moe1", moe, 1)]}
 
 
-def _serve(ckpt: str):
+def _serve(ckpt: str, extra_args: tuple = ()):
     t0 = time.perf_counter()
-    proc, client = launch_engine_process(ckpt, "vllm", env=ENV, startup_timeout_s=240)
+    proc, client = launch_engine_process(ckpt, "vllm", env=ENV, startup_timeout_s=240, extra_args=extra_args)
     print(f"\nMEASURE engine start (process up to /health ok): {time.perf_counter() - t0:.1f} s")
     return proc, client.url
 
@@ -91,7 +91,9 @@ def with_client(url, fn):
 async def update_by_broadcast(client, ckpt: str, version: int) -> tuple[float, dict]:
     """Trainer side in a thread (rank 0 of a fresh group), the engine joining through the router."""
     named = list(load_file(Path(ckpt) / "model.safetensors").items())
-    sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=2, timeout_s=120)
+    router = EngineRouter([client])
+    _, world = await router.broadcast_layout()  # 1 + the engine's workers
+    sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=world, timeout_s=120)
     box: dict = {}
 
     def trainer():
@@ -101,8 +103,8 @@ async def update_by_broadcast(client, ckpt: str, version: int) -> tuple[float, d
     th.start()
     t0 = time.perf_counter()
     try:
-        # the router assigns rank 1 to its only engine, as for a fleet
-        await EngineRouter([client]).update_weights_from_broadcast(sender.group_info(), tensor_specs(named), version)
+        # the router assigns rank 1 to its only engine (its workers 1..world-1), as for a fleet
+        await router.update_weights_from_broadcast(sender.group_info(), tensor_specs(named), version)
     finally:
         th.join(timeout=120)
     return time.perf_counter() - t0, box
@@ -246,6 +248,35 @@ class TestDense:
 
 
 # -- MoE -----------------------------------------------------------------------------------------
+class TestTensorParallel:
+    """An engine with vLLM tensor parallelism 2: both workers join the broadcast group (ranks 1 and 2)
+    and load the full tensors into their shards; disk updates reach both workers too."""
+
+    @pytest.fixture(scope="class")
+    def url(self, ckpts):
+        proc, url = _serve(ckpts["dense0"], ("--tensor-parallel-size", "2"))
+        yield url
+        stop_engine_process(proc)
+
+    def test_generate_and_update_with_two_workers(self, url, ckpts):
+        async def go(c):
+            health = await c.health()
+            first = await c.generate(request("t0"))
+            await c.update_weights_from_disk(ckpts["dense1"], 31)
+            on_disk = await c.generate(request("t1"))
+            bcast_s, box = await update_by_broadcast(c, ckpts["dense0"], 32)
+            by_bcast = await c.generate(request("t2"))
+            return health, first, on_disk, bcast_s, box, by_bcast
+        health, first, on_disk, bcast_s, box, by_bcast = with_client(url, go)
+        print(f"\nMEASURE TP2 engine broadcast update: {bcast_s * 1e3:.0f} ms ({box['stats']['bytes'] / 1e6:.2f} MB)")
+        assert health["n_workers"] == 2
+        assert maxdiff(first.logp_behav, teacher_logps(ckpts["dense0"], PROMPT, first.output_ids)) <= TOL
+        assert set(on_disk.versions) == {31}
+        assert maxdiff(on_disk.logp_behav, teacher_logps(ckpts["dense1"], PROMPT, on_disk.output_ids)) <= TOL
+        assert set(by_bcast.versions) == {32}
+        assert maxdiff(by_bcast.logp_behav, teacher_logps(ckpts["dense0"], PROMPT, by_bcast.output_ids)) <= TOL
+
+
 class TestMoE:
     @pytest.fixture
     def url(self, moe_url):
