@@ -240,7 +240,7 @@ class Controller:
         self.strategy.on_rollout_interrupted(partials)
         self.strategy.before_publish(old, new_version)
         t_sync = time.perf_counter()
-        await self.publisher.apply(new_version)
+        synced = await self.publisher.apply(new_version)  # the publisher's own numbers (bytes, ...) or None
         t_loaded = time.perf_counter()
         self.version = new_version
         self.strategy.on_weights_published(new_version)
@@ -250,7 +250,7 @@ class Controller:
         self.gen_stall_s += t1 - t0
         return {"publish_s": t1 - t_prep, "weight_export_s": t0 - t_prep, "publish_stall_s": t1 - t0,
                 "publish_drain_s": t_stopped - t0, "publish_recovery_s": t_sync - t_stopped,
-                "weight_sync_s": t_loaded - t_sync}
+                "weight_sync_s": t_loaded - t_sync, **(synced or {})}
 
     # -- training ------------------------------------------------------------------
     async def _next_batch(self, roll: asyncio.Task) -> list[Trajectory]:

@@ -68,12 +68,6 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:
     """Settings the config accepts (the GPU configs use them) but this training loop does not honour yet."""
-    if cfg.rollout.weight_sync != "disk":
-        raise ConfigError("rollout.weight_sync=broadcast: the engines and EngineRouter support broadcast updates, "
-                          "but the training loop publishes through disk only so far; use rollout.weight_sync=disk")
-    if cfg.model.dtype != "float32":
-        raise ConfigError(f"model.dtype={cfg.model.dtype}: the trainer runs float32 only so far; "
-                          f"use model.dtype=float32")
     if cfg.advantage.kl_coef > 0 and cfg.placement.trainer_ranks > 1:
         raise ConfigError("advantage.kl_coef > 0 needs a single trainer rank so far; set advantage.kl_coef=0 "
                           "or placement.trainer_ranks=1")
@@ -135,25 +129,6 @@ def make_advantage_fn(adv_cfg):
     return assign
 
 
-class DiskPublisher:
-    """Weights to engines through safetensors on (shared) disk: export, then load."""
-
-    def __init__(self, trainer, router, weights_dir: Path) -> None:
-        self.trainer = trainer
-        self.router = router
-        self.weights_dir = weights_dir
-
-    async def prepare(self, version: int) -> None:
-        await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(self.weights_dir / f"v{version}"))
-
-    async def apply(self, version: int) -> None:
-        current = self.weights_dir / f"v{version}"
-        await self.router.update_weights_from_disk(str(current), version)
-        for old in self.weights_dir.glob("v*"):
-            if old != current:
-                shutil.rmtree(old, ignore_errors=True)
-
-
 async def _connect_engine(addr: str, timeout_s: float = 600.0):
     """(None, client) for an engine another process started; waits until it is healthy."""
     from megarl.errors import EngineError
@@ -176,11 +151,16 @@ def _serve_role(cfg: MegaRLConfig, role) -> None:
     if role.role == "engine":
         from megarl.rollout.server import serve
 
-        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port))
+        tp = {"tensor_parallel_size": role.server_tp} if role.server_tp > 1 else {}
+        if tp and cfg.rollout.backend != "vllm":
+            raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
+                              f"(the hf engine runs one worker); set placement.engine_tp=1")
+        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
+                          dtype=cfg.model.dtype, **tp))
         return
-    raise ConfigError("a dedicated old-logit scorer on its own nodes (MEGARL_ROLE=dedicated) is not supported yet: "
-                      "with recovery.name=dedicated the scorer runs as a process beside trainer rank 0; "
-                      "set placement.dedicated_nodes=0")
+    from recovery.dedicated import serve_role  # the old-logit scorer on its own node(s)
+
+    serve_role(cfg, role.server_port)
 
 
 def _workflow(cfg: MegaRLConfig):
@@ -214,7 +194,7 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path):
                            micro_batch_tokens=cfg.trainer.micro_batch_tokens, seed=cfg.trainer.seed,
                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                            lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
-                           total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr)
+                           total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype)
 
 
 def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:
@@ -267,6 +247,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
                        resume_from: Path | None = None) -> dict:
     from megarl.checkpoint import Checkpointer, load_file, load_rank_state, restore_rng, run_settings
     from megarl.controller import Controller
+    from megarl.publish import make_publisher
     from megarl.rewards.service import RewardService
     from megarl.rollout.client import launch_engine_process, stop_engine_process
     from megarl.rollout.supervisor import EngineSupervisor
@@ -294,6 +275,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
             log_name = f"engine{i}.log" if not launches[i] else f"engine{i}.restart{launches[i]}.log"
             launches[i] += 1
             return launch_engine_process(str(ckpt), cfg.rollout.backend, port,
+                                         extra_args=["--dtype", cfg.model.dtype],  # the trainer's precision
                                          env={"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb)},
                                          log_path=str(run_dir / log_name))
 
@@ -323,7 +305,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
         await router.start()
         weights_dir = run_dir / "weights"
 
-        publisher = DiskPublisher(trainer, router, weights_dir)
+        publisher = make_publisher(cfg, trainer, router, weights_dir)
 
         controller_ref: dict = {}
 
@@ -374,6 +356,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
         finally:
             logger.close()
             strategy.close()
+            publisher.close()
             if channel is not None:  # also after an error: followers must not wait for events forever
                 trainer.stop_followers()
         shutil.rmtree(weights_dir, ignore_errors=True)

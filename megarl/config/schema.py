@@ -113,9 +113,9 @@ class RolloutConfig:
     max_turns: int = 4
     """Policy turns per trajectory in the multi_turn workflow."""
     weight_sync: Literal["disk", "broadcast"] = "disk"
-    """How new weights reach the engines: safetensors on shared disk, or a gloo/NCCL broadcast group (engines and EngineRouter support it; the training loop refuses it until its publisher is wired)."""
+    """How new weights reach the engines: safetensors on shared disk, or a broadcast group from trainer rank 0 (gloo; NCCL from a CUDA trainer to engines with their own commands and GPUs; megarl/publish.py), which also writes each version to disk for engine restarts and checkpoints."""
     bucket_mb: int = 256
-    """Bucket size of the broadcast weight sync."""
+    """Bucket size of the broadcast weight sync in MB (one tensor larger than that travels alone)."""
     kv_cache_gb: int = 1
     """KV cache of a vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE, a whole number)."""
     max_concurrency: int = 256
@@ -229,7 +229,7 @@ class PlacementConfig:
     dedicated_nodes: int = 0
     """Nodes reserved for the dedicated old-logit scorer, used only with recovery.name=dedicated; 0 = it takes spare GPUs of engine or trainer nodes (on cpu the controller spawns it)."""
     dedicated_tp: int = 0
-    """Tensor-parallel size (GPUs) of the dedicated scorer; 0 = parallel.tp."""
+    """GPUs (tensor-parallel size) of the dedicated scorer; 0 = 1. The scorer is one process: plans refuse more than 1."""
     master_addr: str = ""
     """Rendezvous host of the trainer world; empty = the first trainer node of the allocation."""
     master_port: int = 0

@@ -20,8 +20,10 @@ A request that fails on an engine that still answers /health is a real error
 is gone becomes :class:`EngineLost`, which the controller sends again (same
 request id, hence the same sampling seed). Publishing keeps working while an
 engine restarts: it updates the live engines, and the restarted one catches up
-before it serves. Weight updates by broadcast are not re-joined by a restarted
-engine (the trainer's group has a fixed size): supervision assumes disk sync.
+before it serves. A broadcast update goes to the engines live at that moment:
+the publisher makes its group for exactly them (``group_info`` as a callable,
+megarl/publish.py), and a restarted engine, which cannot join a group of fixed
+size, loads the disk copy of the same version the publisher names (``weights``).
 """
 from __future__ import annotations
 
@@ -253,9 +255,9 @@ class EngineSupervisor:
                 "n_engines_live": len(self._live())}
 
     # -- fan-out calls -------------------------------------------------------------------
-    async def _each_live(self, call: Callable[[_Slot], Any]) -> list:
+    async def _each_live(self, call: Callable[[_Slot], Any], slots: list[_Slot] | None = None) -> list:
         """``call`` on every live engine; an engine found gone is failed (restarted), others' errors raise."""
-        slots = self._live()
+        slots = self._live() if slots is None else slots
         incarnations = [s.incarnation for s in slots]
         results = await asyncio.gather(*(call(s) for s in slots), return_exceptions=True)
         errors = []
@@ -279,11 +281,53 @@ class EngineSupervisor:
             self.weights = (str(path), int(version))
             await self._each_live(lambda s: s.client.update_weights_from_disk(path, version))
 
-    async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
+    async def update_weights_from_broadcast(self, group_info: dict | Callable[[list], dict | None],
+                                            names_shapes_dtypes: list, version: int, *,
+                                            weights: tuple[str, int] | None = None) -> None:
+        """Every live engine receives the trainer's broadcast: rank 0 is the trainer, then each engine's workers.
+
+        Under the publish lock the live engines are asked for their worker count
+        first (``n_workers`` of /health, 1 if absent: vLLM tensor parallelism);
+        one that does not answer is failed (restarted) and left out, so no group
+        waits for a dead member. ``group_info``: a dict whose ``world_size`` fits
+        every engine (all live), or ``group_info(members) -> dict | None``, with
+        ``members`` the answering engines' ``(index, incarnation, n_workers)``:
+        the group's info for exactly them, ranks in that order (None: nothing to
+        send). ``weights``: the same version on disk, which a restarted engine
+        loads from now on.
+        """
         async with self._publish_lock:
+            if weights is not None:
+                self.weights = (str(weights[0]), int(weights[1]))
+            slots, workers = await self._worker_counts()
+            first, world = {}, 1
+            for slot, n in zip(slots, workers):
+                first[slot.index] = world
+                world += n
+            if callable(group_info):
+                group_info = group_info([(s.index, s.incarnation, n) for s, n in zip(slots, workers)])
+                if group_info is None:
+                    return
+            elif len(slots) != len(self.slots) or int(group_info.get("world_size", world)) != world:
+                raise EngineError(f"broadcast group of world size {group_info.get('world_size')} does not fit "
+                                  f"{len(slots)} of {len(self.slots)} engines live with {world - 1} worker(s)")
             await self._each_live(lambda s: s.client.update_weights_from_broadcast(
-                {**group_info, "rank": s.index + 1}, names_shapes_dtypes, version))
+                {**group_info, "rank": first[s.index]}, names_shapes_dtypes, version), slots)
+
+    async def _worker_counts(self) -> tuple[list[_Slot], list[int]]:
+        """The live engines that answer /health, and each one's worker count."""
+        slots = self._live()
+        incarnations = [s.incarnation for s in slots]
+        answers = await asyncio.gather(*(asyncio.wait_for(s.client.health(), self.health_timeout_s) for s in slots),
+                                       return_exceptions=True)
+        kept, workers = [], []
+        for slot, inc, h in zip(slots, incarnations, answers):
+            if isinstance(h, BaseException):
+                self._fail(slot, inc, f"no /health answer before a weight broadcast ({type(h).__name__}: {h})")
+            elif slot.state == "live" and slot.incarnation == inc:
+                kept.append(slot)
+                workers.append(int(h.get("n_workers", 1)))
+        return kept, workers
 
     async def version(self) -> int:
         return min(await self._each_live(lambda s: s.client.version()))

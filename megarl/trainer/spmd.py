@@ -16,7 +16,8 @@ follower replays it on its own trainer and strategy, in the same order:
   take rank 0's anchor tensor, so a strategy whose anchor only rank 0 can
   compute (the dedicated model's process lives on rank 0) still trains
   consistently;
-* ``train_step`` and ``save_hf_checkpoint`` (``DrivingTrainer``);
+* ``train_step``, ``save_hf_checkpoint`` and ``export_hf_weights``
+  (``DrivingTrainer``; followers consume the export's gathers and drop the tensors);
 * checkpoints: ``save_state`` / ``load_state`` (``DrivingTrainer.save_rank_states`` /
   ``load_rank_states``). Rank 0 announces the checkpoint directory, then every
   rank writes (reads) its own ``trainer/rank{r}.pt`` and ``strategy/rank{r}.pt``
@@ -157,6 +158,12 @@ class DrivingTrainer:
             self.channel.send(("save_hf_checkpoint", out_dir))
         return self.trainer.save_hf_checkpoint(out_dir)
 
+    def export_hf_weights(self):
+        """The full HF tensors; consume the iterator to the end (the followers take part in its gathers)."""
+        with self.channel.lock:
+            self.channel.send(("export_hf_weights",))
+        return self.trainer.export_hf_weights()
+
     def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
         """Every rank writes its trainer and strategy state into ``step_dir``; returns once all have."""
         from megarl.checkpoint import save_rank_state
@@ -247,6 +254,9 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             trainer.train_step(batch, loss_fn_factory(batch, anchor))
         elif kind == "save_hf_checkpoint":
             trainer.save_hf_checkpoint(event[1])
+        elif kind == "export_hf_weights":
+            for _ in trainer.export_hf_weights():
+                pass
         elif kind == "save_state":
             from megarl.checkpoint import save_rank_state
 

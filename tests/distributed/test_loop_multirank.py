@@ -2,8 +2,10 @@
 
 torchrun: TP=2 trainer ranks + one vLLM engine process + the dedicated old-logit
 process. mpirun: DP=2 trainer ranks bootstrapped over MPI, snapshot recovery.
+torchrun with rollout.weight_sync=broadcast: TP=2 ranks export together, rank 0 sends.
 """
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -41,3 +43,22 @@ def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
     assert [x["version"] for x in records] == [1, 2, 3]
     assert all(x["staleness_max"] <= 2 and x["skipped"] == 0 for x in records)
     assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_two_trainer_ranks_publish_by_broadcast(ckpt, tmp_path):
+    """TP=2: both ranks take part in the export's gathers, rank 0 alone sends full tensors to the engine."""
+    from megarl.rollout.weight_spec import read_checkpoint_specs
+
+    run_dir = tmp_path / "run"
+    cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), "--config", "configs/tiny_cpu.yaml",
+           "placement.trainer_ranks=2", f"model.checkpoint={ckpt}", f"logging.output_dir={run_dir}", *COMMON,
+           "parallel.tp=2", "rollout.weight_sync=broadcast", "rollout.backend=hf", "recovery.name=snapshot"]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = _records(run_dir)
+    assert [x["version"] for x in records] == [1, 2, 3]
+    full = sum(4 * math.prod(shape) for shape, _ in read_checkpoint_specs(ckpt).values())  # float32
+    assert [x["weight_sync_bytes"] for x in records[:-1]] == [full, full]
+    assert all(x["weight_sync_fallbacks"] == 0 for x in records[:-1])
+    # snapshot anchors are the trainer's log-probs of each token's version: the engine holds those weights
+    assert all(x["abs_logp_anchor_minus_behav_mean"] < 1e-4 for x in records), records

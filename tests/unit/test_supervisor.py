@@ -31,6 +31,7 @@ class FakeEngine:
         self.version = 0
         self.updates = []
         self.refuse = False
+        self.n_workers = 1
 
     def die(self):
         self.alive = False
@@ -47,12 +48,18 @@ class FakeEngine:
     async def health(self):
         if not self.alive:
             raise EngineError("engine unreachable")
-        return {"ok": True, "version": self.version}
+        return {"ok": True, "version": self.version, "n_workers": self.n_workers}
 
     async def update_weights_from_disk(self, path, version):
         if not self.alive:
             raise EngineError("engine unreachable")
         self.updates.append((path, version))
+        self.version = version
+
+    async def update_weights_from_broadcast(self, group_info, names_shapes_dtypes, version):
+        if not self.alive:
+            raise EngineError("engine unreachable")
+        self.updates.append((f"rank {group_info['rank']}", version))
         self.version = version
 
     async def abort_all(self):
@@ -155,6 +162,38 @@ def test_publish_while_an_engine_is_down_and_dropping_after_failed_restarts():
             await sup.generate(req())
         with pytest.raises(EngineError, match="every rollout engine failed"):
             await asyncio.wait_for(sup.wait_available(), 5)
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_broadcast_goes_to_the_live_engines_with_ranks_in_order():
+    """The publisher's group is made for the engines live under the publish lock (megarl/publish.py)."""
+    async def main():
+        sup, engines, _, _ = make(n=3, max_restarts=0)
+        engines[0].die()
+        await sup.update_weights_from_disk("/run/weights/v1", 1)  # engine 0 is found gone, then dropped
+        groups = []
+
+        def open_group(members):
+            groups.append(members)
+            return {"group_id": f"g{len(groups)}"}
+
+        await sup.update_weights_from_broadcast(open_group, [], 2, weights=("/run/weights/v2", 2))
+        assert groups == [[(1, 0, 1), (2, 0, 1)]]
+        assert [e.updates[-1] for e in engines[1:]] == [("rank 1", 2), ("rank 2", 2)]
+        assert sup.weights == ("/run/weights/v2", 2), "a restarted engine would load the disk copy of v2"
+        await sup.update_weights_from_broadcast(lambda members: None, [], 3, weights=("/run/weights/v3", 3))
+        assert engines[1].version == 2 and sup.weights == ("/run/weights/v3", 3)
+        engines[1].n_workers = 2  # a vLLM engine with tensor parallelism 2: ranks 1 and 2
+        await sup.update_weights_from_broadcast(open_group, [], 4)
+        assert groups[-1] == [(1, 0, 2), (2, 0, 1)]
+        assert [e.updates[-1] for e in engines[1:]] == [("rank 1", 4), ("rank 3", 4)]
+        with pytest.raises(EngineError, match="does not fit"):  # a fixed group needs every engine live
+            await sup.update_weights_from_broadcast({"world_size": 4}, [], 5)
+        engines[2].die()  # silent so far: found by the worker-count question, so no group waits for it
+        await sup.update_weights_from_broadcast(open_group, [], 6)
+        assert groups[-1] == [(1, 0, 2)] and sup.slots[2].state != "live"
         await sup.close()
 
     asyncio.run(main())

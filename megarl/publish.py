@@ -1,0 +1,260 @@
+"""Publishers: how the training loop moves the trainer's weights to the rollout engines.
+
+The controller calls ``await publisher.prepare(v)`` while the engines still
+generate, then stops generation and calls ``await publisher.apply(v)``; only
+``apply`` stalls generation (``publish_stall_s`` in the step record,
+``weight_export_s`` is ``prepare``).
+
+* :class:`DiskPublisher` (``rollout.weight_sync=disk``): ``prepare`` writes an
+  HF checkpoint to ``weights/v{v}``, ``apply`` has every engine load it.
+* :class:`BroadcastPublisher` (``rollout.weight_sync=broadcast``): ``prepare``
+  exports the HF tensors into memory, ``apply`` streams them to the engines
+  over a gloo/NCCL group (megarl/rollout/weight_sync.py) in
+  ``rollout.bucket_mb`` buckets.
+
+Both leave ``weights/v{v}`` on disk for the published version: the
+checkpointer stores it as the engines' weights, and a restarted engine loads
+it (megarl/rollout/supervisor.py). For the broadcast publisher that disk copy
+is written at every publish, in ``prepare`` (off the stall), from the tensors
+it exports anyway. Writing it less often would leave a restarted engine, or a
+checkpoint, without the version the other engines serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+from megarl.errors import EngineError
+
+log = logging.getLogger("megarl.publish")
+
+
+class DiskPublisher:
+    """Weights to engines through safetensors on (shared) disk: export, then load."""
+
+    def __init__(self, trainer, router, weights_dir: Path) -> None:
+        self.trainer = trainer
+        self.router = router
+        self.weights_dir = weights_dir
+
+    async def prepare(self, version: int) -> None:
+        await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(self.weights_dir / f"v{version}"))
+
+    async def apply(self, version: int) -> dict:
+        """Every engine loads ``version``; returns the step record's ``weight_sync_bytes``."""
+        current = self.weights_dir / f"v{version}"
+        await self.router.update_weights_from_disk(str(current), version)
+        _remove_other_versions(self.weights_dir, current)
+        return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors"))}
+
+    def close(self) -> None:
+        pass
+
+
+def _remove_other_versions(weights_dir: Path, current: Path) -> None:
+    for old in weights_dir.glob("v*"):
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def write_hf_weights(tensors: list, hf_config: dict, out_dir: Path) -> None:
+    """``config.json`` + ``model.safetensors``, the layout ``save_hf_checkpoint`` writes.
+
+    config.json comes last: the checkpointer takes a directory with it as complete.
+    """
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(dict(tensors), str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+class BroadcastPublisher:
+    """Weights to engines through a trainer -> engines process group (rank 0 = this trainer rank).
+
+    ``prepare`` exports ``trainer.export_hf_weights()`` (a collective with
+    several trainer ranks; they replay it, megarl/trainer/spmd.py) into a list
+    on this rank and writes the disk copy. Holding the export costs one full
+    copy of the model in host memory during a publish, which is what
+    ``save_hf_checkpoint`` holds anyway while it writes (DiskPublisher), and
+    it keeps the export off the generation stall. ``apply`` then only sends.
+
+    The group is made for the engines live at a publish (ranks in supervisor
+    order, one per engine worker) and reused while the same engine processes
+    are live.
+    An engine that failed and was restarted cannot join a group of fixed size:
+    the next publish builds a new group (new port, new id) for the live
+    engines. The restarted engine itself starts from the disk copy.
+    If the broadcast fails for an engine that is still alive, the live
+    engines load the disk copy instead, so the version still lands everywhere.
+    ``timeout_s`` bounds each step of the group (joining, one bucket): an
+    engine lost before it joined holds that publish up to this long.
+    """
+
+    def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
+                 port: int = 0, backend: str | None = None, timeout_s: float = 60.0) -> None:
+        self.trainer = trainer
+        self.router = router
+        self.weights_dir = weights_dir
+        self.bucket_bytes = max(int(bucket_mb), 1) << 20
+        self.host, self.port = host, port
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.n_groups = 0
+        self.n_fallbacks = 0
+        self._tensors: list | None = None
+        self._group = None  # WeightBroadcaster
+        self._members: tuple | None = None  # the live engines the group was made for
+        self._sender: concurrent.futures.Future | None = None
+
+    async def prepare(self, version: int) -> None:
+        self._tensors = None  # the previous version's export is not needed any more
+        tensors = await asyncio.to_thread(lambda: list(self.trainer.export_hf_weights()))
+        await asyncio.to_thread(write_hf_weights, tensors, self.trainer.hf_config, self.weights_dir / f"v{version}")
+        self._tensors = tensors
+
+    async def apply(self, version: int) -> dict:
+        """Send ``version``; returns the step record's ``weight_sync_bytes`` (0: no engine took the stream),
+        ``weight_sync_groups`` (groups made so far) and ``weight_sync_fallbacks`` (publishes that went by disk)."""
+        from megarl.rollout.weight_spec import tensor_specs
+
+        tensors, self._tensors = self._tensors, None
+        if tensors is None:
+            raise RuntimeError(f"BroadcastPublisher.apply({version}) without prepare({version})")
+        current = self.weights_dir / f"v{version}"
+        t0 = time.perf_counter()
+        self._sender = None
+        try:
+            await self.router.update_weights_from_broadcast(lambda members: self._open(members, tensors),
+                                                            tensor_specs(tensors), version,
+                                                            weights=(str(current), version))
+            stats = await self._sent()
+        except EngineError as e:
+            log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
+            self._drop_group()
+            self.n_fallbacks += 1
+            await self.router.update_weights_from_disk(str(current), version)
+            stats = None
+        if stats:
+            log.info("version %d: broadcast %d tensors, %.2f MB to %d engine(s) in %.3f s", version,
+                     stats["tensors"], stats["bytes"] / 1e6, len(self._members or ()), time.perf_counter() - t0)
+        _remove_other_versions(self.weights_dir, current)
+        return {"weight_sync_bytes": stats["bytes"] if stats else 0, "weight_sync_groups": self.n_groups,
+                "weight_sync_fallbacks": self.n_fallbacks}
+
+    def _open(self, members: list, tensors: list) -> dict | None:
+        """Called by the router under its publish lock with the live engines; starts sending.
+
+        ``members``: ``(index, incarnation, n_workers)`` of each engine; a group is
+        reused while they are the same engine processes.
+        """
+        from megarl.rollout.weight_sync import WeightBroadcaster
+
+        if not members:
+            return None
+        if self._group is None or tuple(members) != self._members:
+            self._drop_group()
+            port = self.port if self.port and not self.n_groups else _free_port(self.host)
+            world = 1 + sum(n_workers for _, _, n_workers in members)
+            self._group = WeightBroadcaster(self.host, port, world, backend=self.backend, timeout_s=self.timeout_s)
+            self._members = tuple(members)
+            self.n_groups += 1
+            log.info("weight broadcast group %d: %s:%d, %d engine(s), world %d, %s", self.n_groups, self.host, port,
+                     len(members), world, self._group.backend)
+        group = self._group
+
+        def send() -> dict:
+            try:
+                return group.broadcast(tensors, self.bucket_bytes)
+            except BaseException:
+                # a lost engine fails the send at once; closing the trainer's end makes the engines still
+                # receiving fail now too (they would otherwise wait for the next bucket until the timeout)
+                group.close()
+                raise
+
+        self._sender = _in_thread(send)
+        return group.group_info()
+
+    async def _sent(self) -> dict | None:
+        """The sender's stats once every engine that answered has the whole stream.
+
+        An engine returns only after the end marker, so once the router call
+        succeeded the sender is done or still waits on an engine lost during
+        this publish (restarted from the disk copy); that group is dropped.
+        """
+        if self._sender is None:  # no live engine: restarted ones load the disk copy
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._sender)), 5.0)
+        except Exception as e:  # noqa: BLE001 - timed out or failed on a lost engine; the others are updated
+            log.warning("weight broadcast to a lost engine did not complete (%s: %s); new group next publish",
+                        type(e).__name__, e)
+            self._drop_group()
+            return None
+
+    def _drop_group(self) -> None:
+        group, sender = self._group, self._sender
+        self._group = self._members = None
+        if group is not None and (sender is None or sender.done()):
+            group.close()
+        # else: the sending thread still uses it; it ends at the group's timeout and the group with it
+
+    def close(self) -> None:
+        self._drop_group()
+
+
+def _in_thread(fn, *args) -> concurrent.futures.Future:
+    """Run ``fn`` in a daemon thread: one blocked on a lost engine must not hold up the process exit."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting publisher
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="megarl-weight-broadcast", daemon=True).start()
+    return fut
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_publisher(cfg, trainer, router, weights_dir: Path):
+    """The publisher ``rollout.weight_sync`` names."""
+    if cfg.rollout.weight_sync == "disk":
+        return DiskPublisher(trainer, router, weights_dir)
+    from megarl.launch.roles import current_role
+
+    role = current_role()
+    host, port = "127.0.0.1", 0  # engines this process spawned: loopback, a free port
+    if role.weight_sync_addr:  # a launched plan says where engines on other nodes reach this rank
+        host, _, p = role.weight_sync_addr.rpartition(":")
+        port = int(p)
+    elif role.engine_addrs:
+        host, port = socket.getfqdn(), cfg.placement.weight_sync_port or 29600
+    return BroadcastPublisher(trainer, router, weights_dir, bucket_mb=cfg.rollout.bucket_mb, host=host, port=port,
+                              backend=_backend(engines_elsewhere=bool(role.engine_addrs)))
+
+
+def _backend(engines_elsewhere: bool) -> str:
+    """NCCL when the trainer runs on CUDA and the engines run as their own commands, on GPUs of their own
+    (they receive there); gloo otherwise. Engines this process spawns inherit its visible GPUs and share
+    the trainer's device, where NCCL refuses a second rank; gloo passes the tensors through host memory and
+    the engines copy them to their GPU."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and engines_elsewhere else "gloo"

@@ -1,0 +1,108 @@
+"""Publishers: which one a config gets, and a broadcast that fails mid-publish.
+
+The whole loop with broadcast publishing is tests/e2e/test_broadcast.py.
+"""
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from megarl.config import load_config
+from megarl.publish import BroadcastPublisher, DiskPublisher, make_publisher
+from megarl.types import GenerateRequest, SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny_cpu.yaml"
+PROMPT = [1, 5, 6, 7, 8]
+REQUEST = GenerateRequest("r", PROMPT, SamplingParams(max_new_tokens=12, seed=0))
+
+
+def test_publisher_follows_weight_sync(tmp_path, monkeypatch):
+    for key in ("MEGARL_WEIGHT_SYNC_ADDR", "MEGARL_ENGINE_ADDRS"):
+        monkeypatch.delenv(key, raising=False)
+    assert isinstance(make_publisher(load_config(TINY), None, None, tmp_path), DiskPublisher)
+    cfg = load_config(TINY, ["rollout.weight_sync=broadcast", "rollout.bucket_mb=2"])
+    pub = make_publisher(cfg, None, None, tmp_path)
+    assert isinstance(pub, BroadcastPublisher) and pub.bucket_bytes == 2 << 20
+    assert (pub.host, pub.port, pub.backend) == ("127.0.0.1", 0, "gloo")
+    monkeypatch.setenv("MEGARL_WEIGHT_SYNC_ADDR", "node01:29600")  # a launched plan with engines elsewhere
+    assert (make_publisher(cfg, None, None, tmp_path).host, make_publisher(cfg, None, None, tmp_path).port) == \
+        ("node01", 29600)
+
+
+class CheckpointExporter:
+    """The trainer's side of a publish, reduced to its output: the HF tensors of a checkpoint."""
+
+    def __init__(self, ckpt: Path) -> None:
+        self.ckpt = ckpt
+        self.hf_config = json.loads((ckpt / "config.json").read_text())
+
+    def export_hf_weights(self):
+        from safetensors.torch import load_file
+
+        yield from load_file(str(self.ckpt / "model.safetensors")).items()
+
+
+def engine_matches(ckpt: Path, res) -> float:
+    """Largest |engine logp_behav - teacher-forced logp of ``ckpt``| over the generated tokens."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + res.output_ids])).logits[0, len(PROMPT) - 1:-1]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.output_ids)[:, None])[:, 0]
+    return float((ref - torch.tensor(res.logp_behav)).abs().max())
+
+
+def test_broadcast_failing_mid_publish_falls_back_to_the_disk_copy(tmp_path, monkeypatch):
+    """A real HF engine process; the trainer's send fails after the engine joined the group.
+
+    The engine learns it at once (the trainer closes its end; no wait for the
+    group's timeout), the publish still lands by the disk copy, and the next
+    publish makes a new group the same engine joins.
+    """
+    from megarl.models.tiny import write_tiny_checkpoint
+    from megarl.rollout.client import launch_engine_process
+    from megarl.rollout.supervisor import EngineSupervisor
+    from megarl.rollout.weight_sync import WeightBroadcaster
+
+    model = REPO / "configs/models/tiny_qwen3.yaml"
+    base, other = (write_tiny_checkpoint(model, tmp_path / name, seed=seed) for name, seed in (("v0", 0), ("v1", 1)))
+    proc, client = launch_engine_process(str(base), "hf", log_path=str(tmp_path / "engine.log"))
+    send_bucket = WeightBroadcaster._send_bucket
+
+    def failing_send(self, bucket):
+        raise RuntimeError("trainer-side failure")
+
+    async def main():
+        sup = EngineSupervisor([(proc, client)], launch=None, weights=(str(base), 0))
+        await sup.start()
+        weights_dir = tmp_path / "weights"
+        pub = BroadcastPublisher(CheckpointExporter(Path(other)), sup, weights_dir, bucket_mb=1, timeout_s=60)
+        try:
+            monkeypatch.setattr(WeightBroadcaster, "_send_bucket", failing_send)
+            await pub.prepare(1)
+            t0 = time.perf_counter()
+            first = await pub.apply(1)
+            fallback_s = time.perf_counter() - t0
+            assert first == {"weight_sync_bytes": 0, "weight_sync_groups": 1, "weight_sync_fallbacks": 1}
+            res1 = await sup.generate(REQUEST)
+            monkeypatch.setattr(WeightBroadcaster, "_send_bucket", send_bucket)
+            pub.trainer = CheckpointExporter(Path(base))
+            await pub.prepare(2)
+            second = await pub.apply(2)
+            assert second["weight_sync_bytes"] > 0 and second["weight_sync_groups"] == 2
+            res2 = await sup.generate(REQUEST)
+            assert sorted(p.name for p in weights_dir.iterdir()) == ["v2"], "older disk copies are removed"
+            assert sup.weights == (str(weights_dir / "v2"), 2)
+            return fallback_s, res1, res2
+        finally:
+            pub.close()
+            await sup.close()
+
+    fallback_s, res1, res2 = asyncio.run(main())
+    print(f"\nfailed broadcast + disk fallback: {fallback_s:.2f} s")
+    assert fallback_s < 30, f"the engine waited for the group's timeout ({fallback_s:.1f} s)"
+    assert set(res1.versions) == {1} and engine_matches(Path(other), res1) < 1e-4
+    assert set(res2.versions) == {2} and engine_matches(Path(base), res2) < 1e-4
