@@ -10,7 +10,9 @@
 
 The scoring process owns its own model: by default a ``MegatronTrainer`` with
 tp = pp = ep = 1 in its own gloo world of size one (its own MASTER_PORT), built
-from ``ctx.checkpoint_dir``; ``scorer_factory`` can name another builder.
+from ``ctx.checkpoint_dir`` in the trainer's dtype (``ctx.trainer.dtype``: a
+float32 scorer of a bf16 policy would not return the trainer's log-probs);
+``scorer_factory`` can name another builder.
 
 Weights transport (chosen): at ``on_weights_published(v)`` the trainer writes
 version v as an HF checkpoint (``trainer.save_hf_checkpoint``) to
@@ -30,6 +32,21 @@ only if the batch needs a segment that is not scored yet (overhead keys
 The process starts at the first publish and builds its model while the loop
 goes on; only ``anchor`` and ``state_dict`` wait for it.
 
+On its own node(s): when ``MEGARL_DEDICATED_ADDR`` (host:port) is set, as
+``megarl launch`` sets it for the trainer when the plan puts the scorer on a
+node of its own, trainer rank 0 does not spawn the process; it connects to the
+scorer role started by its own command (``MEGARL_ROLE=dedicated``, which
+builds the same model with :func:`_build_scorer`, listens on
+``MEGARL_SERVER_PORT`` and runs :func:`serve_role`). The connection is
+retried in the background until ``start_timeout_s``; the messages are the same
+as with the spawned child (recovery/_dedicated_link.py, which also says how the
+connection is authenticated). Weight versions still travel as HF checkpoint
+directories under ``<run_dir>/dedicated``: a cluster run directory is on a disk
+every node shares (the plan's weight sync needs that too), so only paths cross
+the connection. The role exits when it receives ``stop`` or when the trainer's
+connection closes; a failure is sent back as ``("error", traceback)`` before
+the role exits non-zero. One role serves one trainer connection.
+
 Limits: one scoring process per strategy instance, fed by a single-process
 loop. With a multi-rank trainer ``save_hf_checkpoint`` is a collective written
 by rank 0, and every rank's instance would start its own process; scoring on
@@ -38,8 +55,8 @@ rank 0 and broadcasting the results is not implemented.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
-import queue
 import shutil
 import socket
 import threading
@@ -49,10 +66,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megarl.errors import ConfigError
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
+
+log = logging.getLogger("megarl.dedicated")
 
 #: a segment's identity: (traj_id, start, end) in response-token indices
 SegKey = tuple[str, int, int]
@@ -83,13 +103,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build_scorer(factory: str, checkpoint_dir: str) -> Any:
+def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32") -> Any:
     if factory:
         module, _, fn = factory.partition(":")
         return getattr(importlib.import_module(module), fn)(checkpoint_dir)
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
-    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1)
+    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype)
 
 
 def _load_weights(scorer: Any, path: str) -> None:
@@ -116,43 +136,117 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
     return out
 
 
-def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q) -> None:
-    # a world of its own: drop the launcher's rendezvous settings (under torchrun, TORCHELASTIC_USE_AGENT_STORE
-    # would make this process join the trainer's store as a second "rank 0" and wait forever)
-    for key in [k for k in os.environ if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "OMPI_", "PMI_"))]:
-        del os.environ[key]
-    os.environ.update(env)
+def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
+                dtype: str = "float32") -> None:
+    _own_world(env)
     try:
         import torch
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        scorer = _build_scorer(factory, checkpoint_dir)
-        version, version_dir = None, None
-        out_q.put(("ready", None))
-        while True:
-            kind, payload = in_q.get()
-            if kind == "stop":
-                break
-            if kind == "version":
-                v, path = payload
-                _load_weights(scorer, path)
-                if version_dir and version_dir != path:
-                    shutil.rmtree(version_dir, ignore_errors=True)
-                version, version_dir = v, path
-                out_q.put(("loaded", v))
-            elif kind == "score":
-                wrong = [j for j in payload if j["version"] != version]
-                if wrong:
-                    out_q.put(("lost", [((j["traj_id"], j["start"], j["end"]), j["version"], version)
-                                        for j in wrong]))
-                ok = [j for j in payload if j["version"] == version]
-                if ok:
-                    out_q.put(("scored", _score(scorer, ok)))
-            elif kind == "state":
-                out_q.put(("state", version))
+        scorer = _build_scorer(factory, checkpoint_dir, dtype)
+        _serve(scorer, in_q.get, out_q.put)
     except BaseException:  # noqa: BLE001 - the parent must hear about any failure
         out_q.put(("error", traceback.format_exc()))
+
+
+def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str = "0.0.0.0") -> None:
+    """The scorer as a launched role (``MEGARL_ROLE=dedicated``): serve trainer rank 0 over TCP, then return.
+
+    ``run_cfg`` is the run's config (the same file and overrides as the
+    trainer's command): the model comes from ``model.checkpoint`` in
+    ``model.dtype``, the options from ``recovery.dedicated``;
+    ``cuda_visible_devices`` does not apply (the launcher gives the role its
+    GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``.
+
+    It listens first and accepts the trainer's connection in the background
+    while it builds its model (so a wrong key fails the trainer at once, not
+    after a long model load), then serves the protocol until ``stop`` or until
+    the trainer hangs up.
+    """
+    from recovery import _dedicated_link as link
+
+    if run_cfg.recovery.name != "dedicated":
+        raise ConfigError(f"MEGARL_ROLE=dedicated with recovery.name={run_cfg.recovery.name}: the trainer would "
+                          f"never connect; launch the scorer role only with recovery.name=dedicated")
+    if port <= 0:
+        raise ConfigError("the dedicated scorer role needs MEGARL_SERVER_PORT (the TCP port to listen on); "
+                          "`megarl launch` sets it from placement.engine_port")
+    checkpoint_dir = run_cfg.model.checkpoint
+    if not (Path(checkpoint_dir) / "config.json").is_file():
+        raise ConfigError(f"the dedicated scorer role needs model.checkpoint={checkpoint_dir!r} to hold an HF "
+                          f"checkpoint (config.json) that this node can read")
+    cfg: DedicatedConfig = run_cfg.recovery.options.get("dedicated") or DedicatedConfig()
+    dtype = run_cfg.model.dtype
+    listener = link.listen(port, link.authkey_from_env() if authkey is None else authkey, host)
+    log.info("dedicated scorer listening on %s:%d", host, port)
+    try:
+        pending = link.accept_in_background(listener, log.warning)
+        _own_world({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.master_port or _free_port())})
+        build_error = None
+        try:
+            import torch
+
+            if cfg.num_threads > 0:
+                torch.set_num_threads(cfg.num_threads)
+            scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype)
+        except Exception:  # noqa: BLE001 - reported to the trainer below
+            build_error = traceback.format_exc()
+        conn = pending.get()  # the trainer connects at its first publish
+        log.info("trainer connected")
+        try:
+            if build_error is not None:
+                raise RuntimeError(f"building the scorer failed:\n{build_error}")
+            _serve(scorer, link.reader(conn), conn.send)
+        except (ConnectionError, EOFError):  # the trainer hung up while a reply was on its way
+            log.info("the trainer closed the connection")
+        except BaseException:
+            try:
+                conn.send(("error", traceback.format_exc()))
+            except (OSError, ValueError):
+                pass
+            raise
+        finally:
+            link.hang_up(conn)
+    finally:
+        listener.close()
+    log.info("dedicated scorer done")
+
+
+def _own_world(env: dict[str, str]) -> None:
+    """Make this process a torch world of its own, described by ``env`` (RANK, MASTER_PORT, ...)."""
+    # drop the launcher's rendezvous settings (under torchrun, TORCHELASTIC_USE_AGENT_STORE would make
+    # this process join the trainer's store as a second "rank 0" and wait forever)
+    for key in [k for k in os.environ if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "OMPI_", "PMI_"))]:
+        del os.environ[key]
+    os.environ.update(env)
+
+
+def _serve(scorer: Any, recv, send) -> None:
+    """The protocol (recovery/_dedicated_link.py) until ``stop`` or until the trainer hangs up (``closed``)."""
+    version, version_dir = None, None
+    send(("ready", None))
+    while True:
+        kind, payload = recv()
+        if kind in ("stop", "closed"):
+            break
+        if kind == "version":
+            v, path = payload
+            _load_weights(scorer, path)
+            if version_dir and version_dir != path:
+                shutil.rmtree(version_dir, ignore_errors=True)
+            version, version_dir = v, path
+            send(("loaded", v))
+        elif kind == "score":
+            wrong = [j for j in payload if j["version"] != version]
+            if wrong:
+                send(("lost", [((j["traj_id"], j["start"], j["end"]), j["version"], version) for j in wrong]))
+            ok = [j for j in payload if j["version"] == version]
+            if ok:
+                send(("scored", _score(scorer, ok)))
+        elif kind == "state":
+            send(("state", version))
 
 
 # -- the strategy -----------------------------------------------------------------------
@@ -164,8 +258,8 @@ class Dedicated(RecoveryStrategy):
 
     def __init__(self, cfg: DedicatedConfig, ctx: Any) -> None:
         super().__init__(cfg, ctx)
-        self._proc = None
-        self._in_q = self._out_q = None
+        #: QueueLink (spawned child) or TcpLink (scorer role); None until the first publish
+        self._link = None
         # hooks run on the event-loop thread, anchor on the train worker thread
         self._lock = threading.RLock()
         self._sent: set[SegKey] = set()
@@ -180,19 +274,28 @@ class Dedicated(RecoveryStrategy):
 
     # -- process ---------------------------------------------------------------------
     def _start(self) -> None:
+        from megarl.launch.roles import current_role
+        from recovery._dedicated_link import QueueLink, TcpLink, authkey_from_env
+
+        addr = current_role().dedicated_addr
+        if addr:  # a scorer role on its own node: connect (in the background) instead of spawning
+            self._link = TcpLink(addr, authkey_from_env(), self.cfg.start_timeout_s)
+            return
         import multiprocessing as mp
 
         mpctx = mp.get_context("spawn")
-        self._in_q, self._out_q = mpctx.Queue(), mpctx.Queue()
+        in_q, out_q = mpctx.Queue(), mpctx.Queue()
         port = self.cfg.master_port or _free_port()
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         if self.cfg.cuda_visible_devices:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.cuda_visible_devices
-        self._proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
-                                   args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
-                                         self.cfg.num_threads, self._in_q, self._out_q))
-        self._proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
+        proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
+                             args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
+                                   self.cfg.num_threads, in_q, out_q,
+                                   getattr(self.ctx.trainer, "dtype", "float32")))
+        proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
+        self._link = QueueLink(proc, in_q, out_q)
 
     def _ensure_ready(self) -> None:
         self._wait_for(lambda: self._ready, self.cfg.start_timeout_s, "start")
@@ -219,10 +322,10 @@ class Dedicated(RecoveryStrategy):
 
     def _drain(self, timeout: float | None) -> bool:
         """Handle one message (waiting up to ``timeout``; None = don't wait); False when none came."""
-        try:
-            kind, payload = self._out_q.get(timeout=timeout) if timeout else self._out_q.get_nowait()
-        except queue.Empty:
+        msg = self._link.get(timeout)
+        if msg is None:
             return False
+        kind, payload = msg
         with self._lock:
             self._handle(kind, payload)
         return True
@@ -232,10 +335,11 @@ class Dedicated(RecoveryStrategy):
         while not done():
             if self._drain(0.5):
                 continue
-            if not self._proc.is_alive():
+            if not self._link.alive():
                 while self._drain(None):  # an error message may still be in the pipe
                     pass
-                raise RuntimeError(f"dedicated scoring process died (exit code {self._proc.exitcode}) during {what}")
+                failure = self._link.failure()
+                raise type(failure)(f"{failure} during {what}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"dedicated scoring process: {what} did not finish within {timeout_s} s")
 
@@ -257,7 +361,7 @@ class Dedicated(RecoveryStrategy):
                     jobs.append({"traj_id": t.traj_id, "start": seg.start, "end": seg.end, "version": seg.version,
                                  "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids[:seg.end])})
             if jobs:  # under the lock: no version message can slip in between the check and the put
-                self._in_q.put(("score", jobs))
+                self._link.put(("score", jobs))
         while self._drain(None):
             pass
 
@@ -271,14 +375,14 @@ class Dedicated(RecoveryStrategy):
         if not self.ctx.is_driver:  # the export is a collective; the scoring process lives on rank 0 only
             trainer.save_hf_checkpoint(str(path))
             return
-        if self._proc is None:
+        if self._link is None:
             self._start()
         with self.meter.time("dedicated_save_s"):
             trainer.save_hf_checkpoint(str(path))
         self.meter.set("extra_param_copies", 1.0)  # the scoring process holds one full copy
         self.meter.add("bytes_moved", float(sum(f.stat().st_size for f in path.glob("*.safetensors"))))
         with self._lock:
-            self._in_q.put(("version", (version, str(path))))
+            self._link.put(("version", (version, str(path))))
             self.version = version
 
     def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
@@ -335,11 +439,11 @@ class Dedicated(RecoveryStrategy):
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The scoring process's version and its weights, plus scores not yet joined (waits for pending ones)."""
-        if self._proc is None:
+        if self._link is None:
             return {"version": None}
         self._ensure_ready()
         self._state_reply = None
-        self._in_q.put(("state", None))
+        self._link.put(("state", None))
         self._wait_for(lambda: self._state_reply is not None, self.cfg.wait_timeout_s, "state_dict")
         from safetensors.torch import load_file
 
@@ -361,25 +465,17 @@ class Dedicated(RecoveryStrategy):
             save_file(tensors, str(path / name), metadata={"format": "pt"})
         for name, text in state["files"].items():
             (path / name).write_text(text)
-        if self._proc is None:
+        if self._link is None:
             self._start()
         with self._lock:
             self._results = dict(state["results"])
             self._sent = {tuple(k) for k in state["sent"]}
             self._lost = dict(state["lost"])
-            self._in_q.put(("version", (state["version"], str(path))))
+            self._link.put(("version", (state["version"], str(path))))
             self.version = state["version"]
 
     def close(self) -> None:
-        if self._proc is not None:
-            if self._ready:  # else it is still building its model: nothing to finish
-                self._in_q.put(("stop", None))
-                self._proc.join(timeout=30)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(timeout=10)
-            self._proc = None
-            for q in (self._in_q, self._out_q):
-                q.close()
-                q.join_thread()
+        if self._link is not None:
+            self._link.close(stop=self._ready)  # not ready: still building its model, nothing to finish
+            self._link = None
         shutil.rmtree(Path(self.ctx.run_dir) / "dedicated", ignore_errors=True)

@@ -6,9 +6,14 @@ environment (``MEGARL_*`` variables, read back by :mod:`megarl.launch.roles`).
 The variables go through ``env K=V`` in front of the program, which works the
 same under srun, mpirun and a plain shell (srun's ``--export`` would split
 values that contain commas).
+
+A dedicated scorer with its own command and the trainer authenticate their
+TCP connection with ``MEGARL_DEDICATED_AUTHKEY`` (:func:`dedicated_authkey`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shlex
 import socket
@@ -19,6 +24,7 @@ from megarl.launch.cluster import compress_hosts
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 CHECK_MODULE = "megarl.launch.rendezvous_check"
+AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,39 @@ def _gpus(ids) -> str:
     return ",".join(str(i) for i in ids)
 
 
+def _has_own_dedicated(plan) -> bool:
+    return plan.dedicated is not None and not plan.dedicated.spawned
+
+
+def _authkey_inherited() -> bool:
+    return bool(os.environ.get(AUTHKEY_ENV))
+
+
+def dedicated_authkey(plan) -> str:
+    """The key of the trainer <-> dedicated scorer connection to write into their commands ("" = none).
+
+    The messages are pickled, so whoever holds the key can make the other end
+    run code: the connection is refused without it. A secret key is set in
+    the launching environment (``export MEGARL_DEDICATED_AUTHKEY=$(openssl rand
+    -hex 16)``); it is then kept out of the command lines (which other users
+    of a host can read) and the processes inherit it: the runner's
+    subprocesses and srun (``--export=ALL``, its default) do, mpirun gets
+    ``-x MEGARL_DEDICATED_AUTHKEY``, and with torchrun every node's shell
+    exports it. Without one, this derives a key from the plan (job id, hosts,
+    ports, config path and overrides) and writes it into both commands: the
+    same on every node that renders the same plan (torchrun renders it once
+    per node), different for another run or plan, so a trainer never talks to
+    another run's scorer. A derived key is not a secret (anyone who knows the
+    plan can derive it): on a shared cluster, set one.
+    """
+    if not _has_own_dedicated(plan) or _authkey_inherited():
+        return ""
+    seed = json.dumps({"job": plan.allocation.job_id, "hosts": plan.hosts_used, "dedicated": plan.dedicated.addr,
+                       "master": [plan.master_addr, plan.master_port], "config": plan.config_path,
+                       "overrides": list(plan.overrides)}, sort_keys=True)
+    return hashlib.sha256(f"megarl-dedicated:{seed}".encode()).hexdigest()[:32]
+
+
 def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict[str, str]:
     """The MEGARL_* variables of one role (and CUDA_VISIBLE_DEVICES where the launcher does not bind GPUs)."""
     env: dict[str, str] = {}
@@ -72,15 +111,17 @@ def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict
         remote = [e.addr for e in plan.engines if not e.spawned]
         if remote:
             env["MEGARL_ENGINE_ADDRS"] = ",".join(remote)
-        if plan.dedicated is not None and not plan.dedicated.spawned:
+        if _has_own_dedicated(plan):
             env["MEGARL_DEDICATED_ADDR"] = plan.dedicated.addr
     else:
         if role == "engine":
             env["MEGARL_ENGINE_INDEX"] = str(server.index)
         env["MEGARL_SERVER_PORT"] = str(server.port)
         env["MEGARL_SERVER_TP"] = str(server.tp)
-        if broadcast:
+        if broadcast and role == "engine":
             env["MEGARL_WEIGHT_SYNC_RANK"] = str(plan.weight_sync_rank(server))
+    if role in ("trainer", "dedicated") and dedicated_authkey(plan):
+        env[AUTHKEY_ENV] = dedicated_authkey(plan)
     return env
 
 
@@ -108,11 +149,7 @@ def _torchrun(plan, python: str, check: bool) -> list[RoleCommand]:
         if s.spawned:
             continue
         env = role_env(plan, s.role, s, set_visible_devices=True)
-        if s.tp > 1 and s.role == "dedicated":
-            prog = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={s.tp}",
-                    *_entry(plan, python, check=False, module_flag=True)]
-        else:
-            prog = _entry(plan, python, check=False)
+        prog = _entry(plan, python, check=False)  # vLLM starts its own TP workers; the scorer is one process
         out.append(RoleCommand(s.name, s.role, s.host, tuple(_env_prefix(env) + prog), True))
     return out
 
@@ -148,18 +185,15 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *([f"--gres=gpu:{s.tp}"] if gpu else []),
                 *_slurm_cpus(plan, s.tp),
                 "--exact", f"--job-name=megarl-{s.name}"]
-        if s.tp > 1 and s.role == "dedicated":
-            prog = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={s.tp}",
-                    *_entry(plan, python, check=False, module_flag=True)]
-        else:
-            prog = _entry(plan, python, check=False)
+        prog = _entry(plan, python, check=False)
         out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(role_env(plan, s.role, s,
                                                                                      set_visible_devices=False)) + prog), True))
     return out
 
 
 # -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
-def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]]) -> list[str]:
+def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: bool = False) -> list[str]:
+    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY, inherited from the launching environment."""
     argv = ["mpirun", "-n", str(n)]
     if _is_root():
         argv.append("--allow-run-as-root")
@@ -167,6 +201,8 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]]) -> list[str]:
     if not local:
         argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node",
                  "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
+        if authkey and _authkey_inherited():
+            argv += ["-x", AUTHKEY_ENV]
     if plan.device == "cpu":
         argv.append("--oversubscribe")  # ranks are processes, not cores
     argv += ["--bind-to", "none"]
@@ -180,15 +216,15 @@ def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
         env["MASTER_PORT"] = str(plan.master_port)
     if plan.master_addr != t.hosts[0] or len(t.hosts) > 1:
         env["MASTER_ADDR"] = plan.master_addr
-    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts])
+    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts], authkey=_has_own_dedicated(plan))
     out = [RoleCommand("trainer", "trainer", "", tuple(base + _env_prefix(env) + _entry(plan, python, check=check)), False)]
     if check:
         return out
     for s in plan.servers:
         if s.spawned:
             continue
-        n = s.tp if s.role == "dedicated" else 1  # vLLM starts its own TP workers; the scorer is a Megatron world
-        base = _mpirun_base(plan, n, [(s.host, n)])
+        # one process each: vLLM starts its own TP workers, the scorer is one rank (the plan refuses tp > 1)
+        base = _mpirun_base(plan, 1, [(s.host, 1)], authkey=s.role == "dedicated")
         env = role_env(plan, s.role, s, set_visible_devices=True)
         out.append(RoleCommand(s.name, s.role, "", tuple(base + _env_prefix(env) + _entry(plan, python, check=False)), True))
     return out
@@ -246,7 +282,7 @@ def describe_plan(plan) -> str:
     elif plan.weight_sync == "broadcast":
         backend = "NCCL" if plan.device == "gpu" else "gloo"
         lines.append(f"weights     {backend} broadcast from trainer rank 0 at {plan.master_addr}:{plan.weight_sync_port} "
-                     f"to {plan.weight_sync_world - 1} server worker(s) (group of {plan.weight_sync_world})")
+                     f"to {plan.weight_sync_world - 1} engine worker(s) (group of {plan.weight_sync_world})")
     else:
         lines.append("weights     safetensors under <run_dir>/weights, loaded by every engine")
     used = plan.hosts_used

@@ -103,13 +103,14 @@ class Plan:
 
     @property
     def weight_sync_world(self) -> int:
-        """Ranks of the broadcast group: trainer rank 0 plus every GPU worker of the servers with own commands."""
-        return 1 + sum(s.tp for s in self.servers if not s.spawned)
+        """Ranks of the broadcast group: trainer rank 0 plus every GPU worker of the engines with own
+        commands (the dedicated scorer reads each version from the run directory, not the group)."""
+        return 1 + sum(s.tp for s in self.engines if not s.spawned)
 
     def weight_sync_rank(self, server: ServerPlan) -> int:
-        """First rank of ``server``'s workers in the broadcast group."""
+        """First rank of engine ``server``'s workers in the broadcast group."""
         rank = 1
-        for s in self.servers:
+        for s in self.engines:
             if s is server:
                 return rank
             if not s.spawned:
@@ -283,8 +284,14 @@ def resolve_plan(cfg, hf_config: dict, allocation: Allocation, *, config_path: s
                           f"(an engine stays inside one node)")
     uses_dedicated = cfg.recovery.name == "dedicated"
     D = p.dedicated_nodes if uses_dedicated else 0
-    dtp = (p.dedicated_tp or par.tp) if uses_dedicated else 0
+    dtp = (p.dedicated_tp or 1) if uses_dedicated else 0
     if uses_dedicated:
+        if dtp > 1:
+            # the scorer is one process with one model replica (recovery/dedicated.py); a tensor-parallel scorer
+            # would need a multi-rank world of its own, and its ranks would have to agree on every message
+            raise ConfigError(f"dedicated scorer: placement.dedicated_tp={dtp}: the scorer runs as a single "
+                              f"process (tp=1); set placement.dedicated_tp=1 and give it a GPU that holds the "
+                              f"whole model")
         _check_trainer_model(hf_config, dtp, 1, 1, dtp, "dedicated scorer")
         if gpu and dtp > G:
             raise ConfigError(f"dedicated scorer: tp={dtp} exceeds placement.gpus_per_node={G}")

@@ -10,11 +10,12 @@ MEGARL_ROLE                trainer, engine or dedicated
 MEGARL_ENGINE_ADDRS        trainer: host:port of every engine started by its own command
 MEGARL_DEDICATED_ADDR      trainer: host:port of the dedicated scorer started by its own command
 MEGARL_ENGINE_INDEX        engine: its index in rollout.n_engines
-MEGARL_SERVER_PORT         engine / dedicated: the HTTP port to serve on
+MEGARL_DEDICATED_AUTHKEY   trainer / dedicated: the key of their TCP connection (recovery/_dedicated_link.py)
+MEGARL_SERVER_PORT         engine: the HTTP port to serve on; dedicated: the TCP port the trainer connects to
 MEGARL_SERVER_TP           engine / dedicated: its tensor-parallel size
 MEGARL_WEIGHT_SYNC_ADDR    host:port of the trainer -> servers weight broadcast group (broadcast only)
-MEGARL_WEIGHT_SYNC_WORLD   size of that group (trainer rank 0 + every server GPU worker)
-MEGARL_WEIGHT_SYNC_RANK    engine / dedicated: rank of its first worker in that group
+MEGARL_WEIGHT_SYNC_WORLD   size of that group (trainer rank 0 + every engine GPU worker)
+MEGARL_WEIGHT_SYNC_RANK    engine: rank of its first worker in that group
 =========================  ==========================================================
 """
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Servers (engines, dedicated scorer) start first, then the trainer. When the
 trainer exits the servers are stopped and its exit code is returned; when a
-server dies first the others are stopped and the run fails.
+server dies first the others are stopped and the run fails. The dedicated
+scorer is the exception when it exits with 0: it does that when the trainer
+tells it to stop, at the end of training, while the trainer is still finishing.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def run_commands(commands: list, *, poll_s: float = 0.5) -> int:
                 rc = p.poll()
                 if rc is None:
                     continue
-                if c.server and trainers:
+                if c.server and trainers and not (c.role == "dedicated" and rc == 0):
                     print(f"[megarl launch] {c.name} exited with {rc} before the trainer finished; stopping the run",
                           file=sys.stderr, flush=True)
                     _stop(procs)

@@ -14,7 +14,8 @@ CFG_30B = "configs/qwen3_30b_a3b_h100.yaml"
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MEGARL_DEDICATED_AUTHKEY")}
     env.update(OMP_NUM_THREADS="1", PYTHON=PY, **extra)
     return env
 
@@ -43,6 +44,20 @@ def test_launch_dry_run_json_and_errors():
     data = json.loads(p.stdout)
     assert data["plan"]["dedicated"]["host"] == "node05" and data["launcher"] == "torchrun"
     assert "recovery.name=dedicated" in data["commands"][0]["argv"]
+    # the scorer's own command: its port; the trainer's: where to reach it; both: the same key
+    cmds = {c["name"]: c["argv"] for c in data["commands"]}
+    assert {"MEGARL_ROLE=dedicated", "MEGARL_SERVER_PORT=8100"} <= set(cmds["dedicated"])
+    assert "MEGARL_DEDICATED_ADDR=node05:8100" in cmds["trainer.node0"]
+    keys = [a for name in ("trainer.node0", "trainer.node1", "dedicated") for a in cmds[name]
+            if a.startswith("MEGARL_DEDICATED_AUTHKEY=")]
+    assert len(keys) == 3 and len(set(keys)) == 1
+    # Qwen3-4B trains with tp=2; the scorer gets one GPU, and a tp=2 scorer is refused
+    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", "configs/qwen3_4b_h100.yaml", "--recovery",
+             "dedicated", "--nodes", "3", "--gpus-per-node", "8"])
+    assert p.returncode == 0 and "dedicated   node03         gpu 0" in p.stdout, p.stdout + p.stderr
+    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", "configs/qwen3_4b_h100.yaml", "--recovery",
+             "dedicated", "placement.dedicated_tp=2", "--nodes", "3", "--gpus-per-node", "8"])
+    assert p.returncode == 2 and "set placement.dedicated_tp=1" in p.stderr, p.stderr
     p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", CFG_30B, "--nodes", "2", "--gpus-per-node", "8"])
     assert p.returncode == 2
     assert "plan needs 32 GPUs on 4 nodes (trainer 16 + engines 16), allocation has 16 GPUs on 2 node(s)" in p.stderr

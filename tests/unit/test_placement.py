@@ -92,11 +92,62 @@ def test_dedicated_gets_its_node_or_spare_gpus():
     plan = plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5)
     d = plan.dedicated
     assert (d.host, d.gpu_ids, d.tp, d.spawned) == ("node05", (0,), 1, False)
-    assert plan.weight_sync_rank(d) == 17 and plan.weight_sync_world == 18
+    assert plan.weight_sync_world == 17  # the scorer reads versions from the run directory, not the group
     assert "node05: 7 of 8 GPUs idle" in plan.notes
-    # no dedicated node: it takes GPUs the engines leave free
-    plan = plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0", "rollout.n_engines=6"], nodes=2)
-    assert (plan.dedicated.host, plan.dedicated.gpu_ids) == ("node02", (6, 7))
+    # no dedicated node: it takes a GPU the engines leave free
+    plan = plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0", "placement.dedicated_tp=1",
+                             "rollout.n_engines=6"], nodes=2)
+    assert (plan.dedicated.host, plan.dedicated.gpu_ids, plan.dedicated.spawned) == ("node02", (6,), False)
+
+
+def _env_of(cmd) -> dict:
+    return dict(a.split("=", 1) for a in cmd.argv if a.startswith(("MEGARL_", "CUDA_")) and "=" in a)
+
+
+def test_dedicated_role_commands(monkeypatch):
+    """The scorer on its own node: its port and the trainer's address of it, one shared key, one process."""
+    monkeypatch.delenv("MEGARL_DEDICATED_AUTHKEY", raising=False)
+    plan = plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5)
+    for launcher in ("torchrun", "slurm", "mpirun"):
+        cmds = {c.name: c for c in render(plan, launcher, python="py")}
+        trainer = next(c for c in cmds.values() if c.role == "trainer")
+        ded = cmds["dedicated"]
+        t_env, d_env = _env_of(trainer), _env_of(ded)
+        assert t_env["MEGARL_DEDICATED_ADDR"] == "node05:8100" and "MEGARL_SERVER_PORT" not in t_env, launcher
+        assert (d_env["MEGARL_ROLE"], d_env["MEGARL_SERVER_PORT"], d_env["MEGARL_SERVER_TP"]) == \
+            ("dedicated", "8100", "1"), launcher
+        key = t_env["MEGARL_DEDICATED_AUTHKEY"]
+        assert len(key) == 32 and d_env["MEGARL_DEDICATED_AUTHKEY"] == key, launcher
+        assert "torch.distributed.run" not in ded.argv and ded.server, launcher  # one process
+        assert ded.argv[-len(plan.overrides) - 4:][:2] == ("-m", "megarl.train"), launcher
+        role = current_role(d_env)
+        assert (role.role, role.server_port) == ("dedicated", 8100)
+        assert current_role(t_env).dedicated_addr == "node05:8100"
+        assert all("MEGARL_DEDICATED_AUTHKEY" not in a for c in cmds.values() if c.role == "engine" for a in c.argv)
+    mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
+    assert "-n 1 " in mpi["dedicated"].shell()
+    # the derived key: the same for the same plan (torchrun renders it on every node), another for another plan
+    again = _env_of(render(plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5), "slurm", python="py")[0])
+    other = _env_of(render(plan_for(CFG_30B, ["recovery.name=dedicated", "trainer.lr=2e-6"], nodes=5), "slurm",
+                           python="py")[0])
+    assert again["MEGARL_DEDICATED_AUTHKEY"] == key != other["MEGARL_DEDICATED_AUTHKEY"]
+    # a key in the launching environment stays out of the command lines; mpirun forwards it to remote nodes
+    monkeypatch.setenv("MEGARL_DEDICATED_AUTHKEY", "s3cret")
+    for launcher in ("torchrun", "slurm", "mpirun"):
+        cmds = render(plan, launcher, python="py")
+        assert not any("s3cret" in a or a.startswith("MEGARL_DEDICATED_AUTHKEY=") for c in cmds for a in c.argv)
+    mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
+    assert "-x MEGARL_DEDICATED_AUTHKEY" in mpi["dedicated"].shell() and "-x MEGARL_DEDICATED_AUTHKEY" in \
+        mpi["trainer"].shell() and "MEGARL_DEDICATED_AUTHKEY" not in mpi["engine0"].shell()
+    # spawned beside rank 0 (cpu, no dedicated node): no address, no key
+    monkeypatch.delenv("MEGARL_DEDICATED_AUTHKEY")
+    (cmd,) = plan_for(CFG_TINY, ["recovery.name=dedicated"]).commands("torchrun", python="py")
+    assert not any(a.startswith(("MEGARL_DEDICATED_", "MEGARL_SERVER_")) for a in cmd.argv)
+    # cpu with a dedicated node: its own command there
+    plan = plan_for(CFG_TINY, ["recovery.name=dedicated", "placement.dedicated_nodes=1"], nodes=2, gpus=0)
+    assert (plan.dedicated.host, plan.dedicated.spawned, plan.dedicated.port) == ("node02", False, 8100)
+    cmds = {c.name: c for c in plan.commands("torchrun", python="py")}
+    assert _env_of(cmds["trainer"])["MEGARL_DEDICATED_ADDR"] == "node02:8100"
 
 
 def test_engines_share_trainer_node():
@@ -170,10 +221,16 @@ def test_more_misfits():
         plan_for(CFG_30B, nodes=4, gpus=4)
     with pytest.raises(ConfigError, match="trainer nodes leave only 0 free \\(8 of 8 per node are trainer ranks\\)"):
         plan_for(CFG_4B, ["placement.engine_nodes=0"], nodes=2)
-    with pytest.raises(ConfigError, match="dedicated scorer: needs 2 GPU\\(s\\) \\(tp=2\\) but no node of the plan has 2 free"):
-        plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0"], nodes=3)
-    with pytest.raises(ConfigError, match="dedicated scorer: tp=3 does not divide num_attention_heads=32"):
-        plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_tp=3"], nodes=3)
+    with pytest.raises(ConfigError, match="dedicated scorer: needs 1 GPU\\(s\\) \\(tp=1\\) but no node of the plan has 1 free"):
+        plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0", "placement.dedicated_tp=1"],
+                 nodes=3)
+    # the scorer is one process: a tensor-parallel one is refused, naming the key to set
+    with pytest.raises(ConfigError, match="dedicated scorer: placement.dedicated_tp=2: the scorer runs as a single "
+                                          "process \\(tp=1\\); set placement.dedicated_tp=1"):
+        plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_tp=2"], nodes=3)
+    # unset (0): one GPU, whatever the trainer's parallel.tp (Qwen3-4B trains with tp=2)
+    plan = plan_for(CFG_4B, ["recovery.name=dedicated"], nodes=3)
+    assert (plan.dedicated.host, plan.dedicated.tp, plan.dedicated.gpu_ids) == ("node03", 1, (0,))
     with pytest.raises(ConfigError, match="ep=2 needs an MoE model"):
         plan_for(CFG_4B, ["parallel.ep=2"], nodes=2)
     with pytest.raises(ConfigError, match="plan needs 2 nodes \\(trainer 1 \\+ engines 1\\), allocation has 1"):
@@ -231,3 +288,19 @@ def test_mpi_bootstrap_env_handling():
                       "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
     with pytest.raises(ConfigError, match="needs mpi4py"):
         _from_env_only({"OMPI_COMM_WORLD_SIZE": "4"})
+
+
+def test_runner_lets_the_dedicated_scorer_finish_before_the_trainer():
+    """The scorer exits 0 once the trainer tells it to stop; an engine that exits early fails the run."""
+    import sys
+
+    from megarl.launch.commands import RoleCommand
+    from megarl.launch.runner import run_commands
+
+    def cmd(name, role, code, server):
+        return RoleCommand(name, role, "", (sys.executable, "-c", code), server)
+
+    trainer = cmd("trainer", "trainer", "import time; time.sleep(1.0)", False)
+    assert run_commands([cmd("dedicated", "dedicated", "pass", True), trainer], poll_s=0.05) == 0
+    assert run_commands([cmd("dedicated", "dedicated", "raise SystemExit(3)", True), trainer], poll_s=0.05) == 3
+    assert run_commands([cmd("engine0", "engine", "pass", True), trainer], poll_s=0.05) == 1

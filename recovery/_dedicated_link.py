@@ -1,0 +1,262 @@
+"""The dedicated strategy's line to its scoring process: one message protocol over two transports.
+
+Messages, trainer -> scorer::
+
+    ("version", (v, hf_dir))   load version v from an HF checkpoint directory
+    ("score", jobs)            score these segments with the loaded version
+    ("state", None)            reply with the loaded version
+    ("stop", None)             finish and exit
+
+Replies, scorer -> trainer: ``("ready", None)`` once the model is built,
+``("loaded", v)``, ``("scored", results)``, ``("lost", [(key, seg_version,
+scorer_version), ...])``, ``("state", v)`` and ``("error", traceback_text)``.
+
+Transports (the strategy sees only :class:`QueueLink` / :class:`TcpLink`,
+both with ``put``, ``get``, ``alive``, ``failure`` and ``close``):
+
+* a child process spawned beside trainer rank 0, over two multiprocessing
+  queues (one machine);
+* a scorer started by its own command on its own node (``MEGARL_ROLE=dedicated``),
+  over a TCP connection from :mod:`multiprocessing.connection`. Messages are
+  pickled, so the connection is authenticated: both ends hold the same key,
+  ``MEGARL_DEDICATED_AUTHKEY`` (``megarl launch`` gives both commands the
+  same one: :func:`megarl.launch.commands.dedicated_authkey` says where it
+  comes from), and the listener refuses a client whose key differs before
+  reading any message from it.
+
+Each end of the TCP connection reads in a thread of its own into an in-memory
+queue, and the trainer end also sends from a thread: a send never waits for
+the other side to get round to reading (the scorer is busy for the length of a
+forward, the trainer for the length of a train step), so the two ends cannot
+block each other with full socket buffers, and a send from the trainer's event
+loop returns at once, as ``Queue.put`` does.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Callable
+
+from megarl.errors import ConfigError
+
+AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
+_CLOSE = object()
+
+
+def authkey_from_env(env: Any = None) -> bytes:
+    """The shared key of the TCP link; a ConfigError saying how to set it when it is missing."""
+    key = (os.environ if env is None else env).get(AUTHKEY_ENV, "")
+    if not key:
+        raise ConfigError(f"{AUTHKEY_ENV} is not set: the trainer and the dedicated scorer authenticate their "
+                          f"connection with it. `megarl launch` sets it for both; when starting them by hand, "
+                          f"export the same value (e.g. `openssl rand -hex 16`) for both")
+    return key.encode()
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"MEGARL_DEDICATED_ADDR={addr!r} is not host:port")
+    return host, int(port)
+
+
+def _get(q: Any, timeout: float | None) -> tuple | None:
+    """One message from ``q`` (waiting up to ``timeout``; None or 0 = don't wait), None when none came."""
+    try:
+        return q.get(timeout=timeout) if timeout else q.get_nowait()
+    except queue.Empty:
+        return None
+
+
+class QueueLink:
+    """A spawned child process and its two multiprocessing queues."""
+
+    def __init__(self, proc: Any, in_q: Any, out_q: Any) -> None:
+        self.proc, self.in_q, self.out_q = proc, in_q, out_q
+
+    def put(self, msg: tuple) -> None:
+        self.in_q.put(msg)
+
+    def get(self, timeout: float | None) -> tuple | None:
+        return _get(self.out_q, timeout)
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def failure(self) -> Exception:
+        return RuntimeError(f"dedicated scoring process died (exit code {self.proc.exitcode})")
+
+    def close(self, stop: bool) -> None:
+        if stop:  # else it is still building its model: nothing to finish
+            self.in_q.put(("stop", None))
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=10)
+        for q in (self.in_q, self.out_q):
+            q.close()
+            q.join_thread()
+
+
+class TcpLink:
+    """A client connection to a scorer role at ``addr``, made in the background.
+
+    The connection is retried until ``connect_timeout_s`` (the role may still
+    be starting); messages put meanwhile wait in the send queue, as they wait
+    in a queue for a child that is still starting.
+    """
+
+    def __init__(self, addr: str, authkey: bytes, connect_timeout_s: float, retry_s: float = 1.0) -> None:
+        self.addr = addr
+        self._target = split_addr(addr)
+        self._authkey = authkey
+        self._deadline = time.monotonic() + connect_timeout_s
+        self._timeout_s = connect_timeout_s
+        self._retry_s = retry_s
+        self._outbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()
+        self._conn: Connection | None = None
+        self._failure: Exception | None = None
+        self._closing = threading.Event()
+        self._sender = threading.Thread(target=self._send_loop, name="megarl-dedicated-send", daemon=True)
+        self._sender.start()
+
+    # -- background threads ------------------------------------------------------------
+    def _connect(self) -> Connection | None:
+        last = None
+        while not self._closing.is_set():
+            try:
+                return Client(self._target, authkey=self._authkey)
+            except AuthenticationError:
+                self._failure = ConfigError(
+                    f"the dedicated scorer at {self.addr} refused the connection: {AUTHKEY_ENV} differs between "
+                    f"the trainer and the scorer; give both the same value")
+                return None
+            except (OSError, EOFError) as e:  # not listening yet, or it went away during the handshake
+                last = e
+            if time.monotonic() > self._deadline:
+                self._failure = TimeoutError(f"dedicated scorer at {self.addr} did not accept a connection within "
+                                             f"{self._timeout_s:g} s (recovery.dedicated.start_timeout_s); "
+                                             f"last error: {last!r}")
+                return None
+            self._closing.wait(self._retry_s)
+        return None
+
+    def _send_loop(self) -> None:
+        conn = self._connect()
+        if conn is None:
+            return
+        self._conn = conn
+        threading.Thread(target=self._recv_loop, args=(conn,), name="megarl-dedicated-recv", daemon=True).start()
+        while True:
+            msg = self._outbox.get()
+            if msg is _CLOSE:
+                return
+            try:
+                conn.send(msg)
+            except (OSError, ValueError) as e:
+                self._lost(f"sending to the dedicated scorer at {self.addr} failed: {e!r}")
+                return
+
+    def _recv_loop(self, conn: Connection) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self._lost(f"the dedicated scorer at {self.addr} closed the connection")
+                return
+            self._inbox.put(msg)
+
+    def _lost(self, why: str) -> None:
+        if self._failure is None and not self._closing.is_set():
+            self._failure = RuntimeError(why)
+
+    # -- the strategy's side -------------------------------------------------------------
+    def put(self, msg: tuple) -> None:
+        self._outbox.put(msg)
+
+    def get(self, timeout: float | None) -> tuple | None:
+        return _get(self._inbox, timeout)
+
+    def alive(self) -> bool:
+        return self._failure is None
+
+    def failure(self) -> Exception:
+        return self._failure or RuntimeError(f"dedicated scorer at {self.addr}: connection closed")
+
+    def close(self, stop: bool) -> None:
+        """Send ``stop`` (when asked) after everything queued, then close; the scorer exits on either."""
+        if stop:
+            self._outbox.put(("stop", None))
+        self._outbox.put(_CLOSE)
+        if self._conn is None:  # still connecting: give up on it
+            self._closing.set()
+        self._sender.join(timeout=30)
+        self._closing.set()
+        self._sender.join(timeout=5)
+        if self._conn is not None:
+            hang_up(self._conn)
+
+
+def hang_up(conn: Connection) -> None:
+    """Close ``conn`` so that the other end sees it at once.
+
+    A plain close does not end a connection that a reading thread of this
+    process is blocked on (the read holds the socket open); shutting it down
+    first sends the end of stream and wakes that read.
+    """
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed or never connected
+        pass
+    conn.close()
+
+
+# -- the scorer role's side -----------------------------------------------------------------
+def listen(port: int, authkey: bytes, host: str = "0.0.0.0") -> Listener:
+    return Listener((host, port), authkey=authkey)
+
+
+def accept_in_background(listener: Listener, log: Callable[[str], None]) -> "queue.Queue[Connection]":
+    """Accept the first client that proves the key (others are logged and dropped) while the model builds."""
+    got: queue.Queue = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except AuthenticationError:
+                log("refused a connection with the wrong key (MEGARL_DEDICATED_AUTHKEY differs)")
+                continue
+            except (OSError, EOFError) as e:  # a client that hung up during the handshake
+                if listener._listener is None:  # the listener was closed: the role is exiting
+                    return
+                log(f"a connection attempt failed: {e!r}")
+                continue
+            got.put(conn)
+            return
+
+    threading.Thread(target=run, name="megarl-dedicated-accept", daemon=True).start()
+    return got
+
+
+def reader(conn: Connection) -> Callable[[], tuple]:
+    """``recv()`` over a thread that keeps reading ``conn``; ("closed", None) once the trainer hangs up."""
+    inbox: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv())
+            except (EOFError, OSError):
+                inbox.put(("closed", None))
+                return
+
+    threading.Thread(target=run, name="megarl-dedicated-read", daemon=True).start()
+    return inbox.get
