@@ -54,3 +54,15 @@ def compute_advantages(rewards_by_group: dict[Hashable, list[float]], estimator:
             raise ValueError(f"group {gid!r} has non-finite rewards {bad}")
         out[gid] = _group_advantages([float(r) for r in rewards], estimator, std_normalize, eps)
     return out
+
+
+def advantage_fn(adv_cfg):
+    """``assign(trajs)``: sets ``advantage`` on every trajectory of one group, from its rewards."""
+    def assign(trajs):
+        gid = trajs[0].group_id
+        adv = compute_advantages({gid: [t.reward for t in trajs]}, estimator=adv_cfg.estimator,
+                                 std_normalize=adv_cfg.std_normalize, eps=adv_cfg.eps)[gid]
+        for t, a in zip(trajs, adv):
+            t.advantage = float(a)
+
+    return assign

@@ -18,8 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.advantages import advantage_fn
 from megarl.config import MegaRLConfig, load_config, save_config
 from megarl.errors import ConfigError, MegarlError
+from megarl.launch.serve import serve_role
+from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
+from megarl.rollout.client import connect_engine
 
 log = logging.getLogger("megarl.train")
 
@@ -73,96 +77,6 @@ def refuse_unwired(cfg: MegaRLConfig) -> None:
                           "or placement.trainer_ranks=1")
 
 
-def make_loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None):
-    """``factory(batch, anchor) -> loss_fn`` for the trainer: the policy loss, plus the reference KL.
-
-    ``ref_logprobs(batch) -> [B, L-1]`` scores the batch with the reference
-    policy (needed when ``kl_coef > 0``); the penalty is the k3 estimator
-    exp(ref - theta) - (ref - theta) - 1 (Schulman, "Approximating KL
-    divergence", 2020), averaged over all policy tokens of the batch.
-    """
-    import torch
-
-    from megarl.losses import loss_normalizer, policy_loss
-
-    def factory(batch, anchor):
-        ref = batch.logp_anchor if batch.logp_anchor is not None else batch.logp_behav
-        # the global denominator, so that micro-batch losses add up to the full-batch loss
-        normalizer = loss_normalizer(ref, batch.logp_behav, batch.loss_mask, loss_cfg)
-        if kl_coef > 0:
-            batch_ref = ref_logprobs(batch)
-            rows = {tid: i for i, tid in enumerate(batch.traj_ids)}
-            n_valid = max(float(batch.loss_mask.sum()), 1.0)
-
-        def loss_fn(logp_theta, mb, _counts=None):
-            if anchor.from_theta is not None:
-                logp_anchor = anchor.from_theta(logp_theta.detach(), mb)
-            else:
-                logp_anchor = mb.logp_anchor
-            loss, metrics = policy_loss(logp_theta, logp_anchor, mb.logp_behav, mb.advantages, mb.loss_mask,
-                                        loss_cfg, normalizer=normalizer)
-            if kl_coef > 0:
-                idx = [rows[t] for t in mb.traj_ids]
-                logp_ref = batch_ref[idx, : logp_theta.shape[1]].to(logp_theta.device)
-                mask = mb.loss_mask.to(logp_theta.device) > 0
-                diff = torch.where(mask, logp_ref - logp_theta, torch.zeros_like(logp_theta))
-                kl = (torch.exp(diff) - diff - 1.0).sum() / n_valid
-                loss = loss + kl_coef * kl
-                metrics = {**metrics, "kl_ref": float(kl.detach()) * n_valid / max(float(mask.sum()), 1.0)}
-            return loss, metrics
-
-        return loss_fn
-
-    return factory
-
-
-def make_advantage_fn(adv_cfg):
-    from megarl.advantages import compute_advantages
-
-    def assign(trajs):
-        gid = trajs[0].group_id
-        adv = compute_advantages({gid: [t.reward for t in trajs]}, estimator=adv_cfg.estimator,
-                                 std_normalize=adv_cfg.std_normalize, eps=adv_cfg.eps)[gid]
-        for t, a in zip(trajs, adv):
-            t.advantage = float(a)
-
-    return assign
-
-
-async def _connect_engine(addr: str, timeout_s: float = 600.0):
-    """(None, client) for an engine another process started; waits until it is healthy."""
-    from megarl.errors import EngineError
-    from megarl.rollout.client import EngineClient
-
-    client = EngineClient(addr if addr.startswith("http") else f"http://{addr}")
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        try:
-            await client.health()
-            return None, client
-        except EngineError:
-            if asyncio.get_running_loop().time() > deadline:
-                raise EngineError(f"engine at {addr} did not become healthy within {timeout_s:.0f} s") from None
-            await asyncio.sleep(2.0)
-
-
-def _serve_role(cfg: MegaRLConfig, role) -> None:
-    """A process launched for a server role of a plan."""
-    if role.role == "engine":
-        from megarl.rollout.server import serve
-
-        tp = {"tensor_parallel_size": role.server_tp} if role.server_tp > 1 else {}
-        if tp and cfg.rollout.backend != "vllm":
-            raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
-                              f"(the hf engine runs one worker); set placement.engine_tp=1")
-        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
-                          dtype=cfg.model.dtype, **tp))
-        return
-    from recovery.dedicated import serve_role  # the old-logit scorer on its own node(s)
-
-    serve_role(cfg, role.server_port)
-
-
 def _workflow(cfg: MegaRLConfig):
     from megarl.workflows import build_workflow
 
@@ -170,19 +84,6 @@ def _workflow(cfg: MegaRLConfig):
         return build_workflow("multi_turn", cfg, env=cfg.rollout.tool_env, max_turns=cfg.rollout.max_turns,
                               max_response_len=cfg.rollout.max_new_tokens)
     return build_workflow("single_turn", cfg)
-
-
-def _loss_fn_factory(cfg: MegaRLConfig, trainer):
-    """The loss factory; with a reference KL, the reference is the initial weights of this trainer."""
-    if cfg.advantage.kl_coef <= 0:
-        return make_loss_fn_factory(cfg.loss)
-    ref_params = trainer.get_params()
-
-    def ref_logprobs(batch):
-        with trainer.use_params(ref_params):
-            return trainer.logprobs(batch)
-
-    return make_loss_fn_factory(cfg.loss, cfg.advantage.kl_coef, ref_logprobs)
 
 
 def build_trainer(cfg: MegaRLConfig, ckpt: Path):
@@ -212,7 +113,7 @@ def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:
                           is_driver=False)
     strategy = registry.build(cfg.recovery, ctx)
     try:
-        follow(trainer, strategy, channel, make_loss_fn_factory(cfg.loss), view)
+        follow(trainer, strategy, channel, loss_fn_factory(cfg.loss), view)
     finally:
         strategy.close()
 
@@ -283,7 +184,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
 
         remote = current_role().engine_addrs
         if remote:  # started by a launcher on other nodes: connect to them
-            engine_starts = [asyncio.create_task(_connect_engine(addr)) for addr in remote]
+            engine_starts = [asyncio.create_task(connect_engine(addr)) for addr in remote]
         else:  # engines start (tens of seconds each) while the trainer builds below
             engine_starts = [asyncio.create_task(asyncio.to_thread(start_engine, i))
                              for i in range(cfg.rollout.n_engines)]
@@ -332,11 +233,11 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
                                     run=run_settings(cfg, trainer.parallel.world_size, trainer.hf_config))
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
         # built before any resume loads a checkpoint: the KL reference is the run's initial weights
-        loss_fn_factory = _loss_fn_factory(cfg, getattr(trainer, "trainer", trainer))
+        objective = loss_fn_factory_for_run(cfg, getattr(trainer, "trainer", trainer))
         controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
                                 workflow=_workflow(cfg), strategy=strategy,
-                                publisher=publisher, loss_fn_factory=loss_fn_factory,
-                                advantages=make_advantage_fn(cfg.advantage), on_step=logger.log,
+                                publisher=publisher, loss_fn_factory=objective,
+                                advantages=advantage_fn(cfg.advantage), on_step=logger.log,
                                 checkpointer=checkpointer, journal=logger)
         controller_ref["c"] = controller
         try:
@@ -387,7 +288,7 @@ def train(cfg: MegaRLConfig, wrap_strategy=None, resume: str | Path | None = Non
 
     role = current_role()
     if role.role != "trainer":
-        _serve_role(cfg, role)
+        serve_role(cfg, role)
         return Path(".")
     rank, world = _init_ranks()
     status: list = [None, None]

@@ -176,3 +176,17 @@ def stop_engine_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int 
     except (ProcessLookupError, PermissionError):
         pass
     return proc.returncode
+
+
+async def connect_engine(addr: str, timeout_s: float = 600.0):
+    """(None, client) for an engine another process started; waits until it is healthy."""
+    client = EngineClient(addr if addr.startswith("http") else f"http://{addr}")
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await client.health()
+            return None, client
+        except EngineError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineError(f"engine at {addr} did not become healthy within {timeout_s:.0f} s") from None
+            await asyncio.sleep(2.0)

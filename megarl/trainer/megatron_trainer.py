@@ -319,34 +319,11 @@ class MegatronTrainer:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def save_state(self, out_dir: str) -> str:
-        """This rank's model, optimizer, scheduler, version and RNG as ``out_dir/rank{r}.pt`` (torch.save).
+        """This rank's model, optimizer, scheduler, version and RNG as ``out_dir/rank{r}.pt``
+        (megarl/trainer/state.py); every rank calls it (not a collective)."""
+        from megarl.trainer.state import save_trainer_state
 
-        Every rank calls it (it is not a collective). The optimizer is saved only
-        once built (it is built lazily on the first train step); the distributed
-        optimizer's parameter state (its DP shard of exp_avg/exp_avg_sq/main params)
-        is saved with ``get_parameter_state_dp_reshardable``, so a resume needs the
-        same parallel layout (checked by :meth:`load_state`).
-        """
-        import os
-
-        import torch.distributed as dist
-
-        optimizer = None
-        if self.optimizer is not None:
-            optimizer = {"state_dict": self.optimizer.state_dict(),
-                         "param_state": [o.get_parameter_state_dp_reshardable()
-                                         if hasattr(o, "get_parameter_state_dp_reshardable") else None
-                                         for o in self._optimizers()],
-                         "scheduler": self.scheduler.state_dict()}
-        state = {"version": self.version, "dtype": self.dtype, "rank": dist.get_rank(),
-                 "world_size": dist.get_world_size(),
-                 "layout": self._layout(), "model": [chunk.state_dict() for chunk in self.model],
-                 "optimizer": optimizer, "torch_rng": torch.get_rng_state(),
-                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"rank{dist.get_rank()}.pt")
-        torch.save(state, path)
-        return path
+        return save_trainer_state(self, out_dir)
 
     def _layout(self) -> dict:
         p = self.parallel
@@ -354,67 +331,11 @@ class MegatronTrainer:
                 "distributed_optimizer": bool(self._opt_args["use_distributed_optimizer"])}
 
     def load_state(self, in_dir: str) -> None:
-        """Inverse of :meth:`save_state`; CheckpointError names the file when it is missing or does not fit.
+        """Inverse of :meth:`save_state` (megarl/trainer/state.py); CheckpointError names the file
+        when it is missing or does not fit this trainer."""
+        from megarl.trainer.state import load_trainer_state
 
-        The optimizer is built here when the checkpoint has one. The scheduler
-        takes only its step count from the checkpoint: its shape (warm-up,
-        decay, total steps) comes from this run's config, so a resume may
-        extend or shorten a run.
-        """
-        import os
-
-        import torch.distributed as dist
-
-        from megarl.errors import CheckpointError
-
-        path = os.path.join(in_dir, f"rank{dist.get_rank()}.pt")
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing (a checkpoint of {dist.get_world_size()} trainer ranks?)")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
-        if state["world_size"] != dist.get_world_size() or state["layout"] != self._layout():
-            raise CheckpointError(f"{path} was written by {state['world_size']} ranks with layout {state['layout']}; "
-                                  f"this run has {dist.get_world_size()} ranks with {self._layout()}")
-        saved_dtype = state.get("dtype", "float32")  # checkpoints from before bf16 training are float32
-        if saved_dtype != self.dtype:
-            # the optimizer states differ in kind (a bf16 run's holds fp32 main params), not only in precision
-            raise CheckpointError(f"{path} was written by a {saved_dtype} trainer; this trainer is {self.dtype}")
-        try:
-            for chunk, sd in zip(self.model, state["model"], strict=True):
-                chunk.load_state_dict(sd)
-        except (RuntimeError, ValueError) as e:
-            raise CheckpointError(f"{path}: model state does not fit this model ({e})") from e
-        opt = state["optimizer"]
-        if opt is not None:
-            self._ensure_optimizer()
-            self.optimizer.reload_model_params()
-            self.optimizer.load_state_dict(opt["state_dict"])
-            for o, param_state in zip(self._optimizers(), opt["param_state"], strict=True):
-                if param_state is not None:
-                    # megatron-core 0.16's loader skips entries marked 'padding', a key only its sharded
-                    # (dist_checkpointing) writer sets; the getter's entries are all real parameters
-                    for gbuf_idx, by_dtype in param_state.items():
-                        if isinstance(gbuf_idx, int):
-                            for buckets in by_dtype.values():
-                                for bucket in buckets:
-                                    for entry in bucket:
-                                        entry.setdefault("padding", False)
-                    with torch.no_grad():  # copies into the optimizer's main params, which require grad
-                        o.load_parameter_state_from_dp_reshardable(param_state)
-            for o in self._optimizers():
-                # megatron's DistributedOptimizer.load_state_dict hands every param one shared 'step'
-                # tensor; torch's Adam increments it in place once per param, breaking bias correction
-                for st in getattr(o, "optimizer", o).state.values():
-                    if torch.is_tensor(st.get("step")):
-                        st["step"] = st["step"].clone()
-            self.scheduler.num_steps = int(opt["scheduler"]["num_steps"])
-        self.version = int(state["version"])
-        self.last_skip_reason = None
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        load_trainer_state(self, in_dir)
 
     # -- weights ------------------------------------------------------------------------
     def _module(self):

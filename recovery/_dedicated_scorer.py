@@ -1,0 +1,177 @@
+"""The dedicated scorer's side: the process that holds the old-logits model (recovery/dedicated.py).
+
+Two ways to run it, one message loop (:func:`_serve`): a child spawned beside
+trainer rank 0 (:func:`_child_main`, multiprocessing queues), or a launched
+role on its own node (:func:`serve_role`, an authenticated TCP link from
+recovery/_dedicated_link.py). It loads each published version from an HF
+checkpoint directory and scores the segments that version generated.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import ConfigError
+from megarl.types import Trajectory, TrainBatch
+
+log = logging.getLogger("megarl.dedicated")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32") -> Any:
+    if factory:
+        module, _, fn = factory.partition(":")
+        return getattr(importlib.import_module(module), fn)(checkpoint_dir)
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype)
+
+
+def _load_weights(scorer: Any, path: str) -> None:
+    if hasattr(scorer, "load_hf_checkpoint"):
+        scorer.load_hf_checkpoint(path)
+    else:
+        from megarl.models.bridge import load_hf_weights
+
+        load_hf_weights(scorer.model, path, scorer.hf_config, scorer.config)
+
+
+def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
+    """One forward over the segments' sequences (prompt + response up to the segment's end)."""
+    trajs = [Trajectory(traj_id=j["traj_id"], group_id="", prompt_ids=j["prompt_ids"],
+                        response_ids=j["response_ids"], logp_behav=[0.0] * len(j["response_ids"]),
+                        versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]))
+             for j in jobs]
+    batch = TrainBatch.from_trajectories(trajs, version=0)
+    logp = scorer.logprobs(batch).float().cpu()
+    out = []
+    for b, j in enumerate(jobs):
+        base = len(j["prompt_ids"]) - 1
+        out.append((j["traj_id"], j["start"], j["end"], logp[b, base + j["start"]:base + j["end"]].tolist()))
+    return out
+
+
+def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
+                dtype: str = "float32") -> None:
+    _own_world(env)
+    try:
+        import torch
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        scorer = _build_scorer(factory, checkpoint_dir, dtype)
+        _serve(scorer, in_q.get, out_q.put)
+    except BaseException:  # noqa: BLE001 - the parent must hear about any failure
+        out_q.put(("error", traceback.format_exc()))
+
+
+def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str = "0.0.0.0") -> None:
+    """The scorer as a launched role (``MEGARL_ROLE=dedicated``): serve trainer rank 0 over TCP, then return.
+
+    ``run_cfg`` is the run's config (the same file and overrides as the
+    trainer's command): the model comes from ``model.checkpoint`` in
+    ``model.dtype``, the options from ``recovery.dedicated``;
+    ``cuda_visible_devices`` does not apply (the launcher gives the role its
+    GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``.
+
+    It listens first and accepts the trainer's connection in the background
+    while it builds its model (so a wrong key fails the trainer at once, not
+    after a long model load), then serves the protocol until ``stop`` or until
+    the trainer hangs up.
+    """
+    from recovery import _dedicated_link as link
+
+    if run_cfg.recovery.name != "dedicated":
+        raise ConfigError(f"MEGARL_ROLE=dedicated with recovery.name={run_cfg.recovery.name}: the trainer would "
+                          f"never connect; launch the scorer role only with recovery.name=dedicated")
+    if port <= 0:
+        raise ConfigError("the dedicated scorer role needs MEGARL_SERVER_PORT (the TCP port to listen on); "
+                          "`megarl launch` sets it from placement.engine_port")
+    checkpoint_dir = run_cfg.model.checkpoint
+    if not (Path(checkpoint_dir) / "config.json").is_file():
+        raise ConfigError(f"the dedicated scorer role needs model.checkpoint={checkpoint_dir!r} to hold an HF "
+                          f"checkpoint (config.json) that this node can read")
+    from recovery.dedicated import DedicatedConfig
+
+    cfg: DedicatedConfig = run_cfg.recovery.options.get("dedicated") or DedicatedConfig()
+    dtype = run_cfg.model.dtype
+    listener = link.listen(port, link.authkey_from_env() if authkey is None else authkey, host)
+    log.info("dedicated scorer listening on %s:%d", host, port)
+    try:
+        pending = link.accept_in_background(listener, log.warning)
+        _own_world({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.master_port or _free_port())})
+        build_error = None
+        try:
+            import torch
+
+            if cfg.num_threads > 0:
+                torch.set_num_threads(cfg.num_threads)
+            scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype)
+        except Exception:  # noqa: BLE001 - reported to the trainer below
+            build_error = traceback.format_exc()
+        conn = pending.get()  # the trainer connects at its first publish
+        log.info("trainer connected")
+        try:
+            if build_error is not None:
+                raise RuntimeError(f"building the scorer failed:\n{build_error}")
+            _serve(scorer, link.reader(conn), conn.send)
+        except (ConnectionError, EOFError):  # the trainer hung up while a reply was on its way
+            log.info("the trainer closed the connection")
+        except BaseException:
+            try:
+                conn.send(("error", traceback.format_exc()))
+            except (OSError, ValueError):
+                pass
+            raise
+        finally:
+            link.hang_up(conn)
+    finally:
+        listener.close()
+    log.info("dedicated scorer done")
+
+
+def _own_world(env: dict[str, str]) -> None:
+    """Make this process a torch world of its own, described by ``env`` (RANK, MASTER_PORT, ...)."""
+    # drop the launcher's rendezvous settings (under torchrun, TORCHELASTIC_USE_AGENT_STORE would make
+    # this process join the trainer's store as a second "rank 0" and wait forever)
+    for key in [k for k in os.environ if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "OMPI_", "PMI_"))]:
+        del os.environ[key]
+    os.environ.update(env)
+
+
+def _serve(scorer: Any, recv, send) -> None:
+    """The protocol (recovery/_dedicated_link.py) until ``stop`` or until the trainer hangs up (``closed``)."""
+    version, version_dir = None, None
+    send(("ready", None))
+    while True:
+        kind, payload = recv()
+        if kind in ("stop", "closed"):
+            break
+        if kind == "version":
+            v, path = payload
+            _load_weights(scorer, path)
+            if version_dir and version_dir != path:
+                shutil.rmtree(version_dir, ignore_errors=True)
+            version, version_dir = v, path
+            send(("loaded", v))
+        elif kind == "score":
+            wrong = [j for j in payload if j["version"] != version]
+            if wrong:
+                send(("lost", [((j["traj_id"], j["start"], j["end"]), j["version"], version) for j in wrong]))
+            ok = [j for j in payload if j["version"] == version]
+            if ok:
+                send(("scored", _score(scorer, ok)))
+        elif kind == "state":
+            send(("state", version))
