@@ -95,7 +95,8 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path):
                            micro_batch_tokens=cfg.trainer.micro_batch_tokens, seed=cfg.trainer.seed,
                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                            lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
-                           total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype)
+                           total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype,
+                           sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:

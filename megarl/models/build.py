@@ -26,7 +26,12 @@ def layer_spec(config, *, vp_stage: int | None = None):
         import transformer_engine  # noqa: F401  (fails loudly here, not inside megatron)
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    if config.sequence_parallel:
+        from megarl.models.sp_norm import allow_sequence_parallel
+
+        spec = allow_sequence_parallel(spec)
+    return spec
 
 
 def build_gpt_model(hf: dict, config):

@@ -58,7 +58,8 @@ class MegatronTrainer:
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, adam_eps: float = 1e-8,
                  grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
-                 total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32"):
+                 total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
+                 sequence_parallel: bool = False):
         from megarl.models.bridge import load_hf_weights, read_hf_config
         from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
         from megarl.trainer.parallel import init_distributed, init_parallel
@@ -77,15 +78,13 @@ class MegatronTrainer:
         self.hf_config = read_hf_config(checkpoint_dir)
         init_distributed()  # the world size is needed to validate the layout before megatron builds groups
         validate_parallel(self.hf_config, tp, pp, ep, dist.get_world_size())
-        if is_moe(self.hf_config) and tp > 1:
-            # megatron's MoE layer refuses TP without sequence parallelism in training, and the torch
-            # norm of the local spec refuses sequence parallelism: not wired up yet
-            raise ConfigError(f"MoE with tp={tp} needs sequence parallelism, which MegatronTrainer does not "
-                              f"support yet; shard experts with ep instead")
+        # megatron's MoE layer needs sequence parallelism with TP > 1 (megarl/models/sp_norm.py)
+        sequence_parallel = tp > 1 and (sequence_parallel or is_moe(self.hf_config))
         self.parallel = init_parallel(tp=tp, pp=pp, ep=ep, seed=seed)
         #: "float32" or "bfloat16": the dtype of the model's parameters (and of exported weights)
         self.dtype = dtype
-        self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype])
+        self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype],
+                                                 sequence_parallel=sequence_parallel)
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
         self.micro_batch_tokens = int(micro_batch_tokens)
@@ -170,19 +169,27 @@ class MegatronTrainer:
         mbs = plan_microbatches(batch, self.parallel.dp_rank, self.parallel.dp, self.micro_batch_tokens,
                                 device=comm_device())
 
+        # sequence parallelism splits the sequence over TP ranks: inputs are padded to a multiple of tp at
+        # the end (causal attention: real positions never see the padding) and outputs cut back
+        multiple = self.parallel.tp if self.config.sequence_parallel else 1
+
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
             tokens = mb.tokens
             n = tokens.shape[1] - 1
-            positions = torch.arange(n, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n)
+            pad = -n % multiple
+            if pad:
+                tokens = torch.nn.functional.pad(tokens, (0, pad))
+            positions = torch.arange(n + pad, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n + pad)
             # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
             out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,
                         labels=tokens[:, 1:])
-            return out, lambda output: loss_func_for(mb, output)
+            return out, lambda output: loss_func_for(mb, output[:, :n])
 
         fb = get_forward_backward_func()
         return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-                  num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] - 1 for mb in mbs),
+                  num_microbatches=len(mbs),
+                  seq_length=max(-(-(mb.tokens.shape[1] - 1) // multiple) * multiple for mb in mbs),
                   micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
 
     @torch.no_grad()

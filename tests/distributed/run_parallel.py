@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-# mode -> (model, tp, pp, ep, use_distributed_optimizer)
+# mode -> (model, tp, pp, ep, use_distributed_optimizer, sequence_parallel)
 MODES = {
-    "single_dense": ("dense", 1, 1, 1, False),
-    "single_moe": ("moe", 1, 1, 1, False),
-    "tp2": ("dense", 2, 1, 1, False),
-    "pp2": ("dense", 1, 2, 1, False),
-    "dp2": ("dense", 1, 1, 1, True),
-    "ep2": ("moe", 1, 1, 2, False),
+    "single_dense": ("dense", 1, 1, 1, False, False),
+    "single_moe": ("moe", 1, 1, 1, False, False),
+    "tp2": ("dense", 2, 1, 1, False, False),
+    "tp2_sp": ("dense", 2, 1, 1, False, True),
+    "tp2_moe": ("moe", 2, 1, 1, False, True),  # megatron's MoE needs sequence parallelism with TP
+    "pp2": ("dense", 1, 2, 1, False, False),
+    "dp2": ("dense", 1, 1, 1, True, False),
+    "ep2": ("moe", 1, 1, 2, False, False),
 }
 
 
@@ -59,9 +61,10 @@ def run_mode(mode: str, ckpts: dict, out: Path) -> None:
 
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
-    model, tp, pp, ep, dist_opt = MODES[mode]
+    model, tp, pp, ep, dist_opt, sp = MODES[mode]
     trainer = MegatronTrainer(ckpts[model], tp=tp, pp=pp, ep=ep, lr=1e-4, micro_batch_tokens=40,
-                              use_distributed_optimizer=dist_opt, seed=0)
+                              use_distributed_optimizer=dist_opt, seed=0, sequence_parallel=sp)
+    assert trainer.config.sequence_parallel == sp, (mode, trainer.config.sequence_parallel)
     batch = make_batch()
     result = {"mode": mode, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
     result["logprobs"] = trainer.logprobs(batch).tolist()
@@ -74,6 +77,8 @@ def run_mode(mode: str, ckpts: dict, out: Path) -> None:
     result["version"] = trainer.version
     result["qk_norm"] = {n: p.tolist() for n, p in trainer.get_params().items() if "_layernorm" in n
                          and ("q_layernorm" in n or "k_layernorm" in n)}
+    # every norm weight (input, pre-MLP, final, q/k): replicated over TP, so equal on both ranks
+    result["norms"] = {n: p.tolist() for n, p in trainer.get_params().items() if "norm" in n}
     (out / f"{mode}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 

@@ -1,7 +1,8 @@
 """2-rank layouts (gloo, torchrun) give the 1-rank log-probs and train step.
 
-One torchrun launch runs every 2-rank mode (TP2 dense, PP2 dense, DP2 dense
-with the distributed optimizer, EP2 MoE) and one plain process the 1-rank
+One torchrun launch runs every 2-rank mode (TP2 dense, TP2 dense with sequence
+parallelism, TP2 MoE (sequence parallel), PP2 dense, DP2 dense with the
+distributed optimizer, EP2 MoE) and one plain process the 1-rank
 reference; each rank writes JSON (tests/distributed/run_parallel.py).
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "run_parallel.py"
-TWO_RANK_MODES = {"tp2": "single_dense", "pp2": "single_dense", "dp2": "single_dense", "ep2": "single_moe"}
+TWO_RANK_MODES = {"tp2": "single_dense", "tp2_sp": "single_dense", "tp2_moe": "single_moe",
+                  "pp2": "single_dense", "dp2": "single_dense", "ep2": "single_moe"}
 TOL = 1e-5
 
 
@@ -76,3 +78,12 @@ def test_tp2_qk_layernorm_weights_identical_across_ranks(results):
     assert len(a) == 4 and a == b
     # the step did move them (HF initializes norm weights to 1): the equality is not vacuous
     assert any(v != 1.0 for w in a.values() for v in w)
+
+
+@pytest.mark.parametrize("mode", ["tp2_sp", "tp2_moe"])
+def test_sequence_parallel_norm_weights_identical_across_ranks(results, mode):
+    """Under sequence parallelism each rank normalizes its own slice of the sequence: the norm
+    gradients must be summed over TP, else the replicated weights drift apart after one step."""
+    a, b = _load(results, mode, 0)["norms"], _load(results, mode, 1)["norms"]
+    assert len(a) >= 7 and a == b  # 2 layers x (input, pre-MLP, q, k) + final
+    assert any(v != 1.0 for name, w in a.items() if "input_layernorm" in name for v in w)

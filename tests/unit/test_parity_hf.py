@@ -230,12 +230,39 @@ def test_trainer_rejects_parallel_sizes_before_init(ckpts):
         trainer_for(ckpts["dense_tied"], tp=2)
 
 
-def test_trainer_rejects_moe_tensor_parallel(ckpts, monkeypatch):
-    import torch.distributed as dist
+def test_sequence_parallel_norms_replace_every_torch_norm_of_the_local_spec(ckpts):
+    """The local spec's WrappedTorchNorm refuses sequence parallelism; megarl swaps in a torch norm
+    whose weights carry the sequence_parallel mark (their TP gradient sum is checked on 2 ranks in
+    tests/distributed/test_parallel.py)."""
+    import dataclasses
 
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(ConfigError, match="MoE with tp=2 needs sequence parallelism"):
-        trainer_for(ckpts["moe_norm_untied"], tp=2)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megarl.models.hf_config import transformer_config_from_hf
+    from megarl.models.sp_norm import SequenceParallelTorchNorm, allow_sequence_parallel
+
+    trainer_for(ckpts["moe_norm_untied"])  # initializes megatron's groups (one rank)
+    hf = yaml.safe_load((REPO / "configs/models/tiny_qwen3_moe.yaml").read_text())
+    config = transformer_config_from_hf(hf)
+    spec = allow_sequence_parallel(get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+
+    def modules(obj):
+        if isinstance(obj, type):
+            yield obj
+        elif isinstance(obj, list):
+            for x in obj:
+                yield from modules(x)
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                yield from modules(getattr(obj, f.name))
+    found = list(modules(spec))
+    assert WrappedTorchNorm not in found
+    # per layer: input, pre-MLP, q and k norms; plus the final norm
+    assert found.count(SequenceParallelTorchNorm) == 4 * config.num_layers + 1
+    config.sequence_parallel = True
+    norm = SequenceParallelTorchNorm(config, hidden_size=8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
 
 
 def test_hf_config_translation():
