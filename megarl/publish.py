@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
-import os
 import shutil
 import socket
 import threading
@@ -33,6 +31,7 @@ import time
 from pathlib import Path
 
 from megarl.errors import EngineError
+from megarl.models.bridge import write_hf_checkpoint
 
 log = logging.getLogger("megarl.publish")
 
@@ -63,20 +62,6 @@ def _remove_other_versions(weights_dir: Path, current: Path) -> None:
     for old in weights_dir.glob("v*"):
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def write_hf_weights(tensors: list, hf_config: dict, out_dir: Path) -> None:
-    """``config.json`` + ``model.safetensors``, the layout ``save_hf_checkpoint`` writes.
-
-    config.json comes last: the checkpointer takes a directory with it as complete.
-    """
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "model.safetensors.tmp"
-    save_file(dict(tensors), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
 
 class BroadcastPublisher:
@@ -120,7 +105,8 @@ class BroadcastPublisher:
     async def prepare(self, version: int) -> None:
         self._tensors = None  # the previous version's export is not needed any more
         tensors = await asyncio.to_thread(lambda: list(self.trainer.export_hf_weights()))
-        await asyncio.to_thread(write_hf_weights, tensors, self.trainer.hf_config, self.weights_dir / f"v{version}")
+        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}",
+                                self.trainer.exported_hf_config())
         self._tensors = tensors
 
     async def apply(self, version: int) -> dict:

@@ -304,20 +304,28 @@ def save_hf_checkpoint(model_chunks, out_dir: str | os.PathLike, hf: dict, confi
     Returns the directory on the writing rank, None on the others.
     """
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors = {}
     for name, tensor in export_hf_weights(model_chunks, hf, config):
         if rank == 0:  # the others only take part in the gathers
             tensors[name] = tensor
-    out = Path(out_dir)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        write_hf_checkpoint(tensors, out_dir, hf)
     if dist.is_initialized():
         dist.barrier()
-    return out if rank == 0 else None
+    return Path(out_dir) if rank == 0 else None
+
+
+def write_hf_checkpoint(tensors: dict, out_dir: str | os.PathLike, hf: dict) -> Path:
+    """``model.safetensors`` (written to a temp name, then renamed) and then ``config.json``: a
+    directory with config.json is complete (the checkpointer relies on that)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return out

@@ -398,9 +398,9 @@ class MegatronTrainer:
         """Write an HF checkpoint (config.json + model.safetensors) of the current weights; rank 0 writes."""
         from megarl.models.bridge import save_hf_checkpoint
 
-        return save_hf_checkpoint(self.model, out_dir, self._exported_hf_config(), self.config)
+        return save_hf_checkpoint(self.model, out_dir, self.exported_hf_config(), self.config)
 
-    def _exported_hf_config(self) -> dict:
+    def exported_hf_config(self) -> dict:
         """config.json of the exported weights: its dtype field says what they are (an engine started
         with ``--dtype auto`` loads that)."""
         hf = dict(self.hf_config)

@@ -189,6 +189,16 @@ def test_bf16_export_and_reload(ckpts, tmp_path):
     reloaded = trainer_for(str(out), dtype="bfloat16")
     a, b = trainer.get_params(), reloaded.get_params()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the broadcast publisher's disk copy (what a restarted engine loads) is the same checkpoint
+    import asyncio
+
+    from megarl.publish import BroadcastPublisher
+
+    asyncio.run(BroadcastPublisher(trainer, None, tmp_path / "weights").prepare(1))
+    copy = tmp_path / "weights" / "v1"
+    assert json.loads((copy / "config.json").read_text()) == config
+    assert load_file(copy / "model.safetensors").keys() == saved.keys()
+    assert all(torch.equal(load_file(copy / "model.safetensors")[k], saved[k]) for k in saved)
 
 
 def test_engine_dtype_resolution(tmp_path):

@@ -37,6 +37,9 @@ class CheckpointExporter:
         self.ckpt = ckpt
         self.hf_config = json.loads((ckpt / "config.json").read_text())
 
+    def exported_hf_config(self) -> dict:
+        return self.hf_config
+
     def export_hf_weights(self):
         from safetensors.torch import load_file
 
