@@ -21,6 +21,7 @@ from typing import Any
 
 from megarl.errors import ConfigError
 from megarl.launch.cluster import Allocation, compress_hosts
+from megarl.rollout.router import group_ranks
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_WEIGHT_SYNC_PORT = 29600
@@ -105,17 +106,14 @@ class Plan:
     def weight_sync_world(self) -> int:
         """Ranks of the broadcast group: trainer rank 0 plus every GPU worker of the engines with own
         commands (the dedicated scorer reads each version from the run directory, not the group)."""
-        return 1 + sum(s.tp for s in self.engines if not s.spawned)
+        return group_ranks([s.tp for s in self.engines if not s.spawned])[1]
 
     def weight_sync_rank(self, server: ServerPlan) -> int:
-        """First rank of engine ``server``'s workers in the broadcast group."""
-        rank = 1
-        for s in self.engines:
-            if s is server:
-                return rank
-            if not s.spawned:
-                rank += s.tp
-        raise ValueError(f"{server.name} is not in this plan")
+        """First rank of engine ``server``'s workers in the broadcast group (the router's layout)."""
+        own = [s for s in self.engines if not s.spawned]
+        if server not in own:
+            raise ValueError(f"{server.name} is not an engine with its own command in this plan")
+        return group_ranks([s.tp for s in own])[0][own.index(server)]
 
     def commands(self, launcher: str = "torchrun", *, python: str | None = None,
                  bootstrap_check: bool = False) -> list:

@@ -7,6 +7,16 @@ from megarl.errors import EngineError
 from megarl.types import GenerateRequest, GenerateResult
 
 
+def group_ranks(worker_counts: list[int]) -> tuple[list[int], int]:
+    """First rank of each engine in a weight broadcast group, and the group's size: the trainer is
+    rank 0, then every engine's workers in engine order (``worker_counts[i]`` ranks for engine i)."""
+    first, rank = [], 1
+    for n in worker_counts:
+        first.append(rank)
+        rank += n
+    return first, rank
+
+
 class EngineRouter:
     """Sends each request to the engine with the fewest in-flight requests (ties: lowest index).
 
@@ -51,11 +61,7 @@ class EngineRouter:
         """(first rank of each engine, world size) of a broadcast group: trainer rank 0, then every
         engine worker; an engine's worker count is ``n_workers`` of its /health (1 if absent)."""
         health = await self._all(e.health() for e in self.engines)
-        first, rank = [], 1
-        for h in health:
-            first.append(rank)
-            rank += int(h.get("n_workers", 1))
-        return first, rank
+        return group_ranks([int(h.get("n_workers", 1)) for h in health])
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
                                             version: int) -> None:

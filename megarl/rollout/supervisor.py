@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megarl.errors import EngineError
+from megarl.rollout.router import group_ranks
 from megarl.types import GenerateRequest, GenerateResult
 
 log = logging.getLogger("megarl.supervisor")
@@ -300,10 +301,8 @@ class EngineSupervisor:
             if weights is not None:
                 self.weights = (str(weights[0]), int(weights[1]))
             slots, workers = await self._worker_counts()
-            first, world = {}, 1
-            for slot, n in zip(slots, workers):
-                first[slot.index] = world
-                world += n
+            ranks, world = group_ranks(workers)
+            first = {slot.index: rank for slot, rank in zip(slots, ranks)}
             if callable(group_info):
                 group_info = group_info([(s.index, s.incarnation, n) for s, n in zip(slots, workers)])
                 if group_info is None:
