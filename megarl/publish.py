@@ -32,6 +32,7 @@ from pathlib import Path
 
 from megarl.errors import EngineError
 from megarl.models.bridge import write_hf_checkpoint
+from megarl.rollout.client import free_port
 
 log = logging.getLogger("megarl.publish")
 
@@ -150,7 +151,7 @@ class BroadcastPublisher:
             return None
         if self._group is None or tuple(members) != self._members:
             self._drop_group()
-            port = self.port if self.port and not self.n_groups else _free_port(self.host)
+            port = self.port if self.port and not self.n_groups else free_port(self.host)
             world = 1 + sum(n_workers for _, _, n_workers in members)
             self._group = WeightBroadcaster(self.host, port, world, backend=self.backend, timeout_s=self.timeout_s)
             self._members = tuple(members)
@@ -211,12 +212,6 @@ def _in_thread(fn, *args) -> concurrent.futures.Future:
 
     threading.Thread(target=run, name="megarl-weight-broadcast", daemon=True).start()
     return fut
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_publisher(cfg, trainer, router, weights_dir: Path):

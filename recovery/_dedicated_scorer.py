@@ -12,21 +12,15 @@ import importlib
 import logging
 import os
 import shutil
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
 
 from megarl.errors import ConfigError
+from megarl.rollout.client import free_port
 from megarl.types import Trajectory, TrainBatch
 
 log = logging.getLogger("megarl.dedicated")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32") -> Any:
@@ -111,7 +105,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
     try:
         pending = link.accept_in_background(listener, log.warning)
         _own_world({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.master_port or _free_port())})
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.master_port or free_port())})
         build_error = None
         try:
             import torch

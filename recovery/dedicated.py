@@ -63,8 +63,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megarl.rollout.client import free_port
 from megarl.types import AnchorResult, Trajectory, TrainBatch
-from recovery._dedicated_scorer import _child_main, _free_port, serve_role  # noqa: F401  (serve_role: the role's entry)
+from recovery._dedicated_scorer import _child_main, serve_role  # noqa: F401  (serve_role: the role's entry)
 from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
@@ -129,7 +130,7 @@ class Dedicated(RecoveryStrategy):
 
         mpctx = mp.get_context("spawn")
         in_q, out_q = mpctx.Queue(), mpctx.Queue()
-        port = self.cfg.master_port or _free_port()
+        port = self.cfg.master_port or free_port()
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         if self.cfg.cuda_visible_devices:
