@@ -317,6 +317,7 @@ def rewind_run_logs(run_dir: Path, manifest: dict) -> None:
     step, accepted = int(manifest["step"]), int(manifest["accepted_total"])
     _filter_jsonl(run_dir / "metrics.jsonl", lambda r: int(r.get("step", 0)) <= step)
     _filter_jsonl(run_dir / "trained_ids.jsonl", lambda r: int(r.get("step", 0)) <= step)
+    _filter_jsonl(run_dir / "samples.jsonl", lambda r: int(r.get("step", 0)) <= step)
     _filter_jsonl(run_dir / "accepted.jsonl", lambda r: int(r.get("accepted_total", 0)) <= accepted)
 
 

@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "verify-recovery": "verify_recovery",
     "bench": "bench",
     "launch": "launch",
+    "prepare-data": "prepare_data",
 }
 
 

@@ -41,7 +41,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from megarl.buffer import Group, ReplayBuffer
-from megarl.errors import TrainingError
+from megarl.errors import RewardError, TrainingError
 from megarl.rollout.supervisor import EngineLost
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch
 
@@ -53,22 +53,30 @@ class Controller:
 
     Collaborators are passed in, already built: ``trainer`` (MegatronTrainer),
     ``router`` (EngineRouter over the engine processes), ``rewards``
-    (RewardService), ``dataset`` (PromptDataset), ``workflow``, ``strategy``
+    (TrajectoryScorer: decodes with the run's tokenizer and scores in the
+    reward service), ``dataset`` (PromptDataset), ``workflow``, ``strategy``
     (recovery), ``publisher(version) -> awaitable`` that moves the trainer's
     weights to every engine, ``loss_fn_factory(batch) -> loss_fn`` and
     ``on_step(record)`` for logging. Optional: ``checkpointer`` (``await
-    checkpointer.save(controller)``) and ``journal`` (``journal.write(name,
-    record)``: accepted and trained trajectory ids per group and step).
+    checkpointer.save(controller)``), ``journal`` (``journal.write(name,
+    record)``: accepted and trained trajectory ids per group and step, and
+    samples decoded with ``tokenizer``) and ``evaluator`` (megarl/evaluation.py,
+    results to ``on_eval``).
     """
 
     def __init__(self, cfg, *, trainer, router, rewards, dataset, workflow, strategy,
                  publisher: Any, loss_fn_factory: Callable[[TrainBatch, Any], Any],
                  advantages: Callable[[list[Trajectory]], None], on_step: Callable[[dict], None],
-                 checkpointer=None, journal=None) -> None:
+                 checkpointer=None, journal=None, evaluator=None,
+                 on_eval: Callable[[dict], None] | None = None, tokenizer=None) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.router = router
         self.rewards = rewards
+        self.evaluator = evaluator
+        self.on_eval = on_eval
+        self.tokenizer = tokenizer
+        self._evals: set[asyncio.Task] = set()
         self.dataset = dataset
         self.workflow = workflow
         self.strategy = strategy
@@ -93,8 +101,13 @@ class Controller:
         self._all_returned.set()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
-        self.counters = {"n_interrupted": 0, "n_reward_failed": 0, "n_dropped": 0, "n_engine_resubmits": 0}
+        self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
+                         "n_filtered": 0, "n_engine_resubmits": 0}
+        self._reward_failure: str | None = None  # one failing reward call of the current step, for the error
+        self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
+        self._failed_groups_in_a_row = 0
         self._step_counters = dict(self.counters)
+        self._prev_step_counters = dict(self.counters)
         self.gen_stall_s = 0.0
         #: groups admitted so far; trajectory ids are {id_prefix}g{k}-{j}. A resumed attempt gets its own
         #: prefix, so groups a killed attempt admitted after its last checkpoint never share an id with new ones
@@ -106,12 +119,14 @@ class Controller:
         self._consecutive_skips = 0
 
     # -- generation ------------------------------------------------------------------
-    async def _generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def _generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams,
+                        counted: bool = True) -> GenerateResult:
         """One policy turn; survives interruption by resubmitting prompt + partial tokens.
 
         Policy tokens are appended to ``traj`` as they arrive (partial chunks
         too), so recovery hooks always see every token with its version. The
-        returned result holds the whole turn.
+        returned result holds the whole turn. ``counted=False`` (evaluation)
+        keeps the request out of the training counters.
         """
         out_ids: list[int] = []
         logps: list[float] = []
@@ -142,7 +157,7 @@ class Controller:
                 if self.n_requests_inflight == 0:
                     self._all_returned.set()
             if res is None:  # its engine died and took this chunk with it: send it again once one is up
-                self.counters["n_engine_resubmits"] += 1
+                self.counters["n_engine_resubmits"] += counted
                 await self.router.wait_available()
                 continue
             traj.append_policy(res.output_ids, res.logp_behav, res.versions)
@@ -154,7 +169,7 @@ class Controller:
             if res.finish_reason != "abort":
                 return GenerateResult(traj.traj_id, out_ids, logps, versions, res.finish_reason)
             traj.n_interrupts += 1
-            self.counters["n_interrupted"] += 1
+            self.counters["n_interrupted"] += counted
             if remaining <= 0:
                 return GenerateResult(traj.traj_id, out_ids, logps, versions, "length")
 
@@ -163,24 +178,37 @@ class Controller:
             await self.workflow.run(traj, lambda ctx, sp: self._generate(traj, ctx, sp))
             traj.finish_reason = traj.finish_reason or "stop"
             self.strategy.on_segment_finished(traj)
-            out = await self.rewards.score(traj.response_ids, traj.meta)
+            out = await self.rewards.score(traj)
             traj.reward, traj.reward_failed = out.reward, out.failed
+            self.counters["n_reward_calls"] += 1
+            if out.failed and self._reward_failure is None:
+                self._reward_failure = f"trajectory {traj.traj_id}: {out.reason}"
             return traj
 
         try:
             trajs = await asyncio.gather(*(one(t) for t in group.trajectories))
-        except Exception:
+        except Exception as e:
             log.exception("group %s failed; its samples are dropped", group.group_id)
             self.counters["n_dropped"] += len(group.trajectories)
             self._items.pop(group.group_id, None)
+            self._failed_groups_in_a_row += 1
+            if self._failed_groups_in_a_row >= max(2, self.B // self.n) and self._fatal is None:
+                # a batch's worth of groups failed and nothing else finished: the next ones would too
+                self._fatal = TrainingError(f"{self._failed_groups_in_a_row} groups in a row failed in generation; "
+                                            f"the last with {type(e).__name__}: {e}")
             await self.buffer.accept(group, [])
             return
+        self._failed_groups_in_a_row = 0
         failed = [t for t in trajs if t.reward_failed]
         self.counters["n_reward_failed"] += len(failed)
         kept = trajs
         if failed and self.cfg.reward.on_failure == "drop":
             kept = [t for t in trajs if not t.reward_failed]
             self.counters["n_dropped"] += len(failed)
+        if kept and self.cfg.rollout.filter_groups and len(kept) == len(trajs) and self._all_equal(kept):
+            # zero advantage everywhere: no learning signal. Leaving the gate's count lets another group in
+            self.counters["n_filtered"] += len(kept)
+            kept = []
         if kept:
             try:
                 self.advantages(kept)
@@ -189,10 +217,17 @@ class Controller:
                 self.counters["n_dropped"] += len(kept)
                 kept = []
         self._items.pop(group.group_id, None)
+        if self._fatal is None:  # with on_failure=drop nothing reaches a step: check here too, per B calls
+            self._fatal = self._reward_failure_error(min_calls=self.B)
         accepted_total = await self.buffer.accept(group, kept)
         if kept and self.journal is not None:
             self.journal.write("accepted", {"step": self.step, "accepted_total": accepted_total,
                                             "group_id": group.group_id, "traj_ids": [t.traj_id for t in kept]})
+
+    @staticmethod
+    def _all_equal(trajs: list[Trajectory]) -> bool:
+        rewards = [t.reward for t in trajs]
+        return max(rewards) - min(rewards) <= 1e-9
 
     async def _rollout_loop(self) -> None:
         data = iter(self.dataset)
@@ -200,16 +235,21 @@ class Controller:
             failure = getattr(self.router, "failure", None)
             if failure is not None:  # every engine is gone for good
                 raise failure
+            if self._fatal is not None:
+                raise self._fatal
             async with self.buffer._changed:
                 await self.buffer._changed.wait_for(
-                    lambda: self._stopping or (self.weights_ready.is_set()
-                                               and self.buffer.can_admit(self.n, self.version)))
+                    lambda: self._stopping or self._fatal is not None or (
+                        self.weights_ready.is_set() and self.buffer.can_admit(self.n, self.version)))
             if self._stopping:
                 return
+            if self._fatal is not None:
+                raise self._fatal
             item = self._regenerate.pop(0) if self._regenerate else next(data)
             gid = f"{self.id_prefix}g{self.group_counter}"
             trajs = [Trajectory(traj_id=f"{gid}-{j}", group_id=gid, prompt_ids=list(item.prompt_ids),
-                                meta=dict(item.meta), logp_old=[] if self.strategy.exact else None)
+                                meta={"prompt_id": item.prompt_id, "answer": item.answer, "row": item.row},
+                                logp_old=[] if self.strategy.exact else None)
                      for j in range(self.n)]
             group = Group(gid, self.version, trajs)
             self.buffer.admit(group)
@@ -305,7 +345,10 @@ class Controller:
                 self.step += 1
                 record.update(pub)
                 record.update(self._step_record(trajs, t0, t_got, t_trained, t_start))
+                reward_error = self._reward_failure_error(min_calls=1, since=self._prev_step_counters)
+                self._reward_failure = None
                 self.on_step(record)
+                self._log_samples(trajs)
                 if self.journal is not None:
                     self.journal.write("trained_ids", {"step": self.step, "version": self.trainer.version,
                                                        "skipped": skipped, "traj_ids": [t.traj_id for t in trajs]})
@@ -317,11 +360,19 @@ class Controller:
                         f"{self.step}, version {self.trainer.version}); stopping (trainer.max_consecutive_skips="
                         f"{max_skips}). A checkpoint of this step is in the run directory: lower trainer.lr or check "
                         f"the rewards, then resume with --resume")
+                if reward_error is not None:
+                    await self._checkpoint()
+                    raise reward_error
                 if save_every > 0 and self.step % save_every == 0:
                     await self._checkpoint()
+                self._maybe_evaluate(total_steps)
             await self._checkpoint()
+            await self._final_evaluation()
         finally:
             self._stopping = True
+            for task in list(self._evals):
+                task.cancel()
+            await asyncio.gather(*self._evals, return_exceptions=True)
             await self.buffer.notify()
             self.weights_ready.set()
             await self.router.abort_all()
@@ -356,9 +407,74 @@ class Controller:
         metrics["version_lag_hist"] = {int(k): int(v) for k, v in zip(*lag.unique(return_counts=True))}
         return metrics
 
+    def _reward_failure_error(self, min_calls: int, since: dict[str, int] | None = None) -> RewardError | None:
+        """The error to stop with when more than reward.max_fail_frac of the reward calls since ``since``
+        (default: the last step) failed, if there were at least ``min_calls`` of them."""
+        since = self._step_counters if since is None else since
+        calls = self.counters["n_reward_calls"] - since["n_reward_calls"]
+        failed = self.counters["n_reward_failed"] - since["n_reward_failed"]
+        frac = self.cfg.reward.max_fail_frac
+        if calls < max(min_calls, 1) or failed <= frac * calls:
+            return None
+        return RewardError(f"{failed} of {calls} reward calls failed at step {self.step} (more than "
+                           f"reward.max_fail_frac={frac}) with reward.fn={self.cfg.reward.fn!r}; one of them: "
+                           f"{self._reward_failure}. Fix the reward function or the data (data.answer_key), "
+                           f"or raise reward.max_fail_frac")
+
+    def _log_samples(self, trajs: list[Trajectory]) -> None:
+        """``logging.log_samples`` trajectories of the step as decoded text, to ``samples.jsonl``."""
+        n = self.cfg.logging.log_samples
+        if n <= 0 or self.journal is None or self.tokenizer is None:
+            return
+        tok = self.tokenizer
+        for t in trajs[:n]:
+            self.journal.write("samples", {
+                "step": self.step, "traj_id": t.traj_id, "prompt": tok.decode_prompt(t.prompt_ids),
+                "response": tok.decode_response(t.response_ids), "reward": t.reward,
+                "answer": t.meta.get("answer"), "finish_reason": t.finish_reason,
+                # [version, number of tokens] per segment, in order: which weights wrote which part
+                "versions": [[g.version, g.end - g.start] for g in t.segments()]})
+
+    # -- evaluation ----------------------------------------------------------------------
+    def _generate_for_eval(self, traj: Trajectory):
+        return lambda ctx, sp: self._generate(traj, ctx, sp, counted=False)
+
+    async def _evaluate(self, step: int) -> None:
+        version = self.version
+        try:
+            metrics = await self.evaluator.run(self._generate_for_eval)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # an evaluation must never take training down with it
+            log.exception("evaluation at step %d failed", step)
+            return
+        record = {"step": step, "eval/start_version": version, **metrics}
+        log.info("eval at step %d: reward %.4f, pass@1 %.4f, pass@%d %.4f", step, metrics["eval/reward_mean"],
+                 metrics["eval/pass@1"], metrics["eval/k"], metrics["eval/pass@k"])
+        if self.on_eval is not None:
+            self.on_eval(record)
+
+    def _maybe_evaluate(self, total_steps: int) -> None:
+        every = self.cfg.eval.every
+        if self.evaluator is None or every <= 0 or self.step % every or self.step >= total_steps:
+            return
+        task = asyncio.create_task(self._evaluate(self.step))
+        self._evals.add(task)
+        task.add_done_callback(self._evals.discard)
+
+    async def _final_evaluation(self) -> None:
+        """Wait for evaluations still running, then evaluate the final weights once."""
+        if self.evaluator is None:
+            return
+        await asyncio.gather(*list(self._evals))
+        if self.trainer.version > self.version:  # the last step is not published for training: publish it now
+            await self.publish(self.trainer.version)
+        await self._evaluate(self.step)
+
     def _step_record(self, trajs, t0, t_got, t_trained, t_start) -> dict[str, Any]:
         rewards = [t.reward for t in trajs if t.reward is not None]
         step_counts = {k: self.counters[k] - self._step_counters[k] for k in self.counters}
+        self._prev_step_counters = self._step_counters
         self._step_counters = dict(self.counters)
         resp_lens = [t.n_policy_tokens for t in trajs]
         return {
@@ -392,8 +508,7 @@ class Controller:
         return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
                 "counters": dict(self.counters), "gen_stall_s": self.gen_stall_s,
                 "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
-                "running_prompts": [{"prompt_id": getattr(p, "prompt_id", ""), "prompt_ids": list(p.prompt_ids),
-                                     "meta": dict(p.meta)} for p in prompts]}
+                "running_prompts": [p.to_dict() for p in prompts]}
 
     def load_state_dict(self, state: dict[str, Any], id_prefix: str = "") -> None:
         """Continue from :meth:`state_dict`: before :meth:`train`, after the trainer and strategy are restored.
@@ -407,10 +522,10 @@ class Controller:
         self.group_counter = int(state["group_counter"])
         self.counters.update(state["counters"])
         self._step_counters = dict(self.counters)
+        self._prev_step_counters = dict(self.counters)
         self.gen_stall_s = float(state.get("gen_stall_s", 0.0))
         self.buffer.load_state_dict(state["buffer"])
         self.dataset.load_state_dict(state["dataset"])
-        self._regenerate = [Prompt(d["prompt_id"], list(d["prompt_ids"]), dict(d["meta"]))
-                            for d in state["running_prompts"]]
+        self._regenerate = [Prompt.from_dict(d) for d in state["running_prompts"]]
         self.id_prefix = id_prefix
         self._resumed = True

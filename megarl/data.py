@@ -1,163 +1,255 @@
-"""Prompt datasets: an endless, resumable stream of prompts for the controller.
+"""Prompt datasets: rows of problems, turned into token ids by the run's tokenizer; an endless, resumable stream.
 
-Sources (the ``source`` string):
+Sources (``data.path``):
 
-- a built-in task name (``"reverse_digits"``): an infinite seeded generator;
-  prompt i is drawn from its own RNG, so the stream is the same on every run.
-- ``"hf:NAME"`` or ``"hf:NAME:SPLIT"`` (default split ``train``): a Hugging Face
-  ``datasets`` dataset (needs ``pip install datasets``). Rows must already be
-  tokenized: a ``prompt_ids`` column (list of ints), optional ``meta`` (dict)
-  and ``id`` columns. Tokenizing a text ``prompt_key`` column is out of scope.
-- anything else: a JSONL file, one prompt per line
-  ``{"prompt_ids": [...], "meta": {...}, "id": "..."}`` (``meta``, ``id`` optional).
+- a ``.jsonl`` file (one JSON object per line) or a ``.parquet`` file (the
+  format of verl's data files);
+- ``hf:NAME``, ``hf:NAME:SPLIT`` or ``hf:NAME:CONFIG:SPLIT`` (default split
+  ``train``): a Hugging Face ``datasets`` dataset (a hub name, or a local
+  directory of data files).
 
-Finite sources are read and validated completely when the dataset is built,
-so a bad line fails before the run starts, not hours into it. They repeat in
-epochs, each shuffled by ``(seed, epoch)``. Every prompt has a stable
-``prompt_id`` (its ``id``, else ``FILE:LINE`` / ``NAME:SPLIT:ROW`` / ``TASK/SEED/INDEX``).
-``state_dict()`` is the stream position; loading it continues at the same prompt.
+A row holds its prompt under ``data.prompt_key`` (default ``prompt``): a
+string, or a list of chat messages ``[{"role", "content"}, ...]``; both go
+through the tokenizer's chat template (megarl/tokenizer.py). Rows may instead
+hold pre-tokenized ``prompt_ids`` (a list of ints). The ground truth sits under
+``data.answer_key`` (default ``answer``). Both keys may be dotted paths into
+nested fields (``reward_model.ground_truth``). Every other field of the row
+travels with the prompt to the reward. An ``id`` field names the prompt
+(default ``FILE:LINE`` / ``NAME:SPLIT:ROW``).
+
+Everything is read, rendered and checked when the dataset is built, so a bad
+row fails before the run starts, naming the file, the line and the key.
+Prompts longer than ``data.max_prompt_len`` tokens are filtered out with a
+warning and a count (``data.on_overlong=filter``) or refused (``error``).
+The rows repeat in epochs, each shuffled by ``(seed, epoch)``;
+``state_dict()`` is the stream position, and loading it continues at the same prompt.
 """
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from megarl.errors import ConfigError, InputError
-from megarl.tasks import TASKS, get_task
+
+log = logging.getLogger("megarl.data")
+
+_MISSING = object()
 
 
 @dataclass
 class Prompt:
-    """One prompt of the stream."""
+    """One prompt of the stream: its token ids, its ground truth and the rest of its row."""
 
     prompt_id: str
     prompt_ids: list[int]
-    meta: dict[str, Any] = field(default_factory=dict)
+    answer: Any = None
+    #: every field of the row except the prompt itself (reaches the reward as ``row``)
+    row: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_id": self.prompt_id, "prompt_ids": list(self.prompt_ids), "answer": self.answer,
+                "row": self.row}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Prompt":
+        return cls(d["prompt_id"], list(d["prompt_ids"]), d.get("answer"), dict(d.get("row") or {}))
+
+
+def get_dotted(row: dict[str, Any], key: str) -> Any:
+    """``row[key]``, where ``a.b`` reaches ``row["a"]["b"]`` (a literal key with dots wins); _MISSING if absent."""
+    if key in row:
+        return row[key]
+    node: Any = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def read_rows(source: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """``(where, default id, row)`` for every row of a JSONL/Parquet file or an ``hf:`` dataset.
+
+    ``where`` names the row in errors (the whole path); the default id (``NAME:LINE``) does not depend on
+    where the file lies, so a resumed run on another machine sees the same prompt ids.
+    """
+    if source.startswith("hf:"):
+        yield from _hf_rows(source[len("hf:"):])
+        return
+    path = Path(source)
+    if not path.is_file():
+        raise InputError(f"data file {path} does not exist (expected a .jsonl or .parquet file, or hf:NAME[:SPLIT])")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        except ImportError:
+            raise ConfigError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
+        except Exception as e:  # not a Parquet file, truncated, ...
+            raise InputError(f"cannot read {path} as Parquet: {type(e).__name__}: {e}") from None
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", f"{path.name}:{i}", row
+        return
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read data file {path}: {e}") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+            yield where, f"{path.name}:{lineno}", row
+
+
+def _hf_rows(spec: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data.path 'hf:{spec}' needs the Hugging Face `datasets` package: "
+                          f"pip install datasets") from None
+    parts = spec.split(":")
+    if len(parts) > 3 or not parts[0]:
+        raise ConfigError(f"data.path 'hf:{spec}': expected hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT")
+    name = parts[0]
+    config = parts[1] if len(parts) == 3 else None
+    split = parts[-1] if len(parts) > 1 else "train"
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # network, missing dataset or split: all fatal before the run
+        raise InputError(f"cannot load Hugging Face dataset {name!r} split {split!r}: {type(e).__name__}: {e}") from e
+    for i, row in enumerate(rows):
+        yield f"hf:{spec} row {i}", f"hf:{spec}:{i}", dict(row)
 
 
 class PromptDataset:
-    """Endless prompt stream from a task, a JSONL file or a HF dataset (module docstring)."""
+    """Endless prompt stream over the rows of ``source`` (module docstring)."""
 
-    def __init__(self, source: str, *, max_prompt_len: int | None = None, seed: int = 0,
+    def __init__(self, source: str, tokenizer: Any, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                 max_prompt_len: int | None = None, on_overlong: str = "filter", seed: int = 0,
                  shuffle: bool = True, vocab_size: int | None = None) -> None:
+        if on_overlong not in ("filter", "error"):
+            raise ConfigError(f"data.on_overlong={on_overlong!r}; choose filter or error")
         self.source = source
         self.seed = seed
         self.shuffle = shuffle
-        self.max_prompt_len = max_prompt_len
-        self.vocab_size = vocab_size
         self._epoch = 0
-        self._index = 0  # next position within the epoch (finite) or in the stream (task)
-        self._prompts: list[Prompt] | None = None
-        self._task = None
-        if source in TASKS:
-            self._task = get_task(source)
-            if max_prompt_len is not None and self._task.MAX_PROMPT_LEN > max_prompt_len:
-                raise InputError(f"task {source!r} makes prompts of up to {self._task.MAX_PROMPT_LEN} tokens, "
-                                 f"longer than max_prompt_len={max_prompt_len}")
-        elif source.startswith("hf:"):
-            self._prompts = self._load_hf(source[len("hf:"):])
-        else:
-            self._prompts = self._load_jsonl(Path(source))
+        self._index = 0  # next position within the epoch
+        self.n_filtered = 0  # prompts dropped for being longer than max_prompt_len
+        self._prompts = self._load(source, tokenizer, prompt_key, answer_key, max_prompt_len, on_overlong,
+                                   vocab_size)
         self._order = self._epoch_order(0)
 
     @classmethod
-    def from_config(cls, data_cfg: Any, seed: int = 0, vocab_size: int | None = None) -> "PromptDataset":
-        """Build from a ``DataConfig``: ``path`` if set, else ``hf_dataset``, else the built-in ``task``."""
-        if data_cfg.path and data_cfg.hf_dataset:
-            raise ConfigError(f"data.path={data_cfg.path!r} and data.hf_dataset={data_cfg.hf_dataset!r} "
-                              f"are both set; choose one")
-        source = data_cfg.path or (f"hf:{data_cfg.hf_dataset}" if data_cfg.hf_dataset else data_cfg.task)
-        return cls(source, max_prompt_len=data_cfg.max_prompt_len, seed=seed, vocab_size=vocab_size)
+    def from_config(cls, data_cfg: Any, tokenizer: Any, seed: int = 0, vocab_size: int | None = None,
+                    path: str | None = None, shuffle: bool | None = None) -> "PromptDataset":
+        """From a ``DataConfig`` (``path``/``shuffle`` override its own: the evaluation set uses the data keys)."""
+        source = data_cfg.path if path is None else path
+        if not source:
+            raise ConfigError("data.path is empty; set it to a .jsonl or .parquet file of prompts, or hf:NAME[:SPLIT] "
+                              "(README, section Data)")
+        return cls(source, tokenizer, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key,
+                   max_prompt_len=data_cfg.max_prompt_len, on_overlong=data_cfg.on_overlong, seed=seed,
+                   shuffle=data_cfg.shuffle if shuffle is None else shuffle, vocab_size=vocab_size)
 
     # -- loading and validation --------------------------------------------------
-    def _check(self, where: str, prompt_ids: Any, meta: Any) -> tuple[list[int], dict[str, Any]]:
-        """Validate one record; ``where`` names it (file and line) in the error."""
+    def _load(self, source, tokenizer, prompt_key, answer_key, max_len, on_overlong, vocab_size) -> list[Prompt]:
+        seen: dict[str, str] = {}
+        wheres: list[str] = []
+        pids: list[str] = []
+        answers: list[Any] = []
+        rests: list[dict[str, Any]] = []
+        ids: list[list[int] | None] = []
+        texts: dict[int, str] = {}  # row index -> rendered text, for rows that are not pre-tokenized
+        for where, default_id, row in read_rows(source):
+            prompt = get_dotted(row, prompt_key)
+            if prompt is _MISSING and "prompt_ids" in row:
+                ids.append(self._check_ids(where, row["prompt_ids"], vocab_size))
+            elif prompt is _MISSING:
+                raise InputError(f"{where}: no field {prompt_key!r} (data.prompt_key) and no 'prompt_ids'; "
+                                 f"fields: {sorted(row)[:12]}")
+            elif isinstance(prompt, (str, list)):
+                texts[len(ids)] = tokenizer.render(prompt, where)
+                ids.append(None)
+            else:
+                raise InputError(f"{where}: field {prompt_key!r} must be a string or a list of chat messages, "
+                                 f"got {type(prompt).__name__}")
+            answer = None
+            if answer_key:
+                answer = get_dotted(row, answer_key)
+                if answer is _MISSING:
+                    raise InputError(f"{where}: no field {answer_key!r} (data.answer_key) holding the ground truth; "
+                                     f"set data.answer_key to the right field, or to '' if rows have no answer")
+            pid = str(row["id"]) if row.get("id") is not None else default_id
+            if pid in seen:
+                raise InputError(f"{where}: duplicate id {pid!r} (first at {seen[pid]}); prompt ids must be unique")
+            seen[pid] = where
+            top = prompt_key.split(".")[0] if prompt_key not in row else prompt_key
+            rests.append({k: v for k, v in row.items() if k not in (top, "prompt_ids")})
+            wheres.append(where)
+            pids.append(pid)
+            answers.append(answer)
+        if not ids:
+            raise InputError(f"data source {source} is empty: it has no rows")
+        order = sorted(texts)
+        for i, enc in zip(order, tokenizer.encode_rendered([texts[i] for i in order])):
+            ids[i] = enc
+        prompts: list[Prompt] = []
+        longest = 0
+        for where, pid, p_ids, answer, rest in zip(wheres, pids, ids, answers, rests):
+            if max_len is not None and len(p_ids) > max_len:
+                if on_overlong == "error":
+                    raise InputError(f"{where}: prompt has {len(p_ids)} tokens, longer than data.max_prompt_len="
+                                     f"{max_len}; raise it or set data.on_overlong=filter")
+                self.n_filtered += 1
+                longest = max(longest, len(p_ids))
+                continue
+            prompts.append(Prompt(pid, p_ids, answer, rest))
+        if not prompts:
+            raise InputError(f"every prompt of {source} ({len(ids)}) is longer than data.max_prompt_len={max_len} "
+                             f"tokens (the longest has {longest}); raise data.max_prompt_len")
+        if self.n_filtered:
+            log.warning("%s: %d of %d prompts are longer than data.max_prompt_len=%d tokens and were filtered out "
+                        "(the longest has %d)", source, self.n_filtered, len(ids), max_len, longest)
+        return prompts
+
+    @staticmethod
+    def _check_ids(where: str, prompt_ids: Any, vocab_size: int | None) -> list[int]:
         if not isinstance(prompt_ids, list) or not prompt_ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise InputError(f"{where}: 'prompt_ids' must be a non-empty list of token ids, got {prompt_ids!r:.80}")
-        if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:
-            raise InputError(f"{where}: prompt has {len(prompt_ids)} tokens, longer than "
-                             f"max_prompt_len={self.max_prompt_len}")
-        if self.vocab_size is not None:
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if vocab_size is not None:
+            bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
             if bad:
-                raise InputError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if meta is None:
-            meta = {}
-        if not isinstance(meta, dict):
-            raise InputError(f"{where}: 'meta' must be an object, got {type(meta).__name__}")
-        return prompt_ids, meta
-
-    @staticmethod
-    def _claim_id(seen: dict[str, str], where: str, pid: str) -> None:
-        if pid in seen:
-            raise InputError(f"{where}: duplicate id {pid!r} (first at {seen[pid]}); prompt ids must be unique")
-        seen[pid] = where
-
-    def _load_jsonl(self, path: Path) -> list[Prompt]:
-        if not path.is_file():
-            raise InputError(f"prompt file {path} does not exist (and {path.name!r} is not a built-in task: "
-                             f"{sorted(TASKS)}; use 'hf:NAME' for a Hugging Face dataset)")
-        prompts: list[Prompt] = []
-        seen: dict[str, str] = {}
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(rec, dict) or "prompt_ids" not in rec:
-                    raise InputError(f"{where}: expected an object with 'prompt_ids' (and optional 'meta', 'id')")
-                prompt_ids, meta = self._check(where, rec["prompt_ids"], rec.get("meta"))
-                pid = str(rec["id"]) if rec.get("id") is not None else f"{path.name}:{lineno}"
-                self._claim_id(seen, where, pid)
-                prompts.append(Prompt(pid, prompt_ids, meta))
-        if not prompts:
-            raise InputError(f"prompt file {path} has no prompts")
-        return prompts
-
-    def _load_hf(self, spec: str) -> list[Prompt]:
-        try:
-            import datasets
-        except ImportError:
-            raise ConfigError(f"source 'hf:{spec}' needs the Hugging Face `datasets` package: "
-                              f"pip install datasets") from None
-        name, _, split = spec.partition(":")
-        split = split or "train"
-        try:
-            rows = datasets.load_dataset(name, split=split)
-        except Exception as e:  # network, missing dataset or split: all fatal before the run
-            raise InputError(f"cannot load Hugging Face dataset {name!r} split {split!r}: {e}") from e
-        prompts: list[Prompt] = []
-        seen: dict[str, str] = {}
-        for row_no, row in enumerate(rows):
-            where = f"hf:{name}:{split} row {row_no}"
-            if "prompt_ids" not in row:
-                raise InputError(f"{where}: no 'prompt_ids' column; hf datasets must be pre-tokenized")
-            prompt_ids, meta = self._check(where, list(row["prompt_ids"]), row.get("meta"))
-            pid = str(row["id"]) if row.get("id") is not None else f"{name}:{split}:{row_no}"
-            self._claim_id(seen, where, pid)
-            prompts.append(Prompt(pid, prompt_ids, meta))
-        if not prompts:
-            raise InputError(f"Hugging Face dataset {name!r} split {split!r} has no rows")
-        return prompts
+                raise InputError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        return list(prompt_ids)
 
     # -- streaming -----------------------------------------------------------------
     @property
-    def size(self) -> int | None:
-        """Prompts per epoch; None for an infinite task generator."""
-        return None if self._prompts is None else len(self._prompts)
+    def size(self) -> int:
+        """Prompts per epoch."""
+        return len(self._prompts)
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def prompts(self) -> list[Prompt]:
+        """All prompts in file order (evaluation goes over each of them)."""
+        return [copy.deepcopy(p) for p in self._prompts]
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        if self._prompts is None:
-            return []
         order = list(range(len(self._prompts)))
         if self.shuffle:
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
@@ -167,19 +259,14 @@ class PromptDataset:
         return self
 
     def __next__(self) -> Prompt:
-        if self._prompts is None:
-            i = self._index
-            self._index += 1
-            prompt_ids, meta = self._task.make_prompt(self._task.prompt_rng(self.seed, i))
-            return Prompt(f"{self.source}/{self.seed}/{i}", prompt_ids, meta)
         if self._index >= len(self._order):
             self._epoch += 1
             self._index = 0
             self._order = self._epoch_order(self._epoch)
         p = self._prompts[self._order[self._index]]
         self._index += 1
-        # a copy, so a workflow that edits meta does not change the next epoch's prompt
-        return Prompt(p.prompt_id, list(p.prompt_ids), copy.deepcopy(p.meta))
+        # a copy, so a workflow that edits the row does not change the next epoch's prompt
+        return copy.deepcopy(p)
 
     # -- resume --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -23,3 +23,7 @@ class EngineError(MegarlError):
 
 class TrainingError(MegarlError):
     """Training cannot go on (e.g. too many consecutive steps with a non-finite loss or gradient norm)."""
+
+
+class RewardError(TrainingError):
+    """Too many reward calls fail: the reward function or the data is broken (the error shows one failure)."""

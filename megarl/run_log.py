@@ -1,4 +1,9 @@
-"""Per-step run outputs: metrics.jsonl, TensorBoard events, a live progress line, and id journals.
+"""Per-step run outputs: metrics.jsonl, TensorBoard events, optional Weights & Biases, a live progress line, journals.
+
+Evaluation results (megarl/evaluation.py) go to metrics.jsonl as lines of
+their own (``step`` plus ``eval/...`` keys) and to TensorBoard and W&B under
+``eval/``. ``samples.jsonl`` holds decoded trajectories per step
+(``logging.log_samples``).
 
 Journals (``write(name, record)``, one JSON line each, flushed): ``accepted.jsonl``
 (per accepted group: ``step``, ``accepted_total`` after it, ``group_id``,
@@ -28,7 +33,7 @@ class RunLogger:
     """Writes one JSON line per step and mirrors scalars to TensorBoard."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True,
-                 progress: str = "rich") -> None:
+                 progress: str = "rich", wandb: dict[str, Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -39,6 +44,9 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if wandb is not None:
+            self._wandb = start_wandb(self.run_dir, **wandb)
         self._bar = None
         if progress == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -53,14 +61,8 @@ class RunLogger:
             self._bar = tqdm(total=total_steps, desc="train")
 
     def log(self, record: dict[str, Any]) -> None:
-        record = _jsonable(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        record = self._write_scalars(record)
         step = int(record.get("step", 0))
-        if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, step)
         info = (f"v{record.get('version')} reward {record.get('reward_mean', 0):.3f} "
                 f"stale max {record.get('staleness_max')} spliced {record.get('n_spliced')}")
         if self._bar is not None and hasattr(self._bar, "update") and hasattr(self, "_task"):
@@ -69,12 +71,29 @@ class RunLogger:
             self._bar.update(1)
             self._bar.set_postfix_str(info)
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation result: its own metrics.jsonl line, TensorBoard/W&B scalars; the progress bar stays."""
+        self._write_scalars(record)
+
+    def _write_scalars(self, record: dict[str, Any]) -> dict[str, Any]:
+        record = _jsonable(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = int(record.get("step", 0))
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        return record
+
     def write(self, name: str, record: dict[str, Any]) -> None:
         """Append ``record`` to ``RUN_DIR/{name}.jsonl``."""
         f = self._journals.get(name)
         if f is None:
             f = self._journals[name] = (self.run_dir / f"{name}.jsonl").open("a")
-        f.write(json.dumps(_jsonable(record)) + "\n")
+        f.write(json.dumps(_jsonable(record), default=str) + "\n")
         f.flush()
 
     def close(self) -> None:
@@ -84,4 +103,23 @@ class RunLogger:
             (self._bar.stop if hasattr(self._bar, "stop") else self._bar.close)()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         self._file.close()
+
+
+def start_wandb(run_dir: Path, project: str, config: dict[str, Any], name: str | None = None):
+    """A W&B run in ``run_dir/wandb``: online with WANDB_API_KEY set, offline otherwise (sync it later with
+    ``wandb sync``). W&B is optional: without the package, logging.wandb=true is refused before the run."""
+    import os
+
+    try:
+        import wandb
+    except ImportError:
+        from megarl.errors import ConfigError
+
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb "
+                          "(or set logging.wandb=false)") from None
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return wandb.init(project=project, name=name or run_dir.name, dir=str(run_dir), config=config, mode=mode,
+                      reinit="finish_previous")

@@ -9,21 +9,29 @@ run's logs are rewound to the checkpoint before new lines are appended.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as _dt
+import importlib.util
 import json
 import logging
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.advantages import advantage_fn
 from megarl.config import MegaRLConfig, load_config, save_config
+from megarl.config.loader import to_dict
+from megarl.data import PromptDataset
+from megarl.evaluation import Evaluator
 from megarl.errors import ConfigError, MegarlError
 from megarl.launch.serve import serve_role
 from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
+from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rollout.client import connect_engine
+from megarl.tokenizer import RunTokenizer
 
 log = logging.getLogger("megarl.train")
 
@@ -63,6 +71,10 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
     if cfg.rollout.eta < 0:
         raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
+    if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
+        raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb (or set logging.wandb=false)")
     max_len = int(hf.get("max_position_embeddings", 0))
     need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if max_len and need > max_len:
@@ -77,13 +89,13 @@ def refuse_unwired(cfg: MegaRLConfig) -> None:
                           "or placement.trainer_ranks=1")
 
 
-def _workflow(cfg: MegaRLConfig):
+def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
     from megarl.workflows import build_workflow
 
     if cfg.rollout.workflow == "multi_turn":
-        return build_workflow("multi_turn", cfg, env=cfg.rollout.tool_env, max_turns=cfg.rollout.max_turns,
-                              max_response_len=cfg.rollout.max_new_tokens)
-    return build_workflow("single_turn", cfg)
+        return build_workflow("multi_turn", cfg, tokenizer, env=cfg.rollout.tool_env,
+                              max_turns=cfg.rollout.max_turns, max_response_len=cfg.rollout.max_new_tokens)
+    return build_workflow("single_turn", cfg, tokenizer)
 
 
 def build_trainer(cfg: MegaRLConfig, ckpt: Path):
@@ -145,7 +157,37 @@ def _prepare_resume(run_dir: Path, step_dir: Path, state: dict) -> tuple[int, tu
     return attempt, (str(weights), version)
 
 
-async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wrap_strategy=None,
+@dataclass
+class RunInputs:
+    """What a run reads before it starts: the tokenizer and the prompts (checked before anything is written)."""
+
+    tokenizer: RunTokenizer
+    dataset: PromptDataset
+    eval_dataset: PromptDataset | None
+
+
+def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
+    """The run's tokenizer, training prompts and evaluation prompts; bad input fails here, naming the fix."""
+    tokenizer = RunTokenizer.load(cfg.model, cfg.rollout, cfg.data, vocab_size=vocab_size)
+    dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size)
+    eval_dataset = None
+    if cfg.eval.path:
+        eval_dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size,
+                                                 path=cfg.eval.path, shuffle=False)
+    elif cfg.eval.every:
+        raise ConfigError(f"eval.every={cfg.eval.every} but eval.path is empty; set eval.path to a file of "
+                          f"evaluation rows (same format as data.path)")
+    return RunInputs(tokenizer, dataset, eval_dataset)
+
+
+def _eval_workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
+    """The run's workflow with the evaluation's temperature and response length."""
+    rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval.temperature,
+                                  max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+    return _workflow(dataclasses.replace(cfg, rollout=rollout), tokenizer)
+
+
+async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, inputs: RunInputs, wrap_strategy=None,
                        resume_from: Path | None = None) -> dict:
     from megarl.checkpoint import Checkpointer, load_file, load_rank_state, restore_rng, run_settings
     from megarl.controller import Controller
@@ -166,6 +208,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
         engine_weights = weights or engine_weights
     rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
                             memory_mb=cfg.reward.memory_mb, on_failure=cfg.reward.on_failure)
+    scorer = TrajectoryScorer(inputs.tokenizer, rewards)
     engine_starts: list[asyncio.Task] = []
     supervisor = None
     launches = [0] * cfg.rollout.n_engines
@@ -232,14 +275,21 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
             strategy = DrivingStrategy(strategy, channel)
         checkpointer = Checkpointer(run_dir, trainer, strategy, weights_dir, keep_last=cfg.logging.keep_last,
                                     run=run_settings(cfg, trainer.parallel.world_size, trainer.hf_config))
-        logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress)
+        wandb = ({"project": cfg.logging.wandb_project, "config": to_dict(cfg)} if cfg.logging.wandb else None)
+        logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
+                           wandb=wandb)
+        evaluator = None
+        if inputs.eval_dataset is not None:
+            evaluator = Evaluator(inputs.eval_dataset.prompts(), _eval_workflow(cfg, inputs.tokenizer), scorer,
+                                  n_samples=cfg.eval.n_samples, pass_threshold=cfg.eval.pass_threshold)
         # built before any resume loads a checkpoint: the KL reference is the run's initial weights
         objective = loss_fn_factory_for_run(cfg, getattr(trainer, "trainer", trainer))
-        controller = Controller(cfg, trainer=trainer, router=router, rewards=rewards, dataset=dataset,
-                                workflow=_workflow(cfg), strategy=strategy,
+        controller = Controller(cfg, trainer=trainer, router=router, rewards=scorer, dataset=inputs.dataset,
+                                workflow=_workflow(cfg, inputs.tokenizer), strategy=strategy,
                                 publisher=publisher, loss_fn_factory=objective,
                                 advantages=advantage_fn(cfg.advantage), on_step=logger.log,
-                                checkpointer=checkpointer, journal=logger)
+                                checkpointer=checkpointer, journal=logger, evaluator=evaluator,
+                                on_eval=logger.log_eval, tokenizer=inputs.tokenizer)
         controller_ref["c"] = controller
         try:
             if state is not None:
@@ -255,6 +305,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
                          controller.step, trainer.version, controller.version, time.perf_counter() - t0)
             await controller.train(cfg.trainer.total_steps)
             trainer.save_hf_checkpoint(str(run_dir / "final"))
+            inputs.tokenizer.save(run_dir / "final")  # so final/ serves and loads with AutoTokenizer as is
         finally:
             logger.close()
             strategy.close()
@@ -282,8 +333,7 @@ def train(cfg: MegaRLConfig, wrap_strategy=None, resume: str | Path | None = Non
     Every input is checked before the run directory is made (or, resuming,
     before anything in it changes), so bad input leaves nothing half-written behind.
     """
-    from megarl.data import PromptDataset
-    from megarl.rewards.service import resolve_reward_fn
+    from megarl.rewards import resolve_reward_fn, reward_kwargs
 
     from megarl.launch.roles import current_role
 
@@ -310,8 +360,8 @@ def train(cfg: MegaRLConfig, wrap_strategy=None, resume: str | Path | None = Non
                 from megarl.checkpoint import check_run_settings, read_manifest
 
                 check_run_settings(cfg, read_manifest(resume_from), resume_from, world, hf)
-            resolve_reward_fn(cfg.reward.fn)
-            dataset = PromptDataset.from_config(cfg.data, seed=cfg.trainer.seed, vocab_size=int(hf["vocab_size"]))
+            reward_kwargs(resolve_reward_fn(cfg.reward.fn), cfg.reward.fn)
+            inputs = load_inputs(cfg, int(hf["vocab_size"]))
             if resume_from is not None:
                 run_dir = Path(resume)
             else:
@@ -328,7 +378,7 @@ def train(cfg: MegaRLConfig, wrap_strategy=None, resume: str | Path | None = Non
             raise MegarlError(f"rank 0 refused the run: {status[1]}")
         _follow(cfg, Path(cfg.model.checkpoint), Path(status[1]))
         return Path(status[1])
-    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, dataset, wrap_strategy, resume_from))
+    summary = asyncio.run(_train_async(cfg, run_dir, ckpt, inputs, wrap_strategy, resume_from))
     (run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return run_dir
 

@@ -179,6 +179,29 @@ class Trajectory:
 
 
 @dataclass
+class RewardInput:
+    """What a reward function sees of one finished trajectory (megarl/rewards/__init__.py)."""
+
+    #: the decoded response, special tokens (EOS, template markers) skipped
+    response: str
+    #: the row's ground truth (``data.answer_key``)
+    answer: Any = None
+    #: the decoded prompt, as the model saw it
+    prompt: str = ""
+    #: every other field of the data row
+    row: dict[str, Any] = field(default_factory=dict)
+    #: "stop" (ended on a stop token) or "length" (ran out of tokens)
+    finish_reason: str | None = None
+    response_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def info(self) -> dict[str, Any]:
+        """The keyword arguments a reward function may take."""
+        return {"prompt": self.prompt, "row": self.row, "finish_reason": self.finish_reason,
+                "response_ids": list(self.response_ids), "prompt_ids": list(self.prompt_ids)}
+
+
+@dataclass
 class AnchorResult:
     """What a recovery strategy hands the loss for one batch.
 

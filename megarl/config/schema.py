@@ -22,6 +22,8 @@ class ModelConfig:
     """YAML of HF config.json fields; when set and `checkpoint` does not exist yet, a random-initialized checkpoint is written there first (tiny CPU runs)."""
     init_seed: int = 0
     """Seed of the random initialization used with `init_model`."""
+    tokenizer: str = ""
+    """HF tokenizer directory (or hub name) of the run; empty = `checkpoint`. One tokenizer serves data, stopping, rewards, samples and evaluation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of trainer and engines (float32 on CPU for exact log-prob parity)."""
 
@@ -106,6 +108,10 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 20
     """Maximum generated tokens per trajectory (policy tokens, over all turns)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response, on top of the tokenizer's EOS and every `eos_token_id` of the checkpoint's generation_config.json (the stop token is kept and trained on)."""
+    filter_groups: bool = False
+    """Drop groups whose rewards are all equal (zero advantage, no learning signal), count them as n_filtered, and generate others in their place (DAPO's dynamic sampling)."""
     workflow: Literal["single_turn", "multi_turn"] = "single_turn"
     """How a trajectory is rolled out: one answer, or policy turns interleaved with tool output."""
     tool_env: str = "digit_count"
@@ -130,16 +136,42 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    """Where prompts come from."""
+    """Where prompts come from: rows of text problems with their answers (README, "Data")."""
 
-    task: str = "reverse_digits"
-    """Built-in prompt generator (used when `path` and `hf_dataset` are empty)."""
     path: str = ""
-    """JSONL file with {"prompt_ids": [...], "meta": {...}} per line."""
-    hf_dataset: str = ""
-    """HF `datasets` dataset name with a pre-tokenized `prompt_ids` column (needs `datasets`)."""
+    """Training rows: a .jsonl or .parquet file, or `hf:NAME[:SPLIT]` / `hf:NAME:CONFIG:SPLIT` (Hugging Face `datasets`)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt: a string, or a list of chat messages [{"role", "content"}]; dotted paths reach nested fields. Rows may instead hold pre-tokenized `prompt_ids`."""
+    answer_key: str = "answer"
+    """Field holding the ground truth the reward compares with (dotted paths reach nested fields, e.g. reward_model.ground_truth); empty = rows have no answer."""
+    apply_chat_template: bool | Literal["auto"] = "auto"
+    """Render prompts with the tokenizer's chat template (auto: when it has one); a string becomes one user message."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of apply_chat_template, e.g. {enable_thinking: false} for Qwen3."""
     max_prompt_len: int = 64
-    """Longest prompt accepted (tokens); longer ones are refused before the run."""
+    """Longest prompt in tokens, after the chat template; longer ones are handled by `on_overlong`."""
+    on_overlong: Literal["filter", "error"] = "filter"
+    """Prompts longer than max_prompt_len: filter them out before the run (counted, with a warning) or refuse the dataset."""
+    shuffle: bool = True
+    """Shuffle the rows each epoch (seeded by trainer.seed and the epoch)."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training: held-out prompts generated on the engines, scored by the reward, never trained on."""
+
+    path: str = ""
+    """Evaluation rows, same formats and keys as `data` (empty = no evaluation)."""
+    every: int = 0
+    """Evaluate every k optimizer steps (0 = only once, at the end; evaluation always runs at the end when `path` is set)."""
+    n_samples: int = 4
+    """k: samples per prompt; pass@1 and pass@k are estimated from them."""
+    temperature: float = 1.0
+    """Sampling temperature of evaluation."""
+    max_new_tokens: int = 0
+    """Longest evaluation response; 0 = rollout.max_new_tokens."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is at least this (1.0: an exact answer)."""
 
 
 @dataclass
@@ -156,6 +188,8 @@ class RewardConfig:
     """Extra memory (MB) one reward call may use on top of the idle worker; past it the call fails."""
     on_failure: Literal["zero", "drop"] = "zero"
     """A failed reward gives reward 0 (zero) or drops the sample (drop)."""
+    max_fail_frac: float = 0.5
+    """Stop the run when more than this fraction of one step's reward calls fail (the error shows one failing call); 1 = never."""
 
 
 @dataclass
@@ -197,6 +231,12 @@ class LoggingConfig:
     """Write TensorBoard event files."""
     progress: Literal["rich", "tqdm", "none"] = "rich"
     """Live progress display."""
+    log_samples: int = 4
+    """Trajectories per step written to RUN_DIR/samples.jsonl as decoded text (prompt, response, reward, answer, versions); 0 = none."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (needs `pip install wandb`; offline when WANDB_API_KEY is not set)."""
+    wandb_project: str = "megarl"
+    """Weights & Biases project name."""
     save_every: int = 0
     """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = only at the end); `megarl train --resume RUN_DIR` continues from the newest."""
     keep_last: int = 2
@@ -256,6 +296,8 @@ class MegaRLConfig:
     """Engines and staleness."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation during training."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward service."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

@@ -3,6 +3,9 @@
 No model hub is reachable on the machines megarl is developed on, so tiny
 models are made locally from a YAML file of HF ``config.json`` fields
 (``configs/models/tiny_qwen3.yaml``, ``configs/models/tiny_qwen3_moe.yaml``).
+A ``tokenizer:`` section in that YAML adds a real HF tokenizer with a chat
+template and a ``generation_config.json`` (megarl/models/tiny_tokenizer.py),
+so a tiny checkpoint is a complete HF model directory like a downloaded one.
 """
 from __future__ import annotations
 
@@ -36,17 +39,26 @@ def write_tiny_checkpoint(model_yaml: str | Path, output_dir: str | Path, seed: 
     import transformers
 
     fields = load_model_yaml(model_yaml)
+    tokenizer_section = fields.pop("tokenizer", None)
     arch = fields["architectures"][0]
     config_cls = transformers.Qwen3Config if arch == "Qwen3ForCausalLM" else transformers.Qwen3MoeConfig
     model_cls = getattr(transformers, arch)
     cfg_fields = {k: v for k, v in fields.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    out = Path(output_dir)
+    tokenizer = None
+    if tokenizer_section is not None:  # the tokenizer decides the special ids config.json names
+        from megarl.models.tiny_tokenizer import TinyTokenizer
+
+        tokenizer = TinyTokenizer(tokenizer_section, cfg_fields, where=str(model_yaml))
+        cfg_fields.update(tokenizer.config_ids())
     config = config_cls(**cfg_fields)
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
-    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:  # after the model: save_pretrained may write a generation_config.json of its own
+        tokenizer.save(out)
     # record where it came from, for humans
     (out / "megarl_init.json").write_text(json.dumps({"model_yaml": str(model_yaml), "seed": seed}) + "\n")
     return out

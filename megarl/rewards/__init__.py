@@ -1,15 +1,20 @@
 """Verifiable rewards, addressed by name, scored off the critical path.
 
-A reward function is ``fn(response_ids: list[int], meta: dict) -> float``.
+A reward function reads text::
+
+    def my_reward(response: str, answer, **info) -> float
+
+``response`` is the decoded response (special tokens such as EOS skipped),
+``answer`` the row's ground truth (``data.answer_key``). ``info`` holds
+``prompt`` (the decoded prompt, as the model saw it), ``row`` (every other
+field of the data row), ``finish_reason`` (``"stop"`` when the response ended
+on a stop token, ``"length"`` when it ran out of tokens), ``response_ids``
+and ``prompt_ids``. A function receives only the ``info`` keys it names,
+or all of them when it takes ``**info``.
+
 It is named by a built-in name (:data:`BUILTIN_REWARDS`) or a dotted path
 ``"pkg.mod:func"`` / ``"pkg.mod.func"``; :func:`resolve_reward_fn` imports it
-and is called at startup, so a typo fails before the run, not at step 1.
-
-Text-based rewards (``math``, ``code``) read the decoded response from
-``meta["response_text"]``: tiny models have no tokenizer, so decoding is not
-the reward's job. Either the workflow puts the text there, or
-``RewardService(detokenize="pkg.mod:decode")`` names a ``decode(ids) -> str``
-that the reward workers apply when the key is missing.
+and checks its signature at startup, so a typo fails before the run, not at step 1.
 
 :class:`RewardService` (in ``service.py``) runs the chosen function in a pool
 of worker processes with time and memory limits.
@@ -17,11 +22,15 @@ of worker processes with time and memory limits.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable
 
 from megarl.errors import ConfigError
 
-RewardFn = Callable[[list[int], dict[str, Any]], float]
+RewardFn = Callable[..., float]
+
+#: what ``info`` holds (module docstring)
+REWARD_INFO_KEYS = ("prompt", "row", "finish_reason", "response_ids", "prompt_ids")
 
 # built-in name -> dotted path; the workers resolve the same path.
 BUILTIN_REWARDS: dict[str, str] = {
@@ -67,13 +76,23 @@ def resolve_reward_fn(name: str) -> Callable[..., Any]:
     return obj
 
 
-def response_text(meta: dict[str, Any]) -> str:
-    """The decoded response of a text reward; the error says how to provide it."""
-    text = meta.get("response_text")
-    if not isinstance(text, str):
-        raise ValueError("this reward needs the decoded response in meta['response_text']: put it there "
-                         "in the workflow, or start RewardService(detokenize='pkg.mod:decode')")
-    return text
+def reward_kwargs(fn: Callable[..., Any], name: str) -> tuple[str, ...] | None:
+    """The ``info`` keys ``fn`` takes (None: all of them, through ``**info``); ConfigError for a bad signature."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
+        return ()
+    params = list(sig.parameters.values())
+    takes = None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else tuple(
+        p.name for p in params[2:]
+        if p.name in REWARD_INFO_KEYS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    try:
+        sig.bind("response", "answer", **{k: None for k in (REWARD_INFO_KEYS if takes is None else takes)})
+    except TypeError:
+        raise ConfigError(f"reward function {name!r} has signature {sig}; it must take (response: str, answer, "
+                          f"**info) -> float, where info keys are {list(REWARD_INFO_KEYS)} "
+                          f"(megarl.rewards docstring)") from None
+    return takes
 
 
 def __getattr__(name: str) -> Any:

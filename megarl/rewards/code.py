@@ -1,11 +1,12 @@
 """Code reward: run the response's Python code against unit tests in a sandbox.
 
-``meta["response_text"]`` holds the answer (the last fenced code block if
-there is one, else the whole text); ``meta["tests"]`` is a list of Python
-snippets such as ``"assert add(1, 2) == 3"``. Reward = fraction of tests that
-run without raising. Optional ``meta["time_limit_s"]`` (default 2.0, wall
-clock for the solution plus all tests; keep it under the service's
-``timeout_s``) and ``meta["memory_mb"]`` (default 512).
+The solution is the response's last fenced code block if there is one, else
+the whole response. The tests are a list of Python snippets such as
+``"assert add(1, 2) == 3"``: the ground truth itself (``data.answer_key``) or
+the row's ``tests`` field. Reward = fraction of tests that run without
+raising. Optional row fields ``time_limit_s`` (default 2.0, wall clock for the
+solution plus all tests; keep it under the service's ``timeout_s``) and
+``memory_mb`` (default 512).
 
 The sandbox is one subprocess (``python -I``) with:
 - a fresh temporary directory as cwd and HOME, an environment with no
@@ -39,8 +40,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
-
-from megarl.rewards import response_text
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +154,13 @@ def run_sandboxed(code: str, tests: list[str], time_limit_s: float = DEFAULT_TIM
                          returncode=proc.returncode, stderr_tail=stderr_tail)
 
 
-def code_reward(response_ids: list[int], meta: dict[str, Any]) -> float:
-    tests = meta.get("tests")
+def code_reward(response: str, answer: Any, *, row: dict[str, Any] | None = None, **_: Any) -> float:
+    row = row or {}
+    tests = answer if isinstance(answer, list) else row.get("tests")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-        raise ValueError("code reward needs meta['tests']: a non-empty list of Python test snippets")
-    result = run_sandboxed(extract_code(response_text(meta)), tests,
-                           time_limit_s=float(meta.get("time_limit_s", DEFAULT_TIME_LIMIT_S)),
-                           memory_mb=int(meta.get("memory_mb", DEFAULT_MEMORY_MB)))
+        raise ValueError("code reward needs tests: a non-empty list of Python test snippets as the ground truth "
+                         "(data.answer_key) or in the row's 'tests' field")
+    result = run_sandboxed(extract_code(response), tests,
+                           time_limit_s=float(row.get("time_limit_s", DEFAULT_TIME_LIMIT_S)),
+                           memory_mb=int(row.get("memory_mb", DEFAULT_MEMORY_MB)))
     return result.n_passed / result.n_tests

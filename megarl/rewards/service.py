@@ -35,7 +35,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from megarl.errors import ConfigError
-from megarl.rewards import resolve_reward_fn
+from megarl.rewards import resolve_reward_fn, reward_kwargs
+from megarl.types import RewardInput
 
 logger = logging.getLogger(__name__)
 
@@ -88,23 +89,21 @@ class _Worker:
 
 
 class RewardService:
-    """A pool of reward worker processes behind ``async score(response_ids, meta)``."""
+    """A pool of reward worker processes behind ``async score(RewardInput)``."""
 
     def __init__(self, fn: str, n_workers: int = 2, timeout_s: float = 5.0, memory_mb: int | None = 512,
-                 on_failure: str = "zero", detokenize: str | None = None) -> None:
+                 on_failure: str = "zero") -> None:
         if on_failure not in ON_FAILURE:
             raise ConfigError(f"on_failure={on_failure!r}; choose one of {list(ON_FAILURE)}")
         if n_workers < 1 or timeout_s <= 0 or (memory_mb is not None and memory_mb <= 0):
             raise ConfigError(f"RewardService needs n_workers >= 1, timeout_s > 0, memory_mb > 0 or None; "
                               f"got {n_workers}, {timeout_s}, {memory_mb}")
-        # import here, before any worker starts: a bad path is a ConfigError before the run
-        resolve_reward_fn(fn)
-        if detokenize:
-            resolve_reward_fn(detokenize)
+        # import and check here, before any worker starts: a bad path or signature is a ConfigError before the run
+        reward_kwargs(resolve_reward_fn(fn), fn)
         self.fn, self.timeout_s, self.memory_mb, self.on_failure = fn, timeout_s, memory_mb, on_failure
         self.stats = {"n_ok": 0, "n_failed_raise": 0, "n_failed_timeout": 0, "n_failed_memory": 0,
                       "n_failed_crash": 0}
-        self._config = (fn, detokenize, memory_mb, list(sys.path))
+        self._config = (fn, memory_mb, list(sys.path))
         self._idle = [_Worker(self._config) for _ in range(n_workers)]
         self._busy: set[_Worker] = set()
         self._n_workers = n_workers
@@ -112,7 +111,7 @@ class RewardService:
         self._closed = False
 
     # -- public --------------------------------------------------------------------
-    async def score(self, response_ids: list[int], meta: dict[str, Any]) -> RewardOutcome:
+    async def score(self, sample: RewardInput) -> RewardOutcome:
         """The reward of one response; never raises for a failing reward function."""
         if self._closed:
             raise RuntimeError("RewardService is closed")
@@ -121,7 +120,7 @@ class RewardService:
             self._busy.add(worker)
             returned: _Worker | None = None
             try:
-                kind, value, returned = await self._call(worker, list(response_ids), meta)
+                kind, value, returned = await self._call(worker, (sample.response, sample.answer, sample.info()))
             except BaseException:  # cancelled mid-call: the worker's state is unknown
                 worker.kill()
                 returned = None if self._closed else _Worker(self._config)
@@ -174,7 +173,7 @@ class RewardService:
         worker.kill()
         return _Worker(self._config)
 
-    async def _call(self, worker: _Worker, response_ids: list[int], meta: dict[str, Any]) -> tuple[str, str | float, _Worker]:
+    async def _call(self, worker: _Worker, request: tuple) -> tuple[str, str | float, _Worker]:
         """Run one request: ``(kind, reward or reason, the worker to put back)``."""
         if not worker.ready:
             try:
@@ -185,7 +184,7 @@ class RewardService:
                 return "crash", f"reward worker failed to start: {msg}", self._replace(worker)
             worker.ready = True
         try:
-            worker.conn.send((response_ids, meta))
+            worker.conn.send(request)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             return "raise", f"cannot send the sample to the worker: {type(e).__name__}: {e}", worker
         except OSError as e:

@@ -7,9 +7,9 @@ talks to the service over a socket wrapped in a
 unguarded script runs again; torch and Megatron would load into each worker
 and into its memory budget).
 
-Protocol. Parent -> worker first: ``(fn_name, detokenize, memory_mb, sys_path)``.
+Protocol. Parent -> worker first: ``(fn_name, memory_mb, sys_path)``.
 Worker -> parent: ``("ready", None)`` or ``("setup_error", msg)``. Then per
-request ``(response_ids, meta)`` it answers ``("ok", reward)``,
+request ``(response, answer, info)`` (megarl.types.RewardInput) it answers ``("ok", reward)``,
 ``("raise", msg)`` or ``("memory", msg)``; ``None`` asks it to exit. Hangs and
 crashes are the parent's to detect (timeout, EOF).
 """
@@ -52,16 +52,16 @@ def main(fd: int) -> None:
     _die_with_parent()
     conn = Connection(fd)
     try:
-        fn_name, detokenize, memory_mb, sys_path = conn.recv()
+        fn_name, memory_mb, sys_path = conn.recv()
     except (EOFError, OSError):
         return
     # the parent's path, so a user reward in a directory it added (tests, scripts) imports here too
     sys.path[:] = sys_path
     try:
-        from megarl.rewards import resolve_reward_fn
+        from megarl.rewards import resolve_reward_fn, reward_kwargs
 
         fn = resolve_reward_fn(fn_name)
-        decode = resolve_reward_fn(detokenize) if detokenize else None
+        takes = reward_kwargs(fn, fn_name)  # None: every info key
         if memory_mb is not None:
             # The budget is on top of the idle worker (interpreter and the
             # reward's own imports, e.g. sympy), so memory_mb is what one call
@@ -83,11 +83,10 @@ def main(fd: int) -> None:
             return
         if request is None:
             return
-        response_ids, meta = request
+        response, answer, info = request
         try:
-            if decode is not None and "response_text" not in meta:
-                meta = {**meta, "response_text": decode(response_ids)}
-            reward = float(fn(response_ids, meta))
+            kwargs = info if takes is None else {k: info[k] for k in takes}
+            reward = float(fn(response, answer, **kwargs))
             if not math.isfinite(reward):
                 raise ValueError(f"reward function returned {reward}")
             reply = ("ok", reward)

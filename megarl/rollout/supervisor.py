@@ -167,10 +167,10 @@ class EngineSupervisor:
         if slot.proc is not None and slot.proc.poll() is not None:
             return True
         try:
-            await asyncio.wait_for(slot.client.health(), self.health_timeout_s)
-            return False
+            health = await asyncio.wait_for(slot.client.health(), self.health_timeout_s)
         except (EngineError, asyncio.TimeoutError):
             return True
+        return not health.get("ok", True)  # the server answers but its engine core is dead
 
     # -- failure and restart -------------------------------------------------------------
     def _fail(self, slot: _Slot, incarnation: int, reason: str) -> None:
@@ -244,11 +244,15 @@ class EngineSupervisor:
             self._fail(slot, incarnation, f"process {slot.proc.pid} exited with code {slot.proc.returncode}")
             return
         try:
-            await asyncio.wait_for(slot.client.health(), self.health_timeout_s)
+            health = await asyncio.wait_for(slot.client.health(), self.health_timeout_s)
         except asyncio.TimeoutError:
             self._fail(slot, incarnation, f"no /health answer within {self.health_timeout_s:.0f} s")
+            return
         except EngineError as e:
             self._fail(slot, incarnation, f"/health failed ({e})")
+            return
+        if not health.get("ok", True):  # e.g. vLLM's engine core died behind a live HTTP server
+            self._fail(slot, incarnation, f"/health reports the engine is not ok: {health}")
 
     def stats(self) -> dict[str, int]:
         """Per-run totals for the step record."""

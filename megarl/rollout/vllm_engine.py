@@ -37,6 +37,8 @@ from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_spec
                                         tied_optional_names)
 from megarl.types import GenerateRequest, GenerateResult
 
+#: tokens one scheduler step may process on a CPU engine (vLLM's default budget)
+_CPU_STEP_TOKENS = 2048
 _WORKER_EXT = "megarl.rollout.vllm_worker_ext.MegarlWorkerExtension"
 
 
@@ -119,6 +121,12 @@ class VLLMEngine:
                       generation_config="vllm", worker_extension_cls=_WORKER_EXT,
                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
                       disable_log_stats=True)
+        if on_cpu:
+            # vLLM's CPU worker cannot rewind a CPU generator: a seeded request whose prefill is split over
+            # two scheduler steps kills the engine ("CPU Generator does not use offset"). Without chunked
+            # prefill a prompt is scheduled whole (the step budget must then hold the longest one)
+            kwargs.update(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(kwargs["max_model_len"], _CPU_STEP_TOKENS))
         if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
         if max_num_seqs is not None:

@@ -1,25 +1,34 @@
-"""Built-in synthetic tasks: prompt generators with a verifiable reward.
+"""Generators of the text datasets the CPU demo and tests use, and their rewards.
 
-A task module exposes ``make_prompt(rng) -> (prompt_ids, meta)``,
-``reward(response_ids, meta) -> float``, ``MAX_PROMPT_LEN`` (the longest
-prompt it can generate, so a dataset can check ``max_prompt_len`` before the
-run) and ``STOP_TOKEN_IDS`` (the tokens that end an answer).
+Each task module writes JSONL rows ``{"id", "prompt", "answer"}`` (the same
+format users bring, see megarl/data.py) and defines a reward on decoded text
+(megarl/rewards/__init__.py) or uses a built-in one; the files under
+``configs/data/`` were written by ``python -m megarl.tasks.<task> OUT.jsonl --n N --seed S``.
 """
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Callable
 
-from megarl.errors import ConfigError
-
-# task name -> module; modules are imported on first use.
-TASKS: dict[str, str] = {
-    "reverse_digits": "megarl.tasks.reverse_digits",
-}
+MakeRow = Callable[[random.Random], dict]
 
 
-def get_task(name: str) -> ModuleType:
-    """The module of built-in task ``name``."""
-    if name not in TASKS:
-        raise ConfigError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}")
-    return importlib.import_module(TASKS[name])
+def write_rows(path: str | Path, n: int, seed: int, task: str, make_row: MakeRow) -> None:
+    """Write ``n`` rows ``{"id", **make_row(rng)}``; row i depends only on (task, seed, i)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            row = make_row(random.Random(f"{task}/{seed}/{i}"))
+            f.write(json.dumps({"id": f"{task}/{seed}/{i}", **row}) + "\n")
+
+
+def main(task: str, make_row: MakeRow, description: str, argv: list[str] | None = None) -> None:
+    """``python -m megarl.tasks.<task> OUT.jsonl --n N [--seed S]``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("output")
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    write_rows(args.output, args.n, args.seed, task, make_row)

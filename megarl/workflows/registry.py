@@ -5,50 +5,47 @@ import inspect
 from typing import Any, Callable
 
 from megarl.errors import ConfigError
-from megarl.tasks import TASKS, get_task
 from megarl.types import SamplingParams
 from megarl.workflows.base import ToolEnv, Workflow
 from megarl.workflows.multi_turn import MultiTurnWorkflow
 from megarl.workflows.single_turn import SingleTurnWorkflow
 from megarl.workflows.tool_env import DigitCountEnv
 
-TOOL_ENVS: dict[str, Callable[[], ToolEnv]] = {"digit_count": DigitCountEnv}
+#: tool environments by name; each is built with the run's tokenizer (megarl/tokenizer.py)
+TOOL_ENVS: dict[str, Callable[[Any], ToolEnv]] = {"digit_count": DigitCountEnv}
 
 
-def sampling_from_config(cfg: Any) -> SamplingParams:
-    """Sampling settings of ``cfg.rollout``; a built-in task adds its stop tokens (e.g. EOS)."""
+def sampling_from_config(cfg: Any, stop_token_ids: list[int]) -> SamplingParams:
+    """Sampling settings of ``cfg.rollout``, stopping at ``stop_token_ids`` (the run tokenizer's stop ids)."""
     ro = cfg.rollout
-    data = cfg.data
-    stop: list[int] = []
-    if not data.path and not data.hf_dataset and data.task in TASKS:
-        stop = list(getattr(get_task(data.task), "STOP_TOKEN_IDS", ()))
     return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                          max_new_tokens=ro.max_new_tokens, stop_token_ids=stop)
+                          max_new_tokens=ro.max_new_tokens, stop_token_ids=list(stop_token_ids))
 
 
-def _single_turn(cfg: Any) -> Workflow:
-    return SingleTurnWorkflow(sampling_from_config(cfg))
+def _single_turn(cfg: Any, tokenizer: Any) -> Workflow:
+    return SingleTurnWorkflow(sampling_from_config(cfg, tokenizer.stop_token_ids))
 
 
-def _multi_turn(cfg: Any, env: str | ToolEnv = "digit_count", max_turns: int = 4,
+def _multi_turn(cfg: Any, tokenizer: Any, env: str | ToolEnv = "digit_count", max_turns: int = 4,
                 max_response_len: int | None = None) -> Workflow:
     if isinstance(env, str):
         if env not in TOOL_ENVS:
             raise ConfigError(f"unknown tool environment {env!r}; choose one of {sorted(TOOL_ENVS)}")
-        env = TOOL_ENVS[env]()
-    return MultiTurnWorkflow(sampling_from_config(cfg), env, max_turns=max_turns, max_response_len=max_response_len)
+        env = TOOL_ENVS[env](tokenizer)
+    return MultiTurnWorkflow(sampling_from_config(cfg, tokenizer.stop_token_ids), env, max_turns=max_turns,
+                             max_response_len=max_response_len)
 
 
 WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn}
 
 
-def build_workflow(name: str, cfg: Any, **options: Any) -> Workflow:
+def build_workflow(name: str, cfg: Any, tokenizer: Any, **options: Any) -> Workflow:
     """The workflow ``name`` for config ``cfg`` (``options``: multi_turn's env, max_turns, max_response_len)."""
     if name not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {name!r}; choose one of {sorted(WORKFLOWS)}")
     factory = WORKFLOWS[name]
     try:
-        inspect.signature(factory).bind(cfg, **options)
+        inspect.signature(factory).bind(cfg, tokenizer, **options)
     except TypeError as e:  # an option this workflow does not take
         raise ConfigError(f"workflow {name!r}: {e}") from None
-    return factory(cfg, **options)
+    return factory(cfg, tokenizer, **options)

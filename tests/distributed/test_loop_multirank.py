@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-COMMON = ["trainer.total_steps=3", "trainer.batch_size=32", "logging.progress=none", "logging.tensorboard=false"]
+COMMON = ["trainer.total_steps=3", "trainer.batch_size=32", "logging.progress=none", "logging.tensorboard=false",
+          "eval.path="]
 
 
 @pytest.fixture(scope="module")

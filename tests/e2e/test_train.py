@@ -5,7 +5,7 @@ import pytest
 
 from conftest import run_megarl
 
-SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none"]
+SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "eval.path="]
 
 
 megarl = run_megarl
@@ -17,13 +17,15 @@ def async_run(ckpt, tmp_path_factory):
     # few requests in flight make generation the bottleneck, so publishes find requests to interrupt
     # (with 256 in flight the engine can finish every admitted sample before the trainer publishes)
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
-               "trainer.total_steps=8", "rollout.eta=2", "rollout.max_concurrency=4", *SMALL)
+               "trainer.total_steps=8", "rollout.eta=2", "rollout.max_concurrency=4", *SMALL,
+               "eval.path=configs/data/reverse_digits_eval.jsonl", "eval.every=4", "eval.n_samples=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out
 
 
 def test_async_run_outputs(async_run):
-    records = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "reward_mean" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["version"] for r in records] == list(range(1, 9))
     for key in ("reward_mean", "staleness_max", "staleness_mean", "n_interrupted", "n_spliced", "tokens",
@@ -32,9 +34,43 @@ def test_async_run_outputs(async_run):
     assert all(r["staleness_max"] <= 2 for r in records)
     assert sum(r["n_interrupted"] for r in records) > 0
     assert sum(r["n_spliced"] for r in records) > 0
+    assert all(r["n_reward_failed"] == 0 and r["n_reward_calls"] > 0 for r in records)
     assert (async_run / "config.yaml").is_file()
     assert (async_run / "final" / "config.json").is_file()
     assert list((async_run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_evaluation_every_k_steps_and_at_the_end(async_run):
+    lines = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if "eval/reward_mean" in r]
+    assert [r["step"] for r in evals] == [4, 8]  # eval.every=4, and once at the end
+    for r in evals:
+        assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0 and r["eval/k"] == 2
+        assert r["eval/n_prompts"] == 64 and r["eval/n_reward_failed"] == 0
+    assert evals[-1]["eval/version_min"] == 8  # the final weights were published for it
+
+
+def test_final_is_a_complete_hf_model_directory(async_run, ckpt):
+    from transformers import AutoTokenizer
+
+    final = async_run / "final"
+    tok = AutoTokenizer.from_pretrained(str(final))
+    assert tok.apply_chat_template([{"role": "user", "content": "12"}], tokenize=False, add_generation_prompt=True) \
+        == "<|im_start|>user\n12<|im_end|>\n<|im_start|>assistant\n"
+    assert json.loads((final / "generation_config.json").read_text()) == \
+        json.loads((ckpt / "generation_config.json").read_text())
+
+
+def test_samples_are_decoded_text(async_run):
+    samples = [json.loads(line) for line in (async_run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [k for k in range(1, 9) for _ in range(4)]  # logging.log_samples=4
+    for s in samples:
+        assert s["prompt"].startswith("<|im_start|>user\n") and s["prompt"].endswith("<|im_start|>assistant\n")
+        assert s["answer"] == s["prompt"].split("\n")[1].split("<")[0][::-1]
+        assert "<|im_end|>" not in s["response"] and set(s["response"]) <= set("0123456789\nusersystemassistant")
+        # [version, tokens] per segment: the policy tokens, each written by a version before this step's
+        assert sum(n for _, n in s["versions"]) >= 1 and all(0 <= v < s["step"] for v, _ in s["versions"])
+        assert 0.0 <= s["reward"] <= 1.0
 
 
 def test_sync_run_trains_only_current_version(ckpt, tmp_path):
@@ -63,13 +99,16 @@ def test_verify_exact_strategies(ckpt, tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("data.path={missing}", "does not exist"),
+    ("eval.path={missing}", "does not exist"),
+    ("data.prompt_key=question", "reverse_digits_train.jsonl:1: no field 'question' (data.prompt_key)"),
+    ("model.tokenizer={tmp}", "no tokenizer files"),
     ("reward.fn=no_such_module.fn", "no_such_module"),
     ("data.max_prompt_len=200", "max_position_embeddings"),
     ("trainer.batch_size=30", "multiple of rollout.group_size"),
 ])
 def test_bad_input_fails_before_the_run(ckpt, tmp_path, override, message):
     out = tmp_path / "run"
-    override = override.format(missing=tmp_path / "missing.jsonl")
+    override = override.format(missing=tmp_path / "missing.jsonl", tmp=tmp_path)
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
                override, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -84,10 +123,45 @@ def test_empty_dataset_and_too_long_prompt(ckpt, tmp_path):
                "--output-dir", str(tmp_path / "r1"), timeout=120)
     assert r.returncode == 2 and "empty" in r.stderr.lower(), r.stderr[-2000:]
     long = tmp_path / "long.jsonl"
-    long.write_text(json.dumps({"prompt_ids": [1] + [4] * 30 + [2]}) + "\n")
+    long.write_text(json.dumps({"prompt": "1" * 30, "answer": "1"}) + "\n")
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", f"data.path={long}",
                "--output-dir", str(tmp_path / "r2"), timeout=120)
-    assert r.returncode == 2 and "longer than" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "every prompt" in r.stderr and "raise data.max_prompt_len" in r.stderr, \
+        r.stderr[-2000:]
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (no_tok / f).write_bytes((ckpt / f).read_bytes())
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={no_tok}",
+               "--output-dir", str(tmp_path / "r3"), timeout=120)
+    assert r.returncode == 2 and f"no tokenizer files" in r.stderr and str(no_tok) in r.stderr \
+        and "model.tokenizer" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "r3").exists()
+
+
+def test_a_reward_that_fails_on_most_calls_stops_the_run(ckpt, tmp_path):
+    # the code reward needs test snippets; reverse-digit rows have none, so every call raises
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", "reward.fn=code",
+               "--output-dir", str(tmp_path), "trainer.total_steps=5", *SMALL, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "reward calls failed" in r.stderr and "reward.max_fail_frac=0.5" in r.stderr, r.stderr[-3000:]
+    assert "ValueError: code reward needs tests" in r.stderr, r.stderr[-3000:]  # one failing call's exception
+    assert "Traceback" not in r.stderr
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) <= 1  # it stopped at the first step
+
+
+def test_math_on_text_problems_end_to_end(tmp_path):
+    r = megarl("train", "--config", "configs/tiny_math_cpu.yaml", "--output-dir", str(tmp_path / "run"),
+               f"model.checkpoint={tmp_path / 'ckpt'}", "trainer.total_steps=4", "eval.every=2",
+               "logging.progress=none", "logging.tensorboard=false", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "reward_mean" in x]
+    assert len(steps) == 4 and sum(x["n_reward_calls"] for x in steps) >= 4 * 32
+    assert all(x["n_reward_failed"] == 0 for x in steps)
+    assert [x["eval/n_reward_failed"] for x in lines if "eval/reward_mean" in x] == [0, 0]
+    sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"].startswith("<|im_start|>user\nWhat is ") and "\\boxed{}" in sample["prompt"]
 
 
 def test_multi_turn_workflow_with_reference_kl(ckpt, tmp_path):

@@ -145,7 +145,7 @@ class TestDense:
             res = await asyncio.gather(*(c.generate(r) for r in reqs))
             dt = time.perf_counter() - t0
             t07 = await c.generate(request("t07", temperature=0.7))
-            stopped = await c.generate(request("stop", stop_token_ids=list(range(16))))
+            stopped = await c.generate(request("stop", stop_token_ids=list(range(18))))
             return res, dt, t07, stopped
         res, dt, t07, stopped = with_client(url, go)
         assert stopped.finish_reason == "stop" and len(stopped.output_ids) == 1  # stop token kept, as in hf
@@ -155,6 +155,39 @@ class TestDense:
         for r in res:
             assert maxdiff(r.logp_behav, teacher_logps(ckpts["dense0"], PROMPT, r.output_ids)) <= TOL
         assert maxdiff(t07.logp_behav, teacher_logps(ckpts["dense0"], PROMPT, t07.output_ids, 0.7)) <= TOL
+
+    def test_stops_at_each_eos_of_the_generation_config(self, url, ckpts):
+        # the stop ids a run uses: the tokenizer's EOS and both eos_token_id of generation_config.json
+        from megarl.config.schema import DataConfig, ModelConfig, RolloutConfig
+        from megarl.tokenizer import RunTokenizer
+
+        tok = RunTokenizer.load(ModelConfig(checkpoint=ckpts["dense0"]), RolloutConfig(), DataConfig())
+        gen_eos = json.loads((Path(ckpts["dense0"]) / "generation_config.json").read_text())["eos_token_id"]
+        assert tok.stop_token_ids == sorted(gen_eos) and len(gen_eos) == 2
+        prompt = tok.encode_rendered([tok.render("123")])[0]
+
+        async def go(c):
+            await c.update_weights_from_disk(ckpts["dense0"], 0)
+            reqs = [request(f"eos{i}", prompt, seed=i, max_new_tokens=40, stop_token_ids=tok.stop_token_ids)
+                    for i in range(48)]
+            return await asyncio.gather(*(c.generate(r) for r in reqs))
+        res = with_client(url, go)
+        stopped = [r for r in res if r.finish_reason == "stop"]
+        # the stop token is the last response token (kept, and trained on), and nothing after or before it
+        assert all(r.output_ids[-1] in gen_eos and not set(r.output_ids[:-1]) & set(gen_eos) for r in stopped)
+        assert all(not set(r.output_ids) & set(gen_eos) for r in res if r.finish_reason == "length")
+        assert {r.output_ids[-1] for r in stopped} == set(gen_eos)  # each of the two ends some response
+
+    def test_many_seeded_long_prompts_in_one_step(self, url, ckpts):
+        # more prompt tokens than one scheduler step takes: a split prefill of a seeded request made vLLM's
+        # CPU worker rewind a CPU generator's offset, which it cannot ("CPU Generator does not use offset"),
+        # and the engine died
+        async def go(c):
+            await c.update_weights_from_disk(ckpts["dense0"], 0)
+            reqs = [request(f"long{i}", [1 + i % 15] * 100, seed=i, max_new_tokens=4) for i in range(48)]
+            return await asyncio.gather(*(c.generate(r) for r in reqs))
+        res = with_client(url, go)
+        assert len(res) == 48 and all(len(r.output_ids) == 4 for r in res)
 
     def test_update_from_disk_and_broadcast(self, url, ckpts):
         async def go(c):

@@ -9,25 +9,31 @@ import os
 import time
 
 
-def misbehave(response_ids: list[int], meta: dict) -> float:
-    """Behaves as ``meta["mode"]`` says: ok (reward = len(response)), raise, hang, alloc, exit."""
-    mode = meta["mode"]
-    if mode == "raise":
+def misbehave(response: str, answer: str) -> float:
+    """Behaves as ``answer`` says: ok (reward = len(response)), raise, hang, alloc, exit."""
+    if answer == "raise":
         raise RuntimeError("reward fixture raised on purpose")
-    if mode == "hang":
+    if answer == "hang":
         time.sleep(100)
-    if mode == "alloc":
+    if answer == "alloc":
         block = bytearray(2 << 30)  # 2 GiB, far over the test's 256 MB budget
         return float(len(block))
-    if mode == "exit":
+    if answer == "exit":
         os._exit(7)
-    return float(len(response_ids))
+    return float(len(response))
 
 
-def upper_decode(response_ids: list[int]) -> str:
-    """A stand-in detokenizer: ids -> their decimal digits."""
-    return "".join(str(t % 10) for t in response_ids)
+def echo_info(response: str, answer, **info) -> float:
+    """Takes every info key; the reward encodes what it saw so the test can check it crossed the process."""
+    assert info["row"] == {"level": 3} and info["finish_reason"] == "length"
+    assert info["prompt"] == "P" and info["response_ids"] == [1, 2] and info["prompt_ids"] == [9]
+    return 7.0
 
 
-def text_length(response_ids: list[int], meta: dict) -> float:
-    return float(len(meta["response_text"]))
+def only_prompt(response: str, answer, prompt: str) -> float:
+    """Takes one info key by name; the others are not passed."""
+    return float(len(prompt))
+
+
+def no_answer(response: str) -> float:
+    return 0.0

@@ -7,20 +7,22 @@ that no accepted trajectory is lost or trained twice.
 """
 import asyncio
 import copy
+import functools
 import json
 import pickle
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, run_tokenizer, write_tokenizer
 
 from megarl.checkpoint import (find_latest_checkpoint, list_checkpoints, remove_temp_dirs, rewind_run_logs,
                                verify_checkpoint, write_checkpoint)
 from megarl.errors import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def fill_files(tmp: Path) -> None:
@@ -207,6 +209,11 @@ class Journal:
         self.lines[name].append(copy.deepcopy(record))
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer_dir():
+    return write_tokenizer("configs/models/tiny_qwen3.yaml", Path(tempfile.mkdtemp(prefix="megarl-tok-")))
+
+
 def make_controller(seed, steps_state=None, eta=2):
     from test_staleness_gate import Rewards, SimulatedEngineForGateTests, SingleTurn
 
@@ -234,7 +241,8 @@ def make_controller(seed, steps_state=None, eta=2):
 
     checkpointer, journal = CapturingCheckpointer(), Journal()
     c = Controller(cfg, trainer=trainer, router=engine, rewards=Rewards(),
-                   dataset=PromptDataset("reverse_digits", seed=0), workflow=SingleTurn(),
+                   dataset=PromptDataset(str(ROOT / "configs/data/reverse_digits_256.jsonl"),
+                                         run_tokenizer(_tokenizer_dir()), seed=0), workflow=SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)), publisher=Publisher(),
                    loss_fn_factory=lambda b, a: None, advantages=advantages, on_step=lambda r: None,
                    checkpointer=checkpointer, journal=journal)

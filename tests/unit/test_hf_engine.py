@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 from pathlib import Path
@@ -120,7 +121,7 @@ def test_seeds_reproduce_and_differ(ckpts):
 def test_stop_tokens_and_context_limit(ckpts):
     async def go():
         eng = await _engine(ckpts["v0"])
-        stopped = await eng.generate(request("stop", stop_token_ids=list(range(16))))
+        stopped = await eng.generate(request("stop", stop_token_ids=list(range(18))))
         long_ok = await eng.generate(request("fill", prompt=[5] * 120, max_new_tokens=50))
         with pytest.raises(InputError, match="128"):
             await eng.generate(request("too-long", prompt=[5] * 128))
@@ -131,6 +132,27 @@ def test_stop_tokens_and_context_limit(ckpts):
     assert stopped.finish_reason == "stop" and len(stopped.output_ids) == 1
     assert long_ok.finish_reason == "length" and len(long_ok.output_ids) == 8  # 120 + 8 = context 128
     assert len(after.output_ids) == 3
+
+
+def test_stops_at_each_eos_of_the_generation_config(ckpts):
+    from megarl.config.schema import DataConfig, ModelConfig, RolloutConfig
+    from megarl.tokenizer import RunTokenizer
+
+    tok = RunTokenizer.load(ModelConfig(checkpoint=ckpts["v0"]), RolloutConfig(), DataConfig())
+    gen_eos = json.loads((Path(ckpts["v0"]) / "generation_config.json").read_text())["eos_token_id"]
+    assert tok.stop_token_ids == sorted(gen_eos) and len(gen_eos) == 2
+    prompt = tok.encode_rendered([tok.render("123")])[0]
+
+    async def go():
+        eng = await _engine(ckpts["v0"])
+        res = await asyncio.gather(*(eng.generate(request(f"e{i}", prompt=prompt, seed=i, max_new_tokens=40,
+                                                          stop_token_ids=tok.stop_token_ids)) for i in range(32)))
+        await eng.close()
+        return res
+    res = run(go())
+    stopped = [r for r in res if r.finish_reason == "stop"]
+    assert all(r.output_ids[-1] in gen_eos and not set(r.output_ids[:-1]) & set(gen_eos) for r in stopped)
+    assert {r.output_ids[-1] for r in stopped} == set(gen_eos)
 
 
 def _abort_after(eng: HFEngine, n_tokens: int, loop) -> None:

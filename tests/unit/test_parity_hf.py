@@ -314,7 +314,7 @@ def test_too_long_input_is_rejected(ckpts):
                        versions=z.long(), advantages=z, traj_ids=["x"])
     with pytest.raises(InputError, match="129 tokens > max_position_embeddings 128"):
         trainer.logprobs(batch)
-    with pytest.raises(InputError, match=r"token ids must be in \[0, 16\)"):
+    with pytest.raises(InputError, match=r"token ids must be in \[0, 18\)"):
         trainer.logprobs(TrainBatch(tokens=torch.tensor([[1, 99]]), seq_lens=torch.tensor([2]),
                                     loss_mask=z[:, :1], logp_behav=z[:, :1], versions=z[:, :1].long(),
                                     advantages=z[:, :1], traj_ids=["y"]))

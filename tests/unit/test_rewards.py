@@ -21,7 +21,7 @@ from megarl.rewards import BUILTIN_REWARDS, register_reward, resolve_reward_fn  
 from megarl.rewards.code import code_reward, netns_prefix, run_sandboxed  # noqa: E402
 from megarl.rewards.math import math_reward  # noqa: E402
 from megarl.rewards.service import RewardService  # noqa: E402
-from megarl.tasks.reverse_digits import EOS  # noqa: E402
+from megarl.types import RewardInput  # noqa: E402
 
 MISBEHAVE = "reward_fixtures:misbehave"
 
@@ -30,8 +30,12 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def R(response: str, answer=None, **info) -> RewardInput:
+    return RewardInput(response=response, answer=answer, **info)
+
+
 async def score_all(service, samples):
-    return await asyncio.gather(*(service.score(ids, meta) for ids, meta in samples))
+    return await asyncio.gather(*(service.score(R(text, mode)) for text, mode in samples))
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,9 @@ def test_bad_path_is_a_config_error(path, match):
 def test_service_validates_before_starting_workers():
     with pytest.raises(ConfigError, match="no_such_pkg"):
         RewardService("no_such_pkg:fn")
+    with pytest.raises(ConfigError, match=r"'reward_fixtures:no_answer' has signature \(response.*"
+                                          r"must take \(response: str, answer, \*\*info\)"):
+        RewardService("reward_fixtures:no_answer")
     with pytest.raises(ConfigError, match="on_failure"):
         RewardService("reverse_digits", on_failure="ignore")
 
@@ -72,13 +79,22 @@ def test_register_refuses_duplicates():
 
 # -- the service ---------------------------------------------------------------------
 def test_reverse_digits_through_the_service():
-    meta = {"target": [7, 6, 5]}
     with RewardService("reverse_digits", n_workers=1) as s:
-        perfect = run(s.score([7, 6, 5, EOS], meta))
-        no_eos = run(s.score([7, 6, 5], meta))
+        perfect = run(s.score(R("765", "765", finish_reason="stop")))
+        no_eos = run(s.score(R("765", "765", finish_reason="length")))
         assert s.stats["n_ok"] == 2
     assert perfect.reward == 1.0 and not perfect.failed and perfect.reason is None
     assert no_eos.reward == 0.75
+
+
+def test_info_reaches_the_reward_by_name():
+    with RewardService("reward_fixtures:echo_info", n_workers=1) as s:
+        every = run(s.score(R("ab", "x", prompt="P", row={"level": 3}, finish_reason="length",
+                              response_ids=[1, 2], prompt_ids=[9])))
+    with RewardService("reward_fixtures:only_prompt", n_workers=1) as s:
+        named = run(s.score(R("ab", "x", prompt="PPP", row={"level": 3})))
+    assert (every.reward, every.failed) == (7.0, False), every.reason
+    assert (named.reward, named.failed) == (3.0, False), named.reason
 
 
 @pytest.mark.parametrize("mode, stat, reason", [
@@ -90,14 +106,14 @@ def test_reverse_digits_through_the_service():
 def test_failures_are_marked_counted_and_survived(service, caplog, mode, stat, reason):
     before = dict(service.stats)
     with caplog.at_level(logging.WARNING, logger="megarl.rewards.service"):
-        failed = run(service.score([1, 2], {"mode": mode}))
+        failed = run(service.score(R("ab", mode)))
     # on_failure="zero": reward 0.0, marked failed, kept in its group
     assert (failed.reward, failed.failed, failed.drop) == (0.0, True, False)
     assert reason in failed.reason
     assert reason in caplog.text
     assert service.stats[stat] == before[stat] + 1
     # and the service keeps serving, on every worker
-    after = run(score_all(service, [([1, 2, 3], {"mode": "ok"})] * 4))
+    after = run(score_all(service, [("abc", "ok")] * 4))
     assert [o.reward for o in after] == [3.0] * 4 and not any(o.failed for o in after)
     assert service.stats["n_ok"] == before["n_ok"] + 4
 
@@ -106,7 +122,7 @@ def test_a_hanging_reward_does_not_block_the_others(service):
     done = []
 
     async def scored(mode):
-        outcome = await service.score([1], {"mode": mode})
+        outcome = await service.score(R("a", mode))
         done.append(mode)
         return outcome
 
@@ -122,20 +138,12 @@ def test_a_hanging_reward_does_not_block_the_others(service):
 
 def test_on_failure_drop():
     with RewardService(MISBEHAVE, n_workers=1, on_failure="drop") as s:
-        dropped = run(s.score([1], {"mode": "raise"}))
-        kept = run(s.score([1], {"mode": "ok"}))
+        dropped = run(s.score(R("a", "raise")))
+        kept = run(s.score(R("a", "ok")))
     # drop: failed and flagged; NaN so a controller that forgot to drop it fails loudly
     assert dropped.failed and dropped.drop and math.isnan(dropped.reward)
     assert "RuntimeError" in dropped.reason
     assert (kept.reward, kept.failed, kept.drop) == (1.0, False, False)
-
-
-def test_detokenize_fills_response_text():
-    with RewardService("reward_fixtures:text_length", n_workers=1,
-                       detokenize="reward_fixtures:upper_decode") as s:
-        decoded = run(s.score([4, 5, 16], {}))
-        given = run(s.score([4, 5, 16], {"response_text": "ab"}))
-    assert decoded.reward == 3.0 and given.reward == 2.0
 
 
 def test_closed_service():
@@ -143,7 +151,7 @@ def test_closed_service():
     s.close()
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
-        run(s.score([EOS], {"target": [4]}))
+        run(s.score(R("1", "1")))
 
 
 # -- math ----------------------------------------------------------------------------
@@ -152,16 +160,19 @@ def test_closed_service():
     ("\\frac{1}{2}", "The answer is $\\boxed{\\frac{2}{4}}$", 1.0),
     ("0.5", "$\\frac12$", 1.0),
     ("\\frac{1}{2}", "0.25", 0.0),
+    ("42", "Adding them up gives 42.", 1.0),  # a plain final answer
+    ("42", "\\boxed{41}", 0.0),
+    ("42", "", 0.0),
 ])
 def test_math_equivalence(answer, text, expected):
-    assert math_reward([], {"answer": answer, "response_text": text}) == expected
+    assert math_reward(text, answer) == expected
 
 
-def test_math_needs_text_and_answer():
-    with pytest.raises(ValueError, match="response_text"):
-        math_reward([1, 2], {"answer": "1"})
-    with pytest.raises(ValueError, match="answer"):
-        math_reward([1, 2], {"response_text": "1"})
+def test_math_needs_a_ground_truth():
+    with pytest.raises(ValueError, match="ground truth"):
+        math_reward("1", None)
+    with pytest.raises(ValueError, match="cannot parse the ground truth"):
+        math_reward("1", "\\")
 
 
 # -- code ----------------------------------------------------------------------------
@@ -178,7 +189,8 @@ ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
     ("def add(a, b:\n", 0.0),
 ])
 def test_code_sandbox(text, expected):
-    assert code_reward([], {"response_text": text, "tests": ADD_TESTS, "time_limit_s": 1.0}) == expected
+    assert code_reward(text, ADD_TESTS, row={"time_limit_s": 1.0}) == expected
+    assert code_reward(text, None, row={"tests": ADD_TESTS, "time_limit_s": 1.0}) == expected
 
 
 def test_code_sandbox_limits():
@@ -200,14 +212,14 @@ def test_code_sandbox_has_no_network():
 
 def test_code_through_the_service():
     with RewardService("code", n_workers=1, timeout_s=10.0) as s:
-        outcome = run(s.score([], {"response_text": "def add(a, b):\n    return a + b", "tests": ADD_TESTS}))
+        outcome = run(s.score(R("def add(a, b):\n    return a + b", ADD_TESTS)))
     assert outcome.reward == 1.0 and not outcome.failed
 
 
 def test_cancelled_call_replaces_its_worker(service):
     async def main():
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(service.score([1], {"mode": "hang"}), 0.2)
-        return await score_all(service, [([1, 2], {"mode": "ok"})] * 3)
+            await asyncio.wait_for(service.score(R("a", "hang")), 0.2)
+        return await score_all(service, [("ab", "ok")] * 3)
 
     assert [o.reward for o in run(main())] == [2.0] * 3

@@ -77,9 +77,9 @@ class SingleTurn:
 
 
 class Rewards:
-    async def score(self, response_ids, meta):
+    async def score(self, traj):
         await asyncio.sleep(0)
-        return SimpleNamespace(reward=float(len(response_ids)), failed=False, reason=None)
+        return SimpleNamespace(reward=float(len(traj.response_ids)), failed=False, reason=None)
 
 
 def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: bool = True):
@@ -88,7 +88,7 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
                              f"rollout.interruptible={str(interruptible).lower()}"])
     engine = SimulatedEngineForGateTests(rng, 12)
     trainer = StepCounterTrainerForGateTests(rng)
-    prompts = iter(lambda: SimpleNamespace(prompt_ids=[1, 5, 2], meta={}), None)
+    prompts = iter(lambda: SimpleNamespace(prompt_id="p", prompt_ids=[1, 5, 2], answer=None, row={}), None)
 
     class Publisher:
         async def prepare(self, version):

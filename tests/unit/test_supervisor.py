@@ -31,11 +31,16 @@ class FakeEngine:
         self.version = 0
         self.updates = []
         self.refuse = False
+        self.core_dead = False
         self.n_workers = 1
 
     def die(self):
         self.alive = False
         self.proc.returncode = -9
+
+    def core_dies(self):
+        """The HTTP server lives on but its engine core is dead (vLLM's EngineDeadError): /health says ok=false."""
+        self.core_dead = True
 
     async def generate(self, req):
         await asyncio.sleep(0.01)
@@ -43,12 +48,14 @@ class FakeEngine:
             raise EngineError("engine unreachable (ClientConnectorError)")
         if self.refuse:
             raise EngineError("refused")
+        if self.core_dead:
+            raise EngineError("vLLM failed on request: EngineDeadError: EngineCore encountered an issue")
         return GenerateResult(req.request_id, [4], [-1.0], [self.version], "stop")
 
     async def health(self):
         if not self.alive:
             raise EngineError("engine unreachable")
-        return {"ok": True, "version": self.version, "n_workers": self.n_workers}
+        return {"ok": not self.core_dead, "version": self.version, "n_workers": self.n_workers}
 
     async def update_weights_from_disk(self, path, version):
         if not self.alive:
@@ -117,16 +124,33 @@ def test_request_on_dead_engine_is_lost_and_engine_restarted_with_current_weight
     asyncio.run(main())
 
 
-def test_health_check_finds_a_dead_engine_without_requests():
+@pytest.mark.parametrize("failure", ["die", "core_dies"])
+def test_health_check_finds_a_dead_engine_without_requests(failure):
     async def main():
         sup, engines, launched, _ = make(n=1, health_interval_s=0.02)
         await sup.start()
-        engines[0].die()
+        getattr(engines[0], failure)()
         for _ in range(200):
             if sup.stats()["n_engine_restarts"]:
                 break
             await asyncio.sleep(0.01)
         assert sup.stats()["n_engine_restarts"] == 1 and launched
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_an_engine_whose_core_died_behind_a_live_server_is_restarted():
+    # requests failing on it must not be taken for bad requests (the loop would drop group after group)
+    async def main():
+        sup, engines, launched, _ = make(n=1)
+        await sup.start()
+        engines[0].core_dies()
+        with pytest.raises(EngineLost):
+            await sup.generate(req())
+        await sup.wait_available()
+        assert sup.stats()["n_engine_restarts"] == 1 and sup.slots[0].client is launched[0]
+        assert (await sup.generate(req(1))).output_ids == [4]
         await sup.close()
 
     asyncio.run(main())

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from megarl.tasks.reverse_digits import BOS, EOS, SEP
+from conftest import DEMO, chat_prompt, digits
+
 from megarl.types import NO_VERSION, GenerateResult, SamplingParams, Segment, Trajectory
 from megarl.config.schema import MegaRLConfig
 from megarl.errors import ConfigError
@@ -15,8 +16,9 @@ from megarl.workflows import (DigitCountEnv, MultiTurnWorkflow, SingleTurnWorkfl
                               build_workflow)
 
 
-def D(s: str) -> list[int]:
-    return [4 + int(c) for c in s]
+D = digits
+EOS = DEMO.IM_END  # the demo tokenizer's eos_token
+SEP = DEMO.NEWLINE  # digit_count's tool call
 
 
 class scripted_generate:  # noqa: N801 - used like a function
@@ -46,14 +48,14 @@ def new_traj(prompt):
     return Trajectory(traj_id="t0", group_id="g0", prompt_ids=prompt)
 
 
-PROMPT = [BOS, *D("12"), SEP]
+PROMPT = chat_prompt("12")
 SAMPLING = SamplingParams(max_new_tokens=20, stop_token_ids=[EOS])
 
 
-def test_protocols():
+def test_protocols(demo_tokenizer):
     assert isinstance(SingleTurnWorkflow(SAMPLING), Workflow)
-    assert isinstance(MultiTurnWorkflow(SAMPLING, DigitCountEnv()), Workflow)
-    assert isinstance(DigitCountEnv(), ToolEnv)
+    assert isinstance(MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer)), Workflow)
+    assert isinstance(DigitCountEnv(demo_tokenizer), ToolEnv)
 
 
 def test_single_turn_versions_change_mid_result():
@@ -69,13 +71,13 @@ def test_single_turn_versions_change_mid_result():
 
 
 @pytest.mark.parametrize("generate_appends", [False, True], ids=["workflow-appends", "generate-appends"])
-def test_multi_turn_tool_tokens(generate_appends):
+def test_multi_turn_tool_tokens(generate_appends, demo_tokenizer):
     # turn 1 calls the tool (SEP); the env answers "2" (the prompt has 2 digits);
     # turn 2 answers, with a weight update after its first token
     traj = new_traj(PROMPT)
     gen = scripted_generate((D("2") + [SEP], [5, 5], "stop"), (D("1") + [EOS], [5, 6], "stop"),
                             traj=traj if generate_appends else None)
-    asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv()).run(traj, gen))
+    asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer)).run(traj, gen))
     tool = D("2")
     assert traj.response_ids == D("2") + [SEP] + tool + D("1") + [EOS]
     assert traj.loss_mask == [1, 1, 0, 1, 1]
@@ -93,32 +95,33 @@ def test_multi_turn_tool_tokens(generate_appends):
     assert traj.finish_reason == "stop"
 
 
-def test_multi_turn_stops_after_max_turns_without_answering_the_last_call():
+def test_multi_turn_stops_after_max_turns_without_answering_the_last_call(demo_tokenizer):
     gen = scripted_generate(([SEP], [1], "stop"), ([SEP], [1], "stop"), ([EOS], [1], "stop"))
-    traj = asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv(), max_turns=2).run(new_traj(PROMPT), gen))
+    traj = asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer), max_turns=2).run(new_traj(PROMPT), gen))
     assert len(gen.calls) == 2
     assert traj.response_ids == [SEP, *D("2"), SEP]
     assert traj.loss_mask == [1, 0, 1]
 
 
-def test_multi_turn_no_call_when_cut_by_length():
+def test_multi_turn_no_call_when_cut_by_length(demo_tokenizer):
     gen = scripted_generate((D("2") + [SEP], [0, 0], "length"), ([EOS], [0], "stop"))
-    traj = asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv()).run(new_traj(PROMPT), gen))
+    traj = asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer)).run(new_traj(PROMPT), gen))
     assert len(gen.calls) == 1 and traj.loss_mask == [1, 1] and traj.finish_reason == "length"
 
 
-def test_multi_turn_response_budget_includes_tool_tokens():
+def test_multi_turn_response_budget_includes_tool_tokens(demo_tokenizer):
     gen = scripted_generate((D("21") + [SEP], [0, 0, 0], "stop"), ([EOS], [0], "stop"))
-    workflow = MultiTurnWorkflow(SAMPLING, DigitCountEnv(), max_response_len=4)
+    workflow = MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer), max_response_len=4)
     traj = asyncio.run(workflow.run(new_traj(PROMPT), gen))
     assert len(gen.calls) == 1
     assert len(traj.response_ids) == 4 and traj.finish_reason == "length"
 
 
-def test_digit_count_env():
-    prompt = [BOS, *D("123456789012"), SEP]
-    assert asyncio.run(DigitCountEnv().respond(new_traj(prompt))) == D("12")
-    assert DigitCountEnv.tool_call_id == SEP
+def test_digit_count_env(demo_tokenizer):
+    prompt = chat_prompt("123456789012")
+    env = DigitCountEnv(demo_tokenizer)
+    assert asyncio.run(env.respond(new_traj(prompt))) == D("12")
+    assert env.tool_call_id == SEP
 
 
 def test_generate_that_appends_is_not_counted_twice():
@@ -139,18 +142,19 @@ def test_generate_that_appends_something_else_is_an_error():
         asyncio.run(SingleTurnWorkflow(SAMPLING).run(traj, inconsistent))
 
 
-def test_build_workflow_from_config():
+def test_build_workflow_from_config(demo_tokenizer):
     cfg = MegaRLConfig()
-    single = build_workflow("single_turn", cfg)
+    single = build_workflow("single_turn", cfg, demo_tokenizer)
     assert isinstance(single, SingleTurnWorkflow)
+    # stop at the tokenizer's EOS and both eos ids of generation_config.json (<|endoftext|>, <|im_end|>)
     assert single.sampling == SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                                             stop_token_ids=[EOS])  # reverse_digits' stop token
-    multi = build_workflow("multi_turn", cfg, max_turns=3)
+                                             stop_token_ids=[DEMO.ENDOFTEXT, DEMO.IM_END])
+    multi = build_workflow("multi_turn", cfg, demo_tokenizer, max_turns=3)
     assert isinstance(multi.env, DigitCountEnv) and multi.max_turns == 3
     with pytest.raises(ConfigError, match="unknown workflow"):
-        build_workflow("three_turn", cfg)
+        build_workflow("three_turn", cfg, demo_tokenizer)
     with pytest.raises(ConfigError, match="single_turn"):
-        build_workflow("single_turn", cfg, max_turns=3)
+        build_workflow("single_turn", cfg, demo_tokenizer, max_turns=3)
     with pytest.raises(ConfigError, match="tool environment"):
-        build_workflow("multi_turn", cfg, env="calculator")
+        build_workflow("multi_turn", cfg, demo_tokenizer, env="calculator")

@@ -1,0 +1,62 @@
+"""`megarl prepare-data`: convert a public dataset file into megarl's row format ({"id", "prompt", "answer"}).
+
+Formats:
+- ``gsm8k``: rows ``{"question", "answer"}`` whose answer ends in ``#### N``
+  (the GSM8K files, JSONL or Parquet). The prompt is the question plus an
+  instruction to put the final answer in ``\\boxed{}``; the answer is N
+  (thousands separators removed), which the ``math`` reward compares with.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from megarl.errors import InputError
+
+INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{N}."
+_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+def gsm8k_row(row: dict, where: str) -> dict:
+    question, solution = row.get("question"), row.get("answer")
+    if not isinstance(question, str) or not isinstance(solution, str):
+        raise InputError(f"{where}: a gsm8k row needs string fields 'question' and 'answer'")
+    m = _FINAL.search(solution)
+    if not m:
+        raise InputError(f"{where}: the answer does not end in '#### N': {solution[-80:]!r}")
+    return {"prompt": f"{question.strip()}\n{INSTRUCTION}", "answer": m.group(1).replace(",", "")}
+
+
+FORMATS = {"gsm8k": gsm8k_row}
+
+
+def convert(fmt: str, src: str, dst: str) -> int:
+    """Write ``dst`` (JSONL) from ``src``; returns the number of rows."""
+    from megarl.data import read_rows
+
+    to_row = FORMATS[fmt]
+    n = 0
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "w", encoding="utf-8") as f:
+        for where, default_id, row in read_rows(src):
+            out = {"id": str(row.get("id", default_id)), **to_row(row, where)}
+            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+            n += 1
+    if n == 0:
+        raise InputError(f"{src} has no rows")
+    return n
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prepare-data", help="convert a public dataset file into megarl's {prompt, answer} rows")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS), help="the input's format")
+    p.add_argument("--input", required=True, help=".jsonl or .parquet file (or hf:NAME[:SPLIT])")
+    p.add_argument("--output", required=True, help="JSONL file to write")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    n = convert(args.format, args.input, args.output)
+    print(f"wrote {n} rows to {args.output}")
+    return 0

@@ -1,0 +1,32 @@
+"""From a finished trajectory to its reward: decode with the run's tokenizer, score in the reward service.
+
+The one path every reward of a run takes (training, evaluation, ``megarl
+verify-recovery``, the bench): the response is decoded with special tokens
+skipped, the prompt as the model saw it, and the row's ground truth and fields
+come from the trajectory's ``meta`` (``answer``, ``row``), which the
+controller fills from the dataset (megarl/data.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.rewards.service import RewardOutcome
+from megarl.types import RewardInput, Trajectory
+
+
+class TrajectoryScorer:
+    """``await score(traj)``: the reward of one trajectory (never raises for a failing reward function)."""
+
+    def __init__(self, tokenizer: Any, service: Any) -> None:
+        self.tokenizer = tokenizer
+        self.service = service
+
+    def reward_input(self, traj: Trajectory) -> RewardInput:
+        return RewardInput(response=self.tokenizer.decode_response(traj.response_ids),
+                           answer=traj.meta.get("answer"),
+                           prompt=self.tokenizer.decode_prompt(traj.prompt_ids),
+                           row=traj.meta.get("row") or {}, finish_reason=traj.finish_reason,
+                           response_ids=list(traj.response_ids), prompt_ids=list(traj.prompt_ids))
+
+    async def score(self, traj: Trajectory) -> RewardOutcome:
+        return await self.service.score(self.reward_input(traj))

@@ -1,0 +1,158 @@
+"""The run's tokenizer: one ``transformers.AutoTokenizer`` for data, stopping, rewards, samples and evaluation.
+
+Engines and the trainer speak token ids only; text exists at the edges of a
+run, and all of it goes through :class:`RunTokenizer`:
+
+- **prompts**: a chat (list of ``{"role", "content"}`` messages) or a string
+  is rendered with the tokenizer's chat template
+  (``apply_chat_template(..., add_generation_prompt=True, **chat_template_kwargs)``)
+  and encoded without adding special tokens again (the template already
+  holds them); a string without a template is encoded as is.
+- **stopping**: :attr:`stop_token_ids` = the tokenizer's EOS, every id in
+  ``eos_token_id`` of the checkpoint's ``generation_config.json`` (Qwen3
+  lists two) and ``rollout.stop_token_ids``. Engines keep the stop token as
+  the last response token, and it is trained on.
+- **rewards and samples**: responses are decoded with special tokens
+  skipped; prompts are decoded as the model saw them.
+- **outputs**: :meth:`save` puts the tokenizer files, the chat template and
+  ``generation_config.json`` next to saved weights, so ``final/`` loads with
+  ``AutoTokenizer`` and serves with ``vllm serve`` as is.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import ConfigError, InputError
+
+#: files that make a directory loadable by AutoTokenizer (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def read_generation_eos(checkpoint: str | Path) -> list[int]:
+    """``eos_token_id`` of ``generation_config.json`` in ``checkpoint`` as a list (empty when absent)."""
+    path = Path(checkpoint) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path} is not valid JSON: {e}") from None
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+class RunTokenizer:
+    """The HF tokenizer of a run plus the stop ids and chat-template settings around it."""
+
+    def __init__(self, hf_tokenizer: Any, *, source: str, stop_token_ids: list[int],
+                 chat_template: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
+                 generation_config: Path | None = None) -> None:
+        self.hf = hf_tokenizer
+        self.source = source
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        if chat_template not in ("auto", "true", "false", True, False):
+            raise ConfigError(f"data.apply_chat_template={chat_template!r}; choose auto, true or false")
+        has_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        mode = str(chat_template).lower()
+        if mode == "true" and not has_template:
+            raise ConfigError(f"data.apply_chat_template=true but the tokenizer in {source} has no chat template; "
+                              f"set data.apply_chat_template=false or use a tokenizer with one")
+        self.use_template = has_template if mode == "auto" else mode == "true"
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.generation_config = generation_config
+
+    @classmethod
+    def load(cls, model_cfg: Any, rollout_cfg: Any, data_cfg: Any, vocab_size: int | None = None) -> "RunTokenizer":
+        """From ``model.tokenizer`` (or ``model.checkpoint``), with stop ids and template settings of the config."""
+        source = model_cfg.tokenizer or model_cfg.checkpoint
+        path = Path(source)
+        if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {path}: copy the tokenizer of "
+                              f"the model there, or set model.tokenizer to a directory that has them")
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(source))
+        except Exception as e:  # a missing hub name, a broken file: fatal before the run
+            raise ConfigError(f"cannot load the tokenizer from {source} (model.tokenizer / model.checkpoint): "
+                              f"{type(e).__name__}: {e}") from None
+        ckpt = Path(model_cfg.checkpoint)
+        gen_eos = read_generation_eos(ckpt) or (read_generation_eos(path) if path.is_dir() else [])
+        stop = list(gen_eos) + list(rollout_cfg.stop_token_ids)
+        if hf.eos_token_id is not None:
+            stop.append(int(hf.eos_token_id))
+        if not stop:
+            raise ConfigError(f"no stop token: the tokenizer in {source} has no eos_token, {ckpt} has no "
+                              f"generation_config.json eos_token_id, and rollout.stop_token_ids is empty; responses "
+                              f"would always run to rollout.max_new_tokens. Set rollout.stop_token_ids")
+        if vocab_size is not None:
+            bad = [t for t in stop if not 0 <= t < vocab_size]
+            if bad:
+                raise ConfigError(f"stop token ids {bad} are outside the model's vocabulary [0, {vocab_size}) "
+                                  f"(rollout.stop_token_ids / generation_config.json)")
+            if len(hf) > vocab_size:
+                raise ConfigError(f"the tokenizer in {source} has {len(hf)} tokens, more than the model's "
+                                  f"vocab_size {vocab_size}: tokenizer and checkpoint do not belong together")
+        gen_path = next((p / "generation_config.json" for p in (ckpt, path)
+                         if (p / "generation_config.json").is_file()), None)
+        return cls(hf, source=str(source), stop_token_ids=stop, chat_template=data_cfg.apply_chat_template,
+                   chat_template_kwargs=data_cfg.chat_template_kwargs, generation_config=gen_path)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    # -- prompts ---------------------------------------------------------------------------
+    def render(self, prompt: str | list[dict[str, Any]], where: str = "prompt") -> str:
+        """The text the model sees for ``prompt`` (a string or a list of chat messages)."""
+        if isinstance(prompt, str) and not self.use_template:
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not self.use_template:
+            raise InputError(f"{where}: the prompt is a list of chat messages but no chat template is applied "
+                             f"(data.apply_chat_template=false, or the tokenizer has none)")
+        check_messages(messages, where)
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               **self.chat_template_kwargs)
+        except Exception as e:  # a template error names a missing field or kwarg
+            raise InputError(f"{where}: the chat template failed: {type(e).__name__}: {e}") from None
+
+    def encode_rendered(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of rendered prompts (no special tokens added when a template rendered them)."""
+        if not texts:
+            return []
+        return [list(ids) for ids in self.hf(texts, add_special_tokens=not self.use_template)["input_ids"]]
+
+    # -- decoding --------------------------------------------------------------------------
+    def decode_response(self, ids: list[int]) -> str:
+        """What a reward reads: the response with special tokens (EOS, template markers) skipped."""
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """The prompt as the model saw it, template markers included."""
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    # -- outputs ---------------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> None:
+        """Tokenizer files, chat template and ``generation_config.json`` into ``out_dir`` (an HF model directory)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.hf.save_pretrained(str(out))
+        if self.generation_config is not None:
+            shutil.copyfile(self.generation_config, out / "generation_config.json")
+        else:
+            gen = {"eos_token_id": self.stop_token_ids if len(self.stop_token_ids) > 1 else self.stop_token_ids[0]}
+            (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def check_messages(messages: Any, where: str) -> None:
+    """A chat is a non-empty list of ``{"role": str, "content": str}``; name the first bad message."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError(f"{where}: a chat prompt must be a non-empty list of {{'role', 'content'}} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise InputError(f"{where}: message {i} must be an object with 'role' and 'content', got {m!r:.120}")

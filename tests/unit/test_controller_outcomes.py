@@ -1,0 +1,104 @@
+"""What the loop does with what comes back: failing generation, failing rewards, all-equal groups.
+
+The controller and replay buffer are the real ones; engine and trainer are the
+timing simulators of test_staleness_gate.py (the real ones run this loop in tests/e2e).
+"""
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+from test_staleness_gate import SimulatedEngineForGateTests, SingleTurn, StepCounterTrainerForGateTests
+
+from megarl.config import load_config
+from megarl.controller import Controller
+from megarl.errors import InputError, RewardError, TrainingError
+from recovery.base import RecoveryContext
+from recovery.behav import Behav
+
+
+class RefusingEngine(SimulatedEngineForGateTests):
+    async def generate(self, req):
+        await asyncio.sleep(0)
+        raise InputError(f"request {req.request_id}: prompt too long")
+
+
+class ScriptedRewards:
+    """Reward = ``fn(traj)``; a reward of None is a failed call (as the service reports one)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def score(self, traj):
+        await asyncio.sleep(0)
+        r = self.fn(traj)
+        if r is None:
+            return SimpleNamespace(reward=0.0, failed=True, reason="raise: ValueError: no tests for this row")
+        return SimpleNamespace(reward=r, failed=False, reason=None)
+
+
+def loop(overrides, *, engine=None, rewards=None, steps=4):
+    rng = random.Random(0)
+    cfg = load_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
+    engine = engine or SimulatedEngineForGateTests(rng, 12)
+    trainer = StepCounterTrainerForGateTests(rng)
+    counter = iter(range(10**9))
+    prompts = iter(lambda: SimpleNamespace(prompt_id=f"p{next(counter)}", prompt_ids=[1, 5, 2], answer=None,
+                                           row={}), None)
+
+    class Publisher:
+        async def prepare(self, version):
+            pass
+
+        async def apply(self, version):
+            engine.version = version
+
+    def advantages(trajs):
+        for t in trajs:
+            t.advantage = 0.0
+
+    records = []
+    c = Controller(cfg, trainer=trainer, router=engine, rewards=rewards or ScriptedRewards(lambda t: 1.0),
+                   dataset=prompts, workflow=SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
+                   publisher=Publisher(), loss_fn_factory=lambda b, a: None, advantages=advantages,
+                   on_step=records.append)
+    asyncio.run(asyncio.wait_for(c.train(steps), 60))
+    return c, records
+
+
+def test_generation_that_always_fails_stops_the_run_instead_of_spinning():
+    with pytest.raises(TrainingError, match=r"groups in a row failed in generation; the last with InputError: "
+                                            r"request .* prompt too long"):
+        loop([], engine=RefusingEngine(random.Random(0), 12))
+
+
+def test_rewards_failing_on_most_calls_stop_the_run_showing_one_failure():
+    with pytest.raises(RewardError, match=r"of \d+ reward calls failed .* reward.max_fail_frac=0.5.*"
+                                          r"ValueError: no tests for this row"):
+        loop([], rewards=ScriptedRewards(lambda t: None))
+
+
+def test_a_few_failing_rewards_are_tolerated():
+    # one trajectory in four fails: 25% <= max_fail_frac
+    c, records = loop([], rewards=ScriptedRewards(lambda t: None if t.traj_id.endswith("-0") else 1.0))
+    assert len(records) == 4 and sum(r["n_reward_failed"] for r in records) > 0
+
+
+def test_on_failure_drop_with_every_reward_failing_stops_too():
+    # nothing would ever reach a step: the check also runs per batch's worth of calls
+    with pytest.raises(RewardError, match="reward calls failed"):
+        loop(["reward.on_failure=drop"], rewards=ScriptedRewards(lambda t: None))
+
+
+def test_filter_groups_drops_all_equal_groups_and_refills():
+    # groups of even prompts have equal rewards (no signal); odd ones differ within the group
+    def reward(t):
+        prompt = int(t.meta["prompt_id"][1:])
+        return 1.0 if prompt % 2 == 0 else float(t.traj_id.endswith("-0"))
+
+    c, records = loop(["rollout.filter_groups=true"], rewards=ScriptedRewards(reward))
+    assert len(records) == 4
+    assert sum(r["n_filtered"] for r in records) > 0 and c.counters["n_filtered"] % 4 == 0
+    assert all(r["reward_mean"] == 0.25 for r in records)  # only groups with signal were trained on
+    _, unfiltered = loop([], rewards=ScriptedRewards(reward))
+    assert sum(r["n_filtered"] for r in unfiltered) == 0 and any(r["reward_mean"] > 0.25 for r in unfiltered)

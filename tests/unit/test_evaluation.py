@@ -1,0 +1,47 @@
+"""Evaluation: the pass@k estimator by hand, and one evaluation over a real tokenizer and reward service."""
+import asyncio
+import math
+
+import pytest
+from conftest import DEMO, chat_prompt, digits
+
+from megarl.data import Prompt
+from megarl.evaluation import Evaluator, pass_at_k
+from megarl.rewards.scorer import TrajectoryScorer
+from megarl.rewards.service import RewardService
+from megarl.types import GenerateResult, SamplingParams
+from megarl.workflows import SingleTurnWorkflow
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 0, 1, 0.0), (4, 4, 4, 1.0), (4, 1, 1, 0.25), (4, 1, 4, 1.0),
+    (4, 1, 2, 1 - math.comb(3, 2) / math.comb(4, 2)),  # 1 - 3/6 = 0.5
+    (5, 2, 3, 1 - math.comb(3, 3) / math.comb(5, 3)),  # 1 - 1/10
+])
+def test_pass_at_k(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_an_evaluation_scores_decoded_text(demo_tokenizer):
+    # prompt "12" (answer "21"): samples 0 and 1 answer right, 2 and 3 wrong; prompt "3": all wrong
+    answers = {("12", 0): "21", ("12", 1): "21", ("12", 2): "2", ("12", 3): "9", ("3", 0): "4", ("3", 1): "4",
+               ("3", 2): "4", ("3", 3): "4"}
+
+    def generate_for(traj):
+        prompt, j = traj.meta["row"]["text"], int(traj.traj_id.rsplit("-", 1)[1])
+
+        async def generate(context, sampling):
+            out = digits(answers[(prompt, j)]) + [DEMO.IM_END]
+            return GenerateResult("r", out, [-0.5] * len(out), [7] * len(out), "stop")
+        return generate
+
+    prompts = [Prompt("a", chat_prompt("12"), "21", {"text": "12"}), Prompt("b", chat_prompt("3"), "3", {"text": "3"})]
+    workflow = SingleTurnWorkflow(SamplingParams(max_new_tokens=8, stop_token_ids=demo_tokenizer.stop_token_ids))
+    with RewardService("reverse_digits", n_workers=1) as service:
+        ev = Evaluator(prompts, workflow, TrajectoryScorer(demo_tokenizer, service), n_samples=4, pass_threshold=1.0)
+        m = asyncio.run(ev.run(generate_for))
+    # rewards: "21"->1, "21"->1, "2"->0.75*1/2+0.25*(1-1/2)=0.5, "9"->0.25*0.5=0.125; "4" vs "3" -> 0.25 each
+    assert m["eval/reward_mean"] == pytest.approx((1 + 1 + 0.5 + 0.125 + 4 * 0.25) / 8)
+    assert m["eval/pass@1"] == pytest.approx((2 / 4 + 0) / 2)
+    assert m["eval/pass@k"] == pytest.approx((1 + 0) / 2) and m["eval/k"] == 4
+    assert (m["eval/version_min"], m["eval/version_max"], m["eval/n_reward_failed"]) == (7, 7, 0)

@@ -1,0 +1,30 @@
+"""Run outputs: metrics lines, evaluation lines, journals, and Weights & Biases in offline mode."""
+import json
+
+from megarl.run_log import RunLogger
+
+
+def test_steps_evaluations_and_journals(tmp_path):
+    log = RunLogger(tmp_path, total_steps=2, tensorboard=False, progress="none")
+    log.log({"step": 1, "reward_mean": 0.5, "version_lag_hist": {0: 3}})
+    log.log_eval({"step": 1, "eval/reward_mean": 0.25, "eval/pass@1": 0.0})
+    log.write("samples", {"step": 1, "answer": {"nested": 1}, "reward": float("nan")})
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "reward_mean": 0.5, "version_lag_hist": {"0": 3}},
+                     {"step": 1, "eval/reward_mean": 0.25, "eval/pass@1": 0.0}]
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == {"step": 1, "answer": {"nested": 1},
+                                                                     "reward": None}
+
+
+def test_wandb_offline_without_an_api_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = RunLogger(tmp_path, total_steps=1, tensorboard=False, progress="none",
+                    wandb={"project": "megarl-test", "config": {"trainer": {"lr": 0.001}}})
+    assert log._wandb.settings.mode == "offline"
+    log.log({"step": 1, "reward_mean": 0.5})
+    log.log_eval({"step": 1, "eval/reward_mean": 0.25})
+    log.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
