@@ -61,10 +61,25 @@ def test_ewma_beta_resolution(ckpt):
     assert Ewma(EwmaConfig(beta=0.9, tau=0.0), ctx).beta == 0.9
     ctx.eta, ctx.publish_every = 1, 1  # W = eta + 1 = 2, M = 1: beta = 2/4
     assert Ewma(EwmaConfig(tau=0.0), ctx).beta == pytest.approx(0.5)
-    ctx.eta, ctx.publish_every = 3, 2  # what the loop may pass: W = eta + 1 = 4, M = 2
-    assert Ewma(EwmaConfig(tau=0.0), ctx).beta == pytest.approx(0.8)
     with pytest.raises(ValueError, match=r"beta=1.0 must lie in \[0, 1\)"):
         Ewma(EwmaConfig(beta=1.0), ctx)
+
+
+def test_ewma_default_beta_with_publish_every_2(ckpt):
+    # With trainer.publish_every = 2 the engines receive versions 0, 2, 4, ... (a version is the number of
+    # optimizer steps) and rollout.eta bounds a token's lag in those same optimizer steps (lags 0, 1, 2 for
+    # eta = 2; tests/unit/test_staleness_gate.py). The window is eta + 1 = 3 optimizer steps whatever
+    # publish_every is: age 3/2 steps, beta = 3 / (3 + 2) = 0.6 (not M*(eta+1) = 6 steps, beta 0.75).
+    ctx = LoopState().context(HFScorerForTests(ckpt))
+    ctx.eta, ctx.publish_every = 2, 2
+    ewma = Ewma(EwmaConfig(tau=0.0), ctx)
+    assert ewma.beta == pytest.approx(0.6)
+    assert ewma.beta / (1 - ewma.beta) == pytest.approx(1.5)  # centre of mass mid-window, in optimizer steps
+    ctx.eta = 3  # window 4 steps: beta = 4/6
+    assert Ewma(EwmaConfig(tau=0.0), ctx).beta == pytest.approx(2 / 3)
+    # an explicit window W counts published versions of M = publish_every steps each: M*W = 2*2 = 4 -> 4/6
+    assert Ewma(EwmaConfig(window=2, tau=0.0), ctx).beta == pytest.approx(2 / 3)
+    assert Ewma(EwmaConfig(window=2, steps_per_version=3, tau=0.0), ctx).beta == pytest.approx(0.75)  # 6/8
 
 
 def _ewma_run(ckpt, tau, loss_cfg, steps=2):
