@@ -126,7 +126,7 @@ def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:
                           is_driver=False)
     strategy = registry.build(cfg.recovery, ctx)
     try:
-        follow(trainer, strategy, channel, loss_fn_factory(cfg.loss), view)
+        follow(trainer, strategy, channel, loss_fn_factory(cfg.loss, strategy=cfg.recovery.name), view)
     finally:
         strategy.close()
 

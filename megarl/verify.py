@@ -5,6 +5,14 @@ strategy (it plugs in through the hooks, like any other): it keeps every
 published version's parameters on the side and, for every train batch,
 compares the wrapped strategy's anchor with the true ``logp_old`` — a forward
 of the exact version v_t of every policy token (``recovery.verifier``).
+
+It is a check, not a printout: a strategy that claims exactness
+(``claims_exact``, the class flag) is *measured* exact when its largest
+error over all policy tokens is at most ``tol`` (``measured_exact``);
+:func:`failures` lists the claims the measurement refutes, and the command
+exits with code 1 on any. For the interpolation strategies (loglinear,
+linear) the report also gives the error of each v_theta convention
+(``conventions``), whichever one the run trained with.
 """
 from __future__ import annotations
 
@@ -17,6 +25,9 @@ from typing import Any
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 from recovery.base import RecoveryStrategy
 from recovery.verifier import compare, true_logp_old
+
+DEFAULT_TOL = 1e-5
+"""Largest abs error of logp_old that still counts as exact (fp32 round-off of two forward layouts is ~5e-7)."""
 
 
 class VerifyingStrategy(RecoveryStrategy):
@@ -31,6 +42,8 @@ class VerifyingStrategy(RecoveryStrategy):
         self.params_by_version: dict[int, dict] = {}
         self.stats = {"max_abs_err": 0.0, "sum_abs_err": 0.0, "n_tokens": 0, "n_sequences": 0,
                       "n_spliced_sequences": 0, "max_versions_per_sequence": 0}
+        #: per v_theta convention of an interpolation strategy: [max abs err, sum abs err]
+        self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in getattr(inner, "conventions", ())}
 
     # hooks: delegate, plus keep every version's weights
     def on_weights_published(self, version: int) -> None:
@@ -64,11 +77,18 @@ class VerifyingStrategy(RecoveryStrategy):
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         result = self.inner.anchor(batch, trajs)
         anchor = result.logp_anchor
-        if anchor is None:
+        logp_theta = None
+        if anchor is None or self.by_convention:
             # interpolation anchors depend on logp_theta: the loss sees these values at the first forward
-            anchor = result.from_theta(self.ctx.trainer.logprobs(batch), batch)
+            logp_theta = self.ctx.trainer.logprobs(batch)
+        if anchor is None:
+            anchor = result.from_theta(logp_theta, batch)
         truth = true_logp_old(batch, self.params_by_version, self.ctx.trainer)
         c = compare(anchor, truth, batch)
+        for convention, acc in self.by_convention.items():
+            cc = compare(self.inner.anchor_with(logp_theta, batch, convention), truth, batch)
+            acc[0] = max(acc[0], cc["max_abs_err"])
+            acc[1] += cc["mean_abs_err"] * cc["n_tokens"]
         s = self.stats
         s["max_abs_err"] = max(s["max_abs_err"], c["max_abs_err"])
         s["sum_abs_err"] += c["mean_abs_err"] * c["n_tokens"]
@@ -79,23 +99,46 @@ class VerifyingStrategy(RecoveryStrategy):
         result.metrics["verify/max_abs_err"] = c["max_abs_err"]
         return result
 
-    def report(self) -> dict[str, Any]:
+    def report(self, tol: float = DEFAULT_TOL) -> dict[str, Any]:
+        """The strategy's numbers; ``measured_exact``: some policy tokens were checked and none is off by > tol."""
         s = self.stats
         n = max(s["n_tokens"], 1)
-        return {"exact": bool(self.inner.exact), "max_abs_err": s["max_abs_err"],
-                "mean_abs_err": s["sum_abs_err"] / n, "n_tokens": s["n_tokens"],
-                "n_sequences": s["n_sequences"], "n_spliced_sequences": s["n_spliced_sequences"],
-                "spliced_frac": s["n_spliced_sequences"] / max(s["n_sequences"], 1),
-                "max_versions_per_sequence": s["max_versions_per_sequence"]}
+        rep = {"claims_exact": bool(self.inner.exact),
+               "measured_exact": s["n_tokens"] > 0 and s["max_abs_err"] <= tol, "tol": tol,
+               "max_abs_err": s["max_abs_err"],
+               "mean_abs_err": s["sum_abs_err"] / n, "n_tokens": s["n_tokens"],
+               "n_sequences": s["n_sequences"], "n_spliced_sequences": s["n_spliced_sequences"],
+               "spliced_frac": s["n_spliced_sequences"] / max(s["n_sequences"], 1),
+               "max_versions_per_sequence": s["max_versions_per_sequence"]}
+        if self.by_convention:
+            rep["convention"] = self.inner.cfg.convention
+            rep["conventions"] = {c: {"max_abs_err": mx, "mean_abs_err": total / n}
+                                  for c, (mx, total) in self.by_convention.items()}
+        return rep
 
 
-def verify(config_path: str, strategies: list[str], steps: int, output: str, overrides: list[str]) -> dict:
+def failures(report: dict[str, Any]) -> list[str]:
+    """One line per strategy that claims exactness but was not measured exact (empty: the check passed)."""
+    out = []
+    for name, rep in report["strategies"].items():
+        if not rep["claims_exact"] or rep["measured_exact"]:
+            continue
+        if rep["n_tokens"] == 0:
+            out.append(f"{name} claims exactness but no policy token was checked (run more --steps)")
+        else:
+            out.append(f"{name} claims exactness but its max abs error {rep['max_abs_err']:.3g} exceeds "
+                       f"--tol {rep['tol']:.3g} by {rep['max_abs_err'] - rep['tol']:.3g}")
+    return out
+
+
+def verify(config_path: str, strategies: list[str], steps: int, output: str, overrides: list[str],
+           tol: float = DEFAULT_TOL) -> dict:
     """Run the loop once per strategy (same seed and config) and write ``output`` (report.json)."""
     from megarl.config import load_config
     from megarl.errors import ConfigError
     from megarl.train import train
 
-    report: dict[str, Any] = {"strategies": {}}
+    report: dict[str, Any] = {"tol": tol, "strategies": {}}
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in strategies:
@@ -114,10 +157,11 @@ def verify(config_path: str, strategies: list[str], steps: int, output: str, ove
             return holder["v"]
 
         train(cfg, wrap_strategy=wrap)
-        rep = holder["v"].report()
+        rep = holder["v"].report(tol)
         report["strategies"][name] = rep
-        print(f"{name:>15}: exact={rep['exact']} max_abs_err={rep['max_abs_err']:.3g} "
-              f"mean_abs_err={rep['mean_abs_err']:.3g} tokens={rep['n_tokens']} "
-              f"spliced={rep['n_spliced_sequences']}/{rep['n_sequences']}", flush=True)
+        by_conv = "".join(f" max_abs_err[{c}]={e['max_abs_err']:.3g}" for c, e in rep.get("conventions", {}).items())
+        print(f"{name:>15}: claims_exact={rep['claims_exact']} measured_exact={rep['measured_exact']} "
+              f"max_abs_err={rep['max_abs_err']:.3g} mean_abs_err={rep['mean_abs_err']:.3g}{by_conv} "
+              f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']}", flush=True)
         out.write_text(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

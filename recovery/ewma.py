@@ -12,11 +12,17 @@ on the host (bf16 would swallow the (1-beta)*theta increments). The anchor is
 one forward with ``trainer.use_params(phi)``.
 
 Default decay. The EWMA's centre of mass lies beta/(1-beta) optimizer steps in
-the past; it is placed mid-window, at M*W/2 steps, giving
-``beta = (M*W)/(M*W + 2)`` (W = 4, M = 1 -> 0.667). W (``window``) defaults to
-rollout.eta + 1 versions, the window the staleness gate admits, and M
-(``steps_per_version``) to trainer.publish_every; the loop provides both as
-``RecoveryContext.eta`` / ``RecoveryContext.publish_every``.
+the past; it is placed mid-window, at S/2 steps for a staleness window of S
+optimizer steps, giving ``beta = S/(S + 2)`` (design.md §3 writes S = M*W: W
+published versions of M = trainer.publish_every optimizer steps each; S = 4 ->
+0.667). Units: a version is a count of optimizer steps (the engines receive
+trainer.version: 0, 2, 4, ... when publish_every = 2) and rollout.eta bounds a
+token's lag ``batch.version - v_t`` in those same optimizer steps (the buffer's
+deadline is start version + eta steps). So by default S = rollout.eta + 1 (lags
+0..eta) whatever publish_every is; multiplying by M would count it twice. An
+explicit ``window`` W is in published versions and S = M*W with M
+(``steps_per_version``) defaulting to trainer.publish_every. The loop provides
+both as ``RecoveryContext.eta`` / ``RecoveryContext.publish_every``.
 
 Auto-reset. After the anchor forward the active-token fraction (tokens the
 train-inference mask keeps, as ``megarl.losses.policy_loss`` reports it under
@@ -46,17 +52,17 @@ class EwmaConfig:
     """Options of the PPO-EWMA strategy."""
 
     beta: float | None = None
-    """EWMA decay per optimizer step, in [0, 1); None = (M*W)/(M*W + 2), which puts the EWMA's centre of mass mid staleness window."""
+    """EWMA decay per optimizer step, in [0, 1); None = S/(S + 2) for a staleness window of S optimizer steps (rollout.eta + 1, or window * steps_per_version), which puts the EWMA's centre of mass mid-window."""
     window: int | None = None
-    """W: expected staleness window in versions (only for the default beta); None = rollout.eta + 1."""
+    """W: expected staleness window in published versions, M optimizer steps each (only for the default beta); None = rollout.eta + 1 optimizer steps (eta counts optimizer steps)."""
     steps_per_version: int | None = None
-    """M: optimizer steps per published version (only for the default beta); None = trainer.publish_every."""
+    """M: optimizer steps per published version, used with an explicit window (S = M*W); None = trainer.publish_every."""
     tau: float = 0.5
     """Reset phi <- theta when the active-token fraction under the EWMA anchor falls below tau (0 = never reset)."""
 
 
-def default_beta(window: int, steps_per_version: int) -> float:
-    """beta whose EWMA age beta/(1-beta) equals M*W/2 optimizer steps."""
+def default_beta(window: int, steps_per_version: int = 1) -> float:
+    """beta whose EWMA age beta/(1-beta) equals S/2 optimizer steps, S = M*W (W versions of M steps)."""
     mw = steps_per_version * window
     return mw / (mw + 2)
 
@@ -99,11 +105,13 @@ class Ewma(RecoveryStrategy):
             if not 0.0 <= cfg.beta < 1.0:
                 raise ValueError(f"recovery.ewma.beta={cfg.beta} must lie in [0, 1)")
             return cfg.beta
-        window = cfg.window if cfg.window is not None else ctx.eta + 1
+        if cfg.window is None:
+            # rollout.eta already counts optimizer steps: lags 0..eta, a window of eta + 1 steps
+            return default_beta(ctx.eta + 1)
         steps = cfg.steps_per_version if cfg.steps_per_version is not None else ctx.publish_every
-        if window < 1 or steps < 1:
-            raise ValueError(f"recovery.ewma.window={window} and steps_per_version={steps} must be >= 1")
-        return default_beta(window, steps)
+        if cfg.window < 1 or steps < 1:
+            raise ValueError(f"recovery.ewma.window={cfg.window} and steps_per_version={steps} must be >= 1")
+        return default_beta(cfg.window, steps)
 
     # -- the average -------------------------------------------------------------
     def _fold_in_theta(self) -> None:

@@ -1,23 +1,42 @@
-"""`megarl verify-recovery`: check each strategy's anchor against the true logp_old inside the real loop."""
+"""`megarl verify-recovery`: check each strategy's anchor against the true logp_old inside the real loop.
+
+Exit code 0 when every strategy that claims exactness was measured exact
+(max abs error <= --tol), 1 when one was not (each printed with its excess),
+2 on bad input.
+"""
 from __future__ import annotations
+
+import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("verify-recovery", help="compare recovery anchors with the true logp_old of every token")
+    p = sub.add_parser("verify-recovery", help="check recovery anchors against the true logp_old of every token")
     p.add_argument("--config", required=True, help="run config (e.g. configs/tiny_cpu.yaml); needs eta >= 2")
     p.add_argument("--strategies", default="snapshot,dedicated,interrupt_sync,ewma,recompute,loglinear",
                    help="comma-separated strategy names, or 'all'")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per strategy")
     p.add_argument("--output", default="report.json", help="where to write the JSON report")
+    p.add_argument("--tol", type=float, default=None,
+                   help="largest max abs error of an exact strategy's anchor, exit code 1 above it "
+                        "(default megarl.verify.DEFAULT_TOL = 1e-5)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from megarl.verify import verify
+    import math
+
+    from megarl.errors import ConfigError
+    from megarl.verify import DEFAULT_TOL, failures, verify
     from recovery.registry import resolve_names
 
+    tol = DEFAULT_TOL if args.tol is None else args.tol
+    if not (math.isfinite(tol) and tol >= 0):
+        raise ConfigError(f"--tol={tol} must be a finite number >= 0")
     chosen = resolve_names(args.strategies)
-    verify(args.config, chosen, args.steps, args.output, args.overrides)
+    report = verify(args.config, chosen, args.steps, args.output, args.overrides, tol=tol)
     print(f"wrote {args.output}")
-    return 0
+    failed = failures(report)
+    for line in failed:
+        print(f"megarl verify-recovery: FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0

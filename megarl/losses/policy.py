@@ -147,6 +147,13 @@ def _counts(valid: torch.Tensor, keep: torch.Tensor, cfg: PolicyLossConfig):
     return n_tok_seq, (n_tok_seq > 0).sum()
 
 
+def normalizer_needs_anchor(cfg: PolicyLossConfig) -> bool:
+    """True when :func:`loss_normalizer` depends on the anchor: only "kept" counts under a behaviour mask
+    with a bound (mis or mask); otherwise every valid token is kept and counted whatever the anchor."""
+    return (cfg.denominator == "kept" and cfg.behav_weight in ("mis", "mask")
+            and (cfg.behav_low is not None or cfg.behav_high is not None))
+
+
 def loss_normalizer(logp_anchor: torch.Tensor, logp_behav: torch.Tensor, loss_mask: torch.Tensor,
                     cfg: PolicyLossConfig) -> float:
     """The local count policy_loss divides by when ``normalizer`` is None.

@@ -9,7 +9,7 @@ from recovery_scorer import HFScorerForTests, LoopState, drive_history, tiny_che
 from megarl.losses import PolicyLossConfig
 from megarl.types import TrainBatch
 from recovery.ewma import Ewma, EwmaConfig, default_beta, ewma_update
-from recovery.linear import Linear, LinearConfig
+from recovery.linear import Linear, LinearConfig, linear_anchor
 from recovery.loglinear import Loglinear, LoglinearConfig, proximal_alpha
 from recovery.recompute import Recompute, RecomputeConfig
 
@@ -61,10 +61,25 @@ def test_ewma_beta_resolution(ckpt):
     assert Ewma(EwmaConfig(beta=0.9, tau=0.0), ctx).beta == 0.9
     ctx.eta, ctx.publish_every = 1, 1  # W = eta + 1 = 2, M = 1: beta = 2/4
     assert Ewma(EwmaConfig(tau=0.0), ctx).beta == pytest.approx(0.5)
-    ctx.eta, ctx.publish_every = 3, 2  # what the loop may pass: W = eta + 1 = 4, M = 2
-    assert Ewma(EwmaConfig(tau=0.0), ctx).beta == pytest.approx(0.8)
     with pytest.raises(ValueError, match=r"beta=1.0 must lie in \[0, 1\)"):
         Ewma(EwmaConfig(beta=1.0), ctx)
+
+
+def test_ewma_default_beta_with_publish_every_2(ckpt):
+    # With trainer.publish_every = 2 the engines receive versions 0, 2, 4, ... (a version is the number of
+    # optimizer steps) and rollout.eta bounds a token's lag in those same optimizer steps (lags 0, 1, 2 for
+    # eta = 2; tests/unit/test_staleness_gate.py). The window is eta + 1 = 3 optimizer steps whatever
+    # publish_every is: age 3/2 steps, beta = 3 / (3 + 2) = 0.6 (not M*(eta+1) = 6 steps, beta 0.75).
+    ctx = LoopState().context(HFScorerForTests(ckpt))
+    ctx.eta, ctx.publish_every = 2, 2
+    ewma = Ewma(EwmaConfig(tau=0.0), ctx)
+    assert ewma.beta == pytest.approx(0.6)
+    assert ewma.beta / (1 - ewma.beta) == pytest.approx(1.5)  # centre of mass mid-window, in optimizer steps
+    ctx.eta = 3  # window 4 steps: beta = 4/6
+    assert Ewma(EwmaConfig(tau=0.0), ctx).beta == pytest.approx(2 / 3)
+    # an explicit window W counts published versions of M = publish_every steps each: M*W = 2*2 = 4 -> 4/6
+    assert Ewma(EwmaConfig(window=2, tau=0.0), ctx).beta == pytest.approx(2 / 3)
+    assert Ewma(EwmaConfig(window=2, steps_per_version=3, tau=0.0), ctx).beta == pytest.approx(0.75)  # 6/8
 
 
 def _ewma_run(ckpt, tau, loss_cfg, steps=2):
@@ -207,3 +222,109 @@ def test_linear_by_hand():
     assert expected[1] == pytest.approx(-1.0)  # fresh token: anchor = behav
     assert expected[2] == pytest.approx(-1.379885, abs=1e-6)  # log(0.5 e^-1 + 0.5 e^-2)
     assert got[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_alpha_by_hand_areal_convention():
+    # AReaL's convention: v_theta = the trainer's version = batch.version = 9; alpha = (8 - v_t) / (9 - v_t),
+    # and alpha = 0 where v_t = v_theta (nothing to interpolate):
+    #   v_t=9: 0 (v_t = v_theta)   v_t=8: 0/1 = 0   v_t=7: 1/2   v_t=6: 2/3
+    # (megarl's convention gives the one-version-old v8 token 1/2 instead of 0)
+    alpha = proximal_alpha(interp_batch(), convention="areal")
+    assert alpha[0, 1:5].tolist() == pytest.approx([0.0, 0.0, 0.5, 2 / 3])
+    assert alpha[0, [0, 5]].tolist() == [0.0, 0.0]  # tool tokens (v = -1) are not interpolated either way
+
+
+def test_loglinear_and_linear_by_hand_areal_convention():
+    batch = interp_batch()
+    theta = torch.tensor([[float("nan"), -2.0, -2.0, -2.0, -3.0, float("-inf")]])
+    got = Loglinear(LoglinearConfig(convention="areal"), LoopState().context(None)).anchor(batch, []).from_theta(
+        theta, batch)
+    # behav + alpha (theta - behav), alphas 0, 0, 1/2, 2/3: -1, -1, -1 + (1/2)(-1), -0.5 + (2/3)(-2.5)
+    assert got[0].tolist() == pytest.approx([0.0, -1.0, -1.0, -1.5, -0.5 - 5 / 3, 0.0])
+    got = Linear(LinearConfig(convention="areal"), LoopState().context(None)).anchor(batch, []).from_theta(
+        theta, batch)
+    mix = [math.log((1 - a) * math.exp(lb) + a * math.exp(-t) + 1e-10)
+           for a, lb, t in ((0, -1, 2), (0, -1, 2), (0.5, -1, 2), (2 / 3, -0.5, 3))]
+    assert mix[1] == pytest.approx(-1.0) and mix[2] == pytest.approx(-1.379885, abs=1e-6)
+    assert got[0].tolist() == pytest.approx([0.0, *mix, 0.0], abs=1e-6)
+
+
+def test_convention_is_a_config_field():
+    from megarl.config import load_config
+    from megarl.errors import ConfigError
+
+    cfg = load_config(None, ["recovery.name=linear", "recovery.linear.convention=areal"])
+    assert cfg.recovery.options["linear"].convention == "areal"
+    assert LoglinearConfig().convention == "megarl" and LinearConfig().convention == "megarl"
+    with pytest.raises(ConfigError, match="megarl"):
+        load_config(None, ["recovery.name=loglinear", "recovery.loglinear.convention=verl"])
+
+
+# ---------------------------------------------------------------- the kept-token denominator
+
+
+KEPT = PolicyLossConfig(behav_weight="mis", behav_low=0.5, behav_high=2.0, denominator="kept")
+
+
+def kept_batch(trainer):
+    """Two rows at batch.version 9 (v_theta = 10) whose logp_behav sits c above the model's log-prob.
+
+    loglinear then gives anchor = theta + (1 - alpha) c, so log w = -alpha c and log r = -(1 - alpha) c:
+      row 0: v9 c=0.1, v9 c=0.1, v8 c=0.2, v8 c=2.0     row 1: v8 c=-2.0, v8 c=0.2, v8 c=2.0
+    """
+    from megarl.types import Trajectory
+
+    rows = [([1, 5, 6], [9, 9, 8, 8], [0.1, 0.1, 0.2, 2.0]), ([1, 7], [8, 8, 8], [-2.0, 0.2, 2.0])]
+    trajs = []
+    for i, (prompt, versions, _) in enumerate(rows):
+        t = Trajectory(f"k{i}", "g", prompt)
+        t.append_policy([4 + i + j for j in range(len(versions))], [0.0] * len(versions), versions)
+        t.advantage = 1.0
+        trajs.append(t)
+    batch = TrainBatch.from_trajectories(trajs, version=9)
+    theta = trainer.logprobs(batch)
+    for b, (prompt, _, cs) in enumerate(rows):
+        p = len(prompt)
+        batch.logp_behav[b, p - 1:p - 1 + len(cs)] = theta[b, p - 1:p - 1 + len(cs)] + torch.tensor(cs)
+    return batch, trajs, theta
+
+
+def test_kept_denominator_counts_the_tokens_the_interpolated_anchor_keeps(ckpt):
+    # w = exp(-alpha c), r = exp(-(1 - alpha) c), A = 1, mis bounds [0.5, 2], clip [0.8, 1.2]:
+    #   v9 c=0.1 (alpha 0):    w = 1,          r = e^-0.1: kept, l = -e^-0.1
+    #   v8 c=0.2 (alpha 1/2):  w = e^-0.1,     r = e^-0.1: kept, l = -e^-0.2
+    #   v8 c=2.0:              w = e^-1 = 0.37 < 0.5: dropped
+    #   v8 c=-2.0:             w = e^1 = 2.72 > 2:    dropped
+    # kept: 2 (v9) + 2 (v8 c=0.2) = 4 of 7 valid tokens;
+    # loss = (-2 e^-0.1 - 2 e^-0.2) / 4 = -0.861784 (dividing by 7 would give -0.492448)
+    from megarl.losses.objective import loss_fn_factory
+
+    trainer = HFScorerForTests(ckpt, version=9)
+    batch, trajs, theta = kept_batch(trainer)
+    res = Loglinear(LoglinearConfig(), LoopState().context(trainer, loss_cfg=KEPT)).anchor(batch, trajs)
+    if res.logp_anchor is not None:
+        batch.logp_anchor = res.logp_anchor
+    loss_fn = loss_fn_factory(KEPT)(batch, res)
+    total, normalizers = 0.0, []
+    for i in range(batch.size):  # one micro-batch per row: their losses must add up to the batch loss
+        mb = batch.select([i])
+        loss, m = loss_fn(theta[[i], : mb.tokens.shape[1] - 1].clone().requires_grad_(), mb)
+        total += float(loss.detach())
+        normalizers.append(m["normalizer"])
+    assert normalizers == [4.0, 4.0]
+    assert total == pytest.approx(-(math.exp(-0.1) + math.exp(-0.2)) / 2, abs=1e-5)
+    assert total == pytest.approx(-0.861784, abs=1e-5)
+
+
+def test_interpolated_anchor_needs_no_forward_when_the_count_does_not_depend_on_it(ckpt):
+    trainer = HFScorerForTests(ckpt, version=9)
+    batch, trajs, _ = kept_batch(trainer)
+    trainer.forward_rows.clear()
+    for cfg in (PolicyLossConfig(behav_weight="mis", behav_high=5.0),  # denominator all
+                PolicyLossConfig(behav_weight="tis", behav_high=2.0, denominator="kept")):  # tis masks nothing
+        res = Linear(LinearConfig(), LoopState().context(trainer, loss_cfg=cfg)).anchor(batch, trajs)
+        assert res.logp_anchor is None and res.from_theta is not None
+    assert trainer.forward_rows == []
+    res = Linear(LinearConfig(), LoopState().context(trainer, loss_cfg=KEPT)).anchor(batch, trajs)
+    assert res.from_theta is None and len(trainer.forward_rows) == 1
+    assert torch.equal(res.logp_anchor, linear_anchor(trainer.logprobs(batch), batch))

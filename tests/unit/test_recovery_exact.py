@@ -175,3 +175,62 @@ def test_interrupt_sync_state_round_trip(ckpt):
     a = runs[0][2].anchor(runs[0][3], runs[0][4]).logp_anchor
     b = fresh.anchor(runs[1][3], runs[1][4]).logp_anchor
     assert torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+
+
+# ---------------------------------------------------------------- the verify-recovery check
+
+
+def verified(strategy, trainer, loop, tol=1e-5):
+    """The VerifyingStrategy report of ``strategy`` over the hand-built history (batch version 9)."""
+    from megarl.verify import VerifyingStrategy
+
+    wrapped = VerifyingStrategy(strategy)
+    batch, trajs, params = drive_history(wrapped, trainer, loop, extra_step=True)
+    wrapped.anchor(batch, trajs)
+    return wrapped.report(tol), batch, params
+
+
+def test_verify_report_measures_exactness(ckpt, trainer):
+    from recovery_scorer import snapshot_next_version_class
+
+    from megarl.verify import failures
+
+    loop = LoopState()
+    good, _, _ = verified(Snapshot(SnapshotConfig(), loop.context(trainer)), trainer, loop)
+    assert good["claims_exact"] and good["measured_exact"] and good["max_abs_err"] <= 1e-6, good
+    assert good["n_tokens"] == 21 and good["tol"] == 1e-5
+    # scoring v7 tokens with v8 weights and v8 tokens with the current v9 weights is off by > 1e-3
+    other, loop = HFScorerForTests(ckpt, version=7), LoopState()
+    bad, _, _ = verified(snapshot_next_version_class()(SnapshotConfig(), loop.context(other)), other, loop)
+    assert bad["claims_exact"] and not bad["measured_exact"] and bad["max_abs_err"] > 1e-3, bad
+    (line,) = failures({"strategies": {"snapshot": good, "snapshot_next_version": bad}})
+    assert line.startswith("snapshot_next_version claims exactness but its max abs error "), line
+    assert f"exceeds --tol 1e-05 by {bad['max_abs_err'] - 1e-5:.3g}" in line, line
+    # an approximate strategy is never a failure
+    assert failures({"strategies": {"x": {**bad, "claims_exact": False}}}) == []
+
+
+def test_verify_report_gives_both_interpolation_conventions(trainer):
+    # batch version 9 (extra step), tokens of v7 and v8. megarl: v_theta = 10, alpha(v8) = 1/2, alpha(v7) = 2/3;
+    # areal: v_theta = 9, alpha(v8) = 0, alpha(v7) = 1/2. Each convention's error against the true logp_old
+    # is |behav + alpha (theta - behav) - logp_old| over the policy tokens.
+    from recovery.loglinear import Loglinear, LoglinearConfig
+
+    loop = LoopState()
+    rep, batch, params = verified(Loglinear(LoglinearConfig(convention="areal"), loop.context(trainer)),
+                                  trainer, loop)
+    assert not rep["claims_exact"] and rep["convention"] == "areal"
+    mask = (batch.loss_mask > 0) & (batch.versions >= 0)
+    theta, behav = trainer.logprobs(batch), batch.logp_behav
+    truth = verifier.true_logp_old(batch, params, trainer)
+    for convention, alphas in (("megarl", {8: 0.5, 7: 2 / 3}), ("areal", {8: 0.0, 7: 0.5})):
+        alpha = torch.zeros_like(behav)
+        for v, a in alphas.items():
+            alpha[batch.versions == v] = a
+        err = (behav + alpha * (theta - behav) - truth)[mask].abs()
+        got = rep["conventions"][convention]
+        assert got["max_abs_err"] == pytest.approx(float(err.max()), abs=1e-6), (convention, got)
+        assert got["mean_abs_err"] == pytest.approx(float(err.mean()), abs=1e-6), (convention, got)
+    # the run trained with areal: its own error is that convention's
+    assert rep["max_abs_err"] == rep["conventions"]["areal"]["max_abs_err"]
+    assert rep["conventions"]["megarl"]["max_abs_err"] != rep["conventions"]["areal"]["max_abs_err"]

@@ -82,10 +82,11 @@ class Rewards:
         return SimpleNamespace(reward=float(len(traj.response_ids)), failed=False, reason=None)
 
 
-def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: bool = True):
+def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: bool = True, publish_every: int = 1):
     rng = random.Random(seed)
     cfg = load_config(None, [f"rollout.eta={eta}", f"trainer.batch_size={B}", f"rollout.group_size={n}",
-                             f"rollout.interruptible={str(interruptible).lower()}"])
+                             f"rollout.interruptible={str(interruptible).lower()}",
+                             f"trainer.publish_every={publish_every}"])
     engine = SimulatedEngineForGateTests(rng, 12)
     trainer = StepCounterTrainerForGateTests(rng)
     prompts = iter(lambda: SimpleNamespace(prompt_id="p", prompt_ids=[1, 5, 2], answer=None, row={}), None)
@@ -135,3 +136,15 @@ def test_async_run_interrupts_and_splices():
     assert sum(r["n_interrupted"] for r in records) > 0
     assert sum(r["n_spliced"] for r in records) > 0
     assert max(r["staleness_max"] for r in records) <= 2
+
+
+def test_versions_and_eta_count_optimizer_steps_with_publish_every_2():
+    # versions are optimizer-step counts: with publish_every = 2 the engines generate with 0, 2, 4, ...;
+    # eta bounds the lag (trainer version - v_t) in optimizer steps, so all of 0..eta occur, never more
+    # (the EWMA's default window, recovery/ewma.py, relies on this)
+    for seed in (1, 2):
+        trainer, _ = run_loop(eta=2, B=4, n=2, steps=10, seed=seed, publish_every=2)
+        versions = {v for _, tv, _ in trainer.trained for v in tv}
+        lags = {version - v for version, tv, _ in trainer.trained for v in tv}
+        assert versions <= {0, 2, 4, 6, 8} and len(versions) >= 3
+        assert lags == {0, 1, 2}

@@ -1,0 +1,42 @@
+"""`megarl verify-recovery` is a check: exit code 1 when a strategy that claims exactness is not exact.
+
+The deliberately wrong strategy (a snapshot that scores version v with the
+weights of v + 1, tests/unit/recovery_scorer.py) is registered in the CLI's own
+process before the command runs, like a user's strategy module would be.
+"""
+import json
+import subprocess
+import sys
+
+from conftest import ENV, ROOT, run_megarl
+
+REGISTER_WRONG_AND_RUN = (
+    "import sys; sys.path.insert(0, 'tests/unit'); "
+    "from recovery_scorer import snapshot_next_version_class; from recovery.registry import register; "
+    "register(snapshot_next_version_class()); from megarl.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_verify_fails_for_a_wrong_exact_strategy(ckpt, tmp_path):
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-c", REGISTER_WRONG_AND_RUN, "verify-recovery", "--config",
+                        "configs/verify_cpu.yaml", "--strategies", "snapshot_next_version", "--steps", "4",
+                        "--output", str(report), f"model.checkpoint={ckpt}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(report.read_text())["strategies"]["snapshot_next_version"]
+    assert s["claims_exact"] and not s["measured_exact"] and s["max_abs_err"] > 1e-5 and s["n_tokens"] > 0, s
+    assert (f"FAILED: snapshot_next_version claims exactness but its max abs error {s['max_abs_err']:.3g} "
+            f"exceeds --tol 1e-05 by {s['max_abs_err'] - 1e-5:.3g}") in r.stderr, r.stderr[-3000:]
+
+
+def test_verify_with_the_vllm_engine_splices_and_is_exact(ckpt, tmp_path):
+    # configs/verify_vllm_cpu.yaml says how one request in flight, long answers and a publish per step
+    # make most publishes interrupt a request, so that many sequences hold two versions
+    report = tmp_path / "report.json"
+    r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies", "snapshot",
+                   "--steps", "12", "--output", str(report), f"model.checkpoint={ckpt}", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(report.read_text())["strategies"]["snapshot"]
+    assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, s
+    assert s["n_sequences"] == 24 and s["max_versions_per_sequence"] >= 2, s
+    assert s["spliced_frac"] >= 0.1, s
