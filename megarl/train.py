@@ -175,8 +175,7 @@ def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
         eval_dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size,
                                                  path=cfg.eval.path, shuffle=False)
     elif cfg.eval.every:
-        raise ConfigError(f"eval.every={cfg.eval.every} but eval.path is empty; set eval.path to a file of "
-                          f"evaluation rows (same format as data.path)")
+        log.warning("eval.every=%d has no effect: eval.path is empty (no evaluation in this run)", cfg.eval.every)
     return RunInputs(tokenizer, dataset, eval_dataset)
 
 

@@ -34,7 +34,7 @@ def test_async_run_outputs(async_run):
     assert all(r["staleness_max"] <= 2 for r in records)
     assert sum(r["n_interrupted"] for r in records) > 0
     assert sum(r["n_spliced"] for r in records) > 0
-    assert all(r["n_reward_failed"] == 0 and r["n_reward_calls"] > 0 for r in records)
+    assert all(r["n_reward_failed"] == 0 for r in records) and sum(r["n_reward_calls"] for r in records) >= 8 * 32
     assert (async_run / "config.yaml").is_file()
     assert (async_run / "final" / "config.json").is_file()
     assert list((async_run / "tensorboard").glob("events.out.tfevents.*"))
@@ -145,8 +145,8 @@ def test_empty_dataset_and_too_long_prompt(ckpt, tmp_path):
 
 def test_a_reward_that_fails_on_most_calls_stops_the_run(ckpt, tmp_path):
     # the code reward needs test snippets; reverse-digit rows have none, so every call raises
-    r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", "reward.fn=code",
-               "--output-dir", str(tmp_path), "trainer.total_steps=5", *SMALL, timeout=300)
+    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(tmp_path), f"model.checkpoint={ckpt}",
+               "reward.fn=code", "trainer.total_steps=5", *SMALL, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "reward calls failed" in r.stderr and "reward.max_fail_frac=0.5" in r.stderr, r.stderr[-3000:]
     assert "ValueError: code reward needs tests" in r.stderr, r.stderr[-3000:]  # one failing call's exception
