@@ -92,6 +92,18 @@ def effective_max_new_tokens(req: GenerateRequest, max_model_len: int) -> int:
     return min(req.sampling.max_new_tokens, max_model_len - n_prompt)
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature ``logp_behav`` is taken at, for scoring the same tokens in the trainer: the sampling
+    temperature, or 1 for greedy sampling (0), whose reported log-probs are the raw log-softmax."""
+    return temperature if temperature > 0 else 1.0
+
+
+def truncates_sampling(top_p: float, top_k: int, vocab_size: int = 0) -> bool:
+    """True when top-p or top-k leave tokens out, so that ``logp_behav`` is the log-prob of a
+    renormalized truncated distribution rather than of softmax(logits / T) (``vocab_size`` 0: unknown)."""
+    return top_p < 1.0 or (top_k > 0 and not 0 < vocab_size <= top_k)
+
+
 def check_request(req: GenerateRequest, vocab_size: int) -> None:
     """InputError for token ids outside the vocabulary or sampling settings no backend accepts."""
     bad = [t for t in req.prompt_ids + list(req.sampling.stop_token_ids) if not 0 <= t < vocab_size]
