@@ -23,7 +23,7 @@ from megarl.config import MegaRLConfig, load_config, save_config
 from megarl.errors import ConfigError, MegarlError
 from megarl.launch.serve import serve_role
 from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
-from megarl.rollout.base import logprob_temperature, truncates_sampling
+from megarl.rollout.base import engine_options, logprob_temperature, truncates_sampling
 from megarl.rollout.client import connect_engine
 
 log = logging.getLogger("megarl.train")
@@ -70,6 +70,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
                           f"max_position_embeddings {max_len}; lower one of them")
     ro = cfg.rollout
+    engine_options(ro.backend, ro.kv_cache_gb, ro.cpu_threads)  # the engines' resources, checked before they start
     if truncates_sampling(ro.top_p, ro.top_k, int(hf.get("vocab_size") or 0)) and not cfg.loss.allow_truncated_sampling:
         raise ConfigError(f"rollout.top_p={ro.top_p}, rollout.top_k={ro.top_k} truncate the sampling distribution: "
                           f"logp_behav is then the log-prob under a renormalized truncated distribution that the "
@@ -186,7 +187,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, dataset, wr
             launches[i] += 1
             return launch_engine_process(str(ckpt), cfg.rollout.backend, port,
                                          extra_args=["--dtype", cfg.model.dtype],  # the trainer's precision
-                                         env={"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb)},
+                                         kv_cache_gb=cfg.rollout.kv_cache_gb, cpu_threads=cfg.rollout.cpu_threads,
                                          log_path=str(run_dir / log_name))
 
         from megarl.launch.roles import current_role
