@@ -30,6 +30,7 @@ from megarl.errors import ConfigError, MegarlError
 from megarl.launch.serve import serve_role
 from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
 from megarl.rewards.scorer import TrajectoryScorer
+from megarl.rollout.base import engine_options, logprob_temperature, truncates_sampling
 from megarl.rollout.client import connect_engine
 from megarl.tokenizer import RunTokenizer
 
@@ -80,6 +81,13 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
     if max_len and need > max_len:
         raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
                           f"max_position_embeddings {max_len}; lower one of them")
+    ro = cfg.rollout
+    engine_options(ro.backend, ro.kv_cache_gb, ro.cpu_threads)  # the engines' resources, checked before they start
+    if truncates_sampling(ro.top_p, ro.top_k, int(hf.get("vocab_size") or 0)) and not cfg.loss.allow_truncated_sampling:
+        raise ConfigError(f"rollout.top_p={ro.top_p}, rollout.top_k={ro.top_k} truncate the sampling distribution: "
+                          f"logp_behav is then the log-prob under a renormalized truncated distribution that the "
+                          f"trainer cannot reproduce from full logits, so r_d is biased; set rollout.top_p=1 and "
+                          f"rollout.top_k=-1, or loss.allow_truncated_sampling=true to train anyway")
 
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:
@@ -108,7 +116,8 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path):
                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                            lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
                            total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype,
-                           sequence_parallel=cfg.parallel.sequence_parallel)
+                           sequence_parallel=cfg.parallel.sequence_parallel,
+                           temperature=logprob_temperature(cfg.rollout.temperature))
 
 
 def _follow(cfg: MegaRLConfig, ckpt: Path, run_dir: Path) -> None:
@@ -220,7 +229,7 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, inputs: Run
             launches[i] += 1
             return launch_engine_process(str(ckpt), cfg.rollout.backend, port,
                                          extra_args=["--dtype", cfg.model.dtype],  # the trainer's precision
-                                         env={"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb)},
+                                         kv_cache_gb=cfg.rollout.kv_cache_gb, cpu_threads=cfg.rollout.cpu_threads,
                                          log_path=str(run_dir / log_name))
 
         from megarl.launch.roles import current_role

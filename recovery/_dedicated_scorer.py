@@ -17,19 +17,22 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import ConfigError
+from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import free_port
 from megarl.types import Trajectory, TrainBatch
 
 log = logging.getLogger("megarl.dedicated")
 
 
-def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32") -> Any:
+def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0) -> Any:
+    """The scoring model; it scores at the trainer's ``temperature`` (the engines' sampling temperature),
+    or its log-probs would not be the trainer's."""
     if factory:
         module, _, fn = factory.partition(":")
-        return getattr(importlib.import_module(module), fn)(checkpoint_dir)
+        return getattr(importlib.import_module(module), fn)(checkpoint_dir, temperature=temperature)
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
-    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype)
+    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature)
 
 
 def _load_weights(scorer: Any, path: str) -> None:
@@ -57,14 +60,14 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
 
 
 def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
-                dtype: str = "float32") -> None:
+                dtype: str = "float32", temperature: float = 1.0) -> None:
     _own_world(env)
     try:
         import torch
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        scorer = _build_scorer(factory, checkpoint_dir, dtype)
+        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature)
         _serve(scorer, in_q.get, out_q.put)
     except BaseException:  # noqa: BLE001 - the parent must hear about any failure
         out_q.put(("error", traceback.format_exc()))
@@ -75,7 +78,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
 
     ``run_cfg`` is the run's config (the same file and overrides as the
     trainer's command): the model comes from ``model.checkpoint`` in
-    ``model.dtype``, the options from ``recovery.dedicated``;
+    ``model.dtype`` scoring at ``rollout.temperature``, the options from ``recovery.dedicated``;
     ``cuda_visible_devices`` does not apply (the launcher gives the role its
     GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``.
 
@@ -112,7 +115,8 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
 
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
-            scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype)
+            scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype,
+                                   logprob_temperature(run_cfg.rollout.temperature))
         except Exception:  # noqa: BLE001 - reported to the trainer below
             build_error = traceback.format_exc()
         conn = pending.get()  # the trainer connects at its first publish

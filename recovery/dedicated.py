@@ -11,7 +11,8 @@
 The scoring process owns its own model: by default a ``MegatronTrainer`` with
 tp = pp = ep = 1 in its own gloo world of size one (its own MASTER_PORT), built
 from ``ctx.checkpoint_dir`` in the trainer's dtype (``ctx.trainer.dtype``: a
-float32 scorer of a bf16 policy would not return the trainer's log-probs);
+float32 scorer of a bf16 policy would not return the trainer's log-probs) and at
+its temperature (``ctx.trainer.temperature``, the engines' sampling temperature);
 ``scorer_factory`` can name another builder. The scorer's side (its message
 loop, the spawned child, the launched role) is recovery/_dedicated_scorer.py.
 
@@ -81,7 +82,7 @@ class DedicatedConfig:
     """Options of the dedicated scoring process."""
 
     scorer_factory: str = ""
-    """Builder of the scoring model in the child, 'pkg.module:function' called with the checkpoint dir; empty = MegatronTrainer (tp=pp=ep=1)."""
+    """Builder of the scoring model in the child, 'pkg.module:function' called with the checkpoint dir and temperature=T (score softmax(logits / T)); empty = MegatronTrainer (tp=pp=ep=1)."""
     master_port: int = 0
     """MASTER_PORT of the scoring process's own gloo world of one; 0 picks a free port."""
     cuda_visible_devices: str = ""
@@ -138,7 +139,8 @@ class Dedicated(RecoveryStrategy):
         proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
                              args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
                                    self.cfg.num_threads, in_q, out_q,
-                                   getattr(self.ctx.trainer, "dtype", "float32")))
+                                   getattr(self.ctx.trainer, "dtype", "float32"),
+                                   getattr(self.ctx.trainer, "temperature", 1.0)))
         proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
         self._link = QueueLink(proc, in_q, out_q)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from megarl.commands._engine_args import add_engine_resource_args, engine_resource_options
 from megarl.rollout.base import BACKENDS, ENGINE_DTYPES
 
 
@@ -18,8 +19,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=ENGINE_DTYPES, default=None,
                    help="weight dtype (the trainer's model.dtype); auto = the dtype in the checkpoint's "
                         "config.json; default: float32, except vllm on GPU (vLLM's own choice)")
-    p.add_argument("--kv-cache-gib", type=int, default=None,
-                   help="vllm on CPU: KV cache size in GiB (default: $VLLM_CPU_KVCACHE_SPACE or vLLM's)")
+    add_engine_resource_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm: most requests batched at once")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm on GPU: memory fraction")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -34,7 +34,7 @@ def run(args) -> int:
 
     from megarl.rollout.server import serve
 
-    options = {"seed": args.seed, "initial_version": args.initial_version}
+    options = {"seed": args.seed, "initial_version": args.initial_version, **engine_resource_options(args)}
     if args.dtype is not None:
         options["dtype"] = args.dtype
     if args.tensor_parallel_size not in (None, 1) and args.backend != "vllm":
@@ -42,7 +42,7 @@ def run(args) -> int:
               f"(the hf engine runs one worker)", file=sys.stderr)
         return 2
     if args.backend == "vllm":
-        vllm_only = {"kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
+        vllm_only = {"max_num_seqs": args.max_num_seqs,
                      "gpu_memory_utilization": args.gpu_memory_utilization,
                      "tensor_parallel_size": args.tensor_parallel_size}
         options.update({k: v for k, v in vllm_only.items() if v is not None})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from megarl.commands._engine_args import add_engine_resource_args, engine_resource_options
 from megarl.rollout.base import BACKENDS
 
 
@@ -25,6 +26,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="request i is sampled with seed + i")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=None,
                    help="token ids that end a generation (default: the model's eos_token_id)")
+    add_engine_resource_args(p)
     p.set_defaults(func=run)
 
 
@@ -38,16 +40,17 @@ def _default_stop_ids(checkpoint: str) -> list[int]:
 async def _generate_all(args, prompts: list[list[int]]) -> list:
     import asyncio
 
-    from megarl.rollout.base import make_engine
+    from megarl.rollout.base import make_engine, resources_note
     from megarl.types import GenerateRequest, SamplingParams
 
     stop = args.stop_token_ids if args.stop_token_ids is not None else _default_stop_ids(args.checkpoint)
-    engine = await make_engine(args.backend, args.checkpoint, seed=args.seed)
+    engine = await make_engine(args.backend, args.checkpoint, seed=args.seed, **engine_resource_options(args))
     try:
         reqs = [GenerateRequest(f"gen-{i}", ids, SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
             stop_token_ids=stop, seed=args.seed + i)) for i, ids in enumerate(prompts)]
-        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        results = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        return results, resources_note(await engine.health())
     finally:
         await engine.close()
 
@@ -61,12 +64,12 @@ def run(args) -> int:
 
     prompts = read_input_ids(args.input)
     t0 = time.perf_counter()
-    results = asyncio.run(_generate_all(args, prompts))
+    results, resources = asyncio.run(_generate_all(args, prompts))
     with open(args.output, "w", encoding="utf-8") as f:
         for r in results:
             f.write(json.dumps({"output_ids": r.output_ids, "logprobs": r.logp_behav, "versions": r.versions,
                                 "finish_reason": r.finish_reason}) + "\n")
     n_tokens = sum(len(r.output_ids) for r in results)
-    print(f"wrote {len(results)} results ({n_tokens} tokens) to {args.output} in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
+    print(f"wrote {len(results)} results ({n_tokens} tokens) to {args.output} in {time.perf_counter() - t0:.1f} s "
+          f"({args.backend}{resources})", file=sys.stderr)
     return 0

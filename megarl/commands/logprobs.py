@@ -2,7 +2,8 @@
 
 Each input line ``{"input_ids": [...]}`` gives one output line
 ``{"logprobs": [...]}`` with ``len(input_ids) - 1`` entries, entry t being
-log p(input_ids[t+1] | input_ids[..t]) (the TrainBatch convention). Runs as
+log p(input_ids[t+1] | input_ids[..t]) (the TrainBatch convention), p being
+softmax(logits / --temperature). Runs as
 one process or under torchrun (``--tp/--pp/--ep``); only rank 0 writes.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ def register(sub) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget per micro-batch")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter dtype of the model (log-probs are computed in float32 either way)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="log-probs of softmax(logits / T): the sampling temperature of the log-probs to compare with")
     p.set_defaults(func=run)
 
 
@@ -58,7 +61,8 @@ def run(args) -> int:
         from megarl.trainer.megatron_trainer import MegatronTrainer
 
         trainer = MegatronTrainer(args.checkpoint, tp=args.tp, pp=args.pp, ep=args.ep,
-                                  micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype)
+                                  micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype,
+                                  temperature=args.temperature)
         rank = trainer.parallel.rank
         for start in range(0, len(scored), ROWS_PER_CALL):
             chunk = scored[start: start + ROWS_PER_CALL]

@@ -123,7 +123,9 @@ class RolloutConfig:
     bucket_mb: int = 256
     """Bucket size of the broadcast weight sync in MB (one tensor larger than that travels alone)."""
     kv_cache_gb: int = 1
-    """KV cache of a vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE, a whole number)."""
+    """KV cache of each vLLM CPU engine megarl starts, in GiB (a whole number; megarl sets VLLM_CPU_KVCACHE_SPACE from it, without which vLLM claims ~92% of the node's memory)."""
+    cpu_threads: int = 1
+    """Threads of each engine megarl starts on CPU (OMP_NUM_THREADS of a vLLM CPU engine's processes, torch threads of the HF engine); 0 = leave them to the environment and the library."""
     max_concurrency: int = 256
     """Maximum generation requests in flight over all engines; admitted samples beyond it queue in the controller."""
     health_interval_s: float = 5.0

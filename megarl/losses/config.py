@@ -27,3 +27,5 @@ class PolicyLossConfig:
     """How per-token losses are reduced to a scalar."""
     denominator: Literal["all", "kept"] = "all"
     """Token counts for the means: all valid tokens before masking (AReaL's choice) or only kept tokens."""
+    allow_truncated_sampling: bool = False
+    """Train even when rollout.top_p < 1 or rollout.top_k > 0: logp_behav is then the log-prob under the renormalized truncated distribution, which the trainer cannot reproduce from full logits, so r_d = exp(logp_anchor - logp_behav) is biased (refused unless set)."""

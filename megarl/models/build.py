@@ -34,11 +34,13 @@ def layer_spec(config, *, vp_stage: int | None = None):
     return spec
 
 
-def build_gpt_model(hf: dict, config):
+def build_gpt_model(hf: dict, config, temperature: float = 1.0):
     """GPTModel for this rank: embedding on the first PP stage, final norm + output layer on the last.
 
     Parameters are allocated on the current device (CPU without CUDA) with
     megatron's random init; load real weights with megarl.models.bridge.
+    With ``temperature`` != 1 the per-token cross entropy the model returns for
+    ``labels`` is that of softmax(logits / temperature) (:func:`divide_logits`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -58,6 +60,26 @@ def build_gpt_model(hf: dict, config):
 
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    if temperature != 1.0:
+        divide_logits(model, temperature)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def divide_logits(model, temperature: float) -> None:
+    """Make ``model``'s loss for labels the cross entropy of logits / ``temperature``.
+
+    The engines sample from softmax(logits / T) and report that distribution's
+    log-probs as logp_behav, so the trainer's log-probs must be taken at the
+    same T. The division happens on the logits as the output layer gives them
+    (vocab-parallel shards under TP, which the vocab-parallel cross entropy
+    then normalizes over the whole vocabulary) and in fp32, as the engines
+    divide their fp32 logits: a bf16 quotient would round once more.
+    """
+    plain = model.compute_language_model_loss
+
+    def tempered(labels, logits):
+        return plain(labels, logits.float() / temperature)
+
+    model.compute_language_model_loss = tempered

@@ -92,6 +92,18 @@ def effective_max_new_tokens(req: GenerateRequest, max_model_len: int) -> int:
     return min(req.sampling.max_new_tokens, max_model_len - n_prompt)
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature ``logp_behav`` is taken at, for scoring the same tokens in the trainer: the sampling
+    temperature, or 1 for greedy sampling (0), whose reported log-probs are the raw log-softmax."""
+    return temperature if temperature > 0 else 1.0
+
+
+def truncates_sampling(top_p: float, top_k: int, vocab_size: int = 0) -> bool:
+    """True when top-p or top-k leave tokens out, so that ``logp_behav`` is the log-prob of a
+    renormalized truncated distribution rather than of softmax(logits / T) (``vocab_size`` 0: unknown)."""
+    return top_p < 1.0 or (top_k > 0 and not 0 < vocab_size <= top_k)
+
+
 def check_request(req: GenerateRequest, vocab_size: int) -> None:
     """InputError for token ids outside the vocabulary or sampling settings no backend accepts."""
     bad = [t for t in req.prompt_ids + list(req.sampling.stop_token_ids) if not 0 <= t < vocab_size]
@@ -101,6 +113,30 @@ def check_request(req: GenerateRequest, vocab_size: int) -> None:
     if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < -1:
         raise InputError(f"request {req.request_id}: need temperature >= 0, 0 < top_p <= 1, top_k >= -1 "
                          f"(got {s.temperature}, {s.top_p}, {s.top_k})")
+
+
+def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int) -> dict:
+    """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``
+    or the same-named command flags), so that no engine megarl starts depends on VLLM_CPU_KVCACHE_SPACE or
+    OMP_NUM_THREADS being set; both apply on CPU only (``cpu_threads`` 0: left to the environment)."""
+    if kv_cache_gb < 1:
+        raise ConfigError(f"rollout.kv_cache_gb (--kv-cache-gb) must be >= 1 GiB, got {kv_cache_gb}")
+    if cpu_threads < 0:
+        raise ConfigError(f"rollout.cpu_threads (--cpu-threads) must be >= 0 (0: the environment's), got {cpu_threads}")
+    options: dict = {"cpu_threads": cpu_threads} if cpu_threads else {}
+    if backend == "vllm":
+        options["kv_cache_gib"] = kv_cache_gb
+    return options
+
+
+def resources_note(health: dict) -> str:
+    """", kv cache N GiB, T CPU thread(s)" from an engine's health, the parts that apply ("" for none)."""
+    parts = []
+    if health.get("kv_cache_gb") is not None:
+        parts.append(f"kv cache {health['kv_cache_gb']:g} GiB")
+    if health.get("cpu_threads") is not None:
+        parts.append(f"{health['cpu_threads']} CPU thread(s)")
+    return "".join(f", {p}" for p in parts)
 
 
 async def make_engine(backend: str, checkpoint: str, **options) -> Engine:

@@ -119,7 +119,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
                           host: str = "127.0.0.1", *, extra_args: list[str] | tuple = (),
                           env: dict | None = None, log_path: str | None = None,
                           startup_timeout_s: float = 300.0, initial_version: int = 0,
-                          exit_with_parent: bool = True) -> tuple[subprocess.Popen, EngineClient]:
+                          exit_with_parent: bool = True, kv_cache_gb: int | None = None,
+                          cpu_threads: int | None = None) -> tuple[subprocess.Popen, EngineClient]:
     """Start ``python -m megarl.cli engine ...`` and wait until its /health answers.
 
     The process gets its own session (process group), so :func:`stop_engine_process`
@@ -128,6 +129,9 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     ``initial_version`` is the weight version the checkpoint holds (a restart
     or a resume from later weights). Output goes to ``log_path`` (a temp file
     by default, ``proc.log_path``); its tail is in the EngineError if start fails.
+    ``kv_cache_gb`` and ``cpu_threads`` become the engine's ``--kv-cache-gb`` and
+    ``--cpu-threads`` (rollout.kv_cache_gb, rollout.cpu_threads; None: the flags'
+    defaults). ``env`` adds to this process's environment; a variable set to None is removed.
     """
     port = port or free_port(host)
     log = Path(log_path or tempfile.mkstemp(prefix=f"megarl-engine-{port}-", suffix=".log")[1])
@@ -135,11 +139,16 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
            "--host", host, "--port", str(port), *extra_args]
     if initial_version:
         cmd += ["--initial-version", str(initial_version)]
+    if kv_cache_gb is not None:
+        cmd += ["--kv-cache-gb", str(kv_cache_gb)]
+    if cpu_threads is not None:
+        cmd += ["--cpu-threads", str(cpu_threads)]
+    child_env = {**os.environ, **(env or {})}
     if exit_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={k: v for k, v in child_env.items() if v is not None}, start_new_session=True)
     proc.log_path = str(log)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + startup_timeout_s

@@ -99,11 +99,14 @@ class HFEngine:
 
     @classmethod
     async def create(cls, checkpoint: str, *, initial_version: int = 0, device: str = "auto",
-                     seed: int = 0, dtype: str | None = None) -> "HFEngine":
-        """``dtype``: "float32" (default), "bfloat16", or "auto" (the checkpoint's recorded dtype)."""
+                     seed: int = 0, dtype: str | None = None, cpu_threads: int | None = None) -> "HFEngine":
+        """``dtype``: "float32" (default), "bfloat16", or "auto" (the checkpoint's recorded dtype).
+        ``cpu_threads``: torch threads of this process when the engine runs on the CPU (None: unchanged)."""
         config = read_config(checkpoint)
         dtype = resolve_dtype(dtype or "float32", config)
         device = resolve_device(device)
+        if cpu_threads and device == "cpu":
+            torch.set_num_threads(cpu_threads)
         try:
             model = await asyncio.to_thread(_load_model, checkpoint, device, dtype)
         except Exception as e:
@@ -240,7 +243,8 @@ class HFEngine:
         return {"ok": True, "backend": self.backend, "dtype": self.dtype, "version": self._version,
                 "in_flight": self._in_flight,
                 "checkpoint": self.checkpoint, "max_model_len": self.max_model_len,
-                "paused": self._user_paused, "last_update_s": self.last_update_s}
+                "paused": self._user_paused, "last_update_s": self.last_update_s,
+                "cpu_threads": torch.get_num_threads() if self.device == "cpu" else None}
 
     async def pause(self) -> None:
         gate, _ = self._events()

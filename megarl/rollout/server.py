@@ -32,7 +32,7 @@ import time
 from aiohttp import web
 
 from megarl.errors import EngineError, InputError, MegarlError
-from megarl.rollout.base import make_engine
+from megarl.rollout.base import make_engine, resources_note
 from megarl.types import GenerateRequest
 
 
@@ -164,8 +164,10 @@ async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: in
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()
+        resources = resources_note(await engine.health())  # the KV cache and threads it was given
         print(f"megarl engine ({backend}, {getattr(engine, 'dtype', '?')}) serving {checkpoint} on "
-              f"http://{host}:{port} (started in {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+              f"http://{host}:{port} (started in {time.perf_counter() - t0:.1f} s{resources})", file=sys.stderr,
+              flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

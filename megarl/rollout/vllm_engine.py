@@ -21,7 +21,10 @@ Choices that matter for RL, and why:
 - On CPU: fp32, eager mode, no thread pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``
   unless set), and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
   one thing left to compile is vLLM's logprob-rank helper, whose first call
-  otherwise costs ~20 s of C++ compilation per engine process.
+  otherwise costs ~20 s of C++ compilation per engine process. The KV cache
+  (``kv_cache_gib``) and the threads (``cpu_threads``) go to vLLM's processes as
+  VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS: without the first, vLLM reserves
+  ~92% of the node's memory and fails to start when other processes hold some.
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ class VLLMEngine:
     async def create(cls, checkpoint: str, *, seed: int = 0, initial_version: int = 0, dtype: str | None = None,
                      max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
                      enforce_eager: bool | None = None, kv_cache_gib: int | None = None,
-                     tensor_parallel_size: int = 1) -> "VLLMEngine":
+                     cpu_threads: int | None = None, tensor_parallel_size: int = 1) -> "VLLMEngine":
         """``dtype``: "float32", "bfloat16", "auto" (the checkpoint's recorded dtype, see
         megarl.rollout.base.resolve_dtype) or None: float32 on CPU (exact log-prob parity), vLLM's own
         choice on GPU."""
@@ -114,6 +117,8 @@ class VLLMEngine:
                          "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
             if kv_cache_gib is not None:
                 child_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+            if cpu_threads:
+                child_env["OMP_NUM_THREADS"] = str(cpu_threads)
         kwargs = dict(model=str(checkpoint), skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                       dtype=dtype or ("float32" if on_cpu else "auto"), seed=seed,
                       max_model_len=int(config["max_position_embeddings"]),
@@ -142,6 +147,11 @@ class VLLMEngine:
         #: the weight dtype vLLM resolved ("float32", "bfloat16", ...)
         engine.dtype = str(getattr(getattr(llm, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
         engine.n_workers = tensor_parallel_size
+        kv_bytes = llm.vllm_config.cache_config.kv_cache_memory_bytes
+        #: the KV cache vLLM was configured with (GiB; None when vLLM sizes it from a memory fraction)
+        engine.kv_cache_gb = kv_bytes / 2**30 if kv_bytes else None
+        #: OMP_NUM_THREADS of vLLM's processes (None: inherited)
+        engine.cpu_threads = int(child_env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in child_env else None
         await llm.update_weight_version(str(initial_version))
         return engine
 
@@ -261,7 +271,8 @@ class VLLMEngine:
                 "version": self._version,
                 "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
                 "max_model_len": self.max_model_len, "paused": self._user_paused,
-                "last_update_s": self.last_update_s, "n_workers": self.n_workers}
+                "last_update_s": self.last_update_s, "n_workers": self.n_workers,
+                "kv_cache_gb": getattr(self, "kv_cache_gb", None), "cpu_threads": getattr(self, "cpu_threads", None)}
 
     async def pause(self) -> None:
         self._user_paused = True

@@ -29,6 +29,13 @@ fp32. ``bfloat16``: Megatron-LM's mixed-precision recipe: TransformerConfig
 shards) that are copied back to the bf16 model after every step. Log-probs
 are computed in fp32 in either case: megatron's ``vocab_parallel_cross_entropy``
 casts the (bf16) logits to fp32 before its log-softmax.
+
+Temperature. The engines report ``logp_behav`` of the distribution they
+sampled from, softmax(logits / T) (megarl/rollout/base.py), so every log-prob
+the trainer computes, ``logp_theta`` in :meth:`train_step` and
+:meth:`logprobs` (the forwards of every recovery strategy, the verifier and
+the reference KL), is taken at the same ``temperature``: the fp32 logits are
+divided by it before the log-softmax (megarl/models/build.py ``divide_logits``).
 """
 from __future__ import annotations
 
@@ -59,7 +66,7 @@ class MegatronTrainer:
                  grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, temperature: float = 1.0):
         from megarl.models.bridge import load_hf_weights, read_hf_config
         from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
         from megarl.trainer.parallel import init_distributed, init_parallel
@@ -72,6 +79,9 @@ class MegatronTrainer:
             raise ConfigError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         if dtype not in DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if not temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {temperature} (greedy sampling reports raw "
+                              f"log-probs: score those with temperature 1)")
         import torch.distributed as dist
 
         self.checkpoint_dir = str(checkpoint_dir)
@@ -83,6 +93,8 @@ class MegatronTrainer:
         self.parallel = init_parallel(tp=tp, pp=pp, ep=ep, seed=seed)
         #: "float32" or "bfloat16": the dtype of the model's parameters (and of exported weights)
         self.dtype = dtype
+        #: log-probs are of softmax(logits / temperature): the engines' sampling temperature (module doc)
+        self.temperature = float(temperature)
         self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype],
                                                  sequence_parallel=sequence_parallel)
         # keep returned losses as they are and sum DP gradients (module doc)
@@ -107,7 +119,7 @@ class MegatronTrainer:
 
         from megarl.models.build import build_gpt_model
 
-        gpt = build_gpt_model(self.hf_config, self.config)
+        gpt = build_gpt_model(self.hf_config, self.config, self.temperature)
         if self.config.bf16:
             from megatron.core.transformer.module import Float16Module
 

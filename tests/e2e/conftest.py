@@ -9,11 +9,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MEGARL = [sys.executable, "-m", "megarl.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: what a new user's shell lacks: commands that start engines must not need them (rollout.kv_cache_gb,
+#: rollout.cpu_threads and the --kv-cache-gb / --cpu-threads flags stand for them)
+ENGINE_VARS = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
 
 
-def run_megarl(*args, timeout=600):
-    """`megarl ARGS...` from the repo root; returns the CompletedProcess (output captured)."""
-    return subprocess.run([*MEGARL, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def env_without(*names: str) -> dict:
+    """ENV with ``names`` removed."""
+    return {k: v for k, v in ENV.items() if k not in names}
+
+
+def run_megarl(*args, timeout=600, unset=()):
+    """`megarl ARGS...` from the repo root, without the variables ``unset``; returns the CompletedProcess."""
+    return subprocess.run([*MEGARL, *args], cwd=ROOT, env=env_without(*unset), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The real `megarl bench` console script: 2 strategies x 3 steps with the vLLM CPU engine.
+"""The real `megarl bench` console script: 2 strategies x 3 steps with the vLLM CPU engine, started
+without VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS.
 
 Each strategy is a full run (engine start-up ~20-50 s), so this test takes ~2 minutes.
 """
@@ -12,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import ENGINE_VARS
+
 REPO = Path(__file__).resolve().parents[2]
 MEGARL = shutil.which("megarl", path=str(Path(sys.executable).parent)) or "megarl"
 FIELDS = {"step_time_s_median", "recovery_s_median", "critical_path_overhead_frac", "gen_stall_frac",
@@ -23,8 +26,9 @@ def test_bench_two_strategies(tmp_path):
     cmd = [MEGARL, "bench", "--config", "configs/bench_cpu.yaml", "--strategies", "snapshot,loglinear",
            "--steps", "3", "--output", str(out), "rollout.backend=vllm", "trainer.batch_size=16",
            "rollout.max_new_tokens=24", f"model.checkpoint={tmp_path / 'ckpt'}"]
-    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=400)
+    # as in a new user's shell: the engines' KV cache and threads come from the config
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_VARS}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "PASS" in p.stdout or "SKIP" in p.stdout  # the target lines are printed
 
@@ -52,3 +56,4 @@ def test_bench_two_strategies(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("snapshot", "loglinear"):
         assert len((out / name / "metrics.jsonl").read_text().splitlines()) == 3
+        assert "kv cache 1 GiB, 1 CPU thread(s)" in (out / name / "engine0.log").read_text()  # rollout.* defaults

@@ -3,9 +3,12 @@ import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import ENGINE_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -80,6 +83,38 @@ def test_slurm_sbatch_dry_run_without_slurm():
     assert "--rdzv-endpoint=gpu101:29500 --rdzv-id=megarl-4242" in out
     assert "--nodelist=gpu104 --gres=gpu:4 --cpus-per-task=48" in out
     assert "recovery.name=ewma" in out
+
+
+def test_engine_role_takes_kv_cache_and_threads_from_the_config(ckpt, tmp_path):
+    """A launched engine role (what a plan's engine command runs) in a shell without VLLM_CPU_KVCACHE_SPACE
+    and OMP_NUM_THREADS: its KV cache and threads are rollout.kv_cache_gb and rollout.cpu_threads."""
+    from megarl.rollout.client import free_port, stop_engine_process
+
+    port = free_port()
+    env = {k: v for k, v in _env(MEGARL_ROLE="engine", MEGARL_SERVER_PORT=str(port)).items() if k not in ENGINE_VARS}
+    log = tmp_path / "engine_role.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([PY, "-m", "megarl.train", "--config", "configs/tiny_cpu.yaml",
+                                 f"model.checkpoint={ckpt}", "rollout.kv_cache_gb=2", "rollout.cpu_threads=2"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        health = _wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, timeout_s=240)
+    finally:
+        stop_engine_process(proc)
+    assert (health["backend"], health["kv_cache_gb"], health["cpu_threads"]) == ("vllm", 2, 2), health
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the engine role exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"no answer from {url} within {timeout_s} s")
 
 
 def test_scripts_parse():

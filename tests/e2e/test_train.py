@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import run_megarl
+from conftest import ENGINE_VARS, run_megarl
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "eval.path="]
 
@@ -99,6 +99,19 @@ def test_verify_exact_strategies(ckpt, tmp_path):
     # both v_theta conventions are measured; the run trained with megarl's, so its error is that one
     assert loglinear["convention"] == "megarl" and set(loglinear["conventions"]) == {"megarl", "areal"}
     assert loglinear["max_abs_err"] == loglinear["conventions"]["megarl"]["max_abs_err"]
+
+
+def test_verify_recovery_takes_engine_resources_from_the_config(ckpt, tmp_path):
+    """Without VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS (a new user's shell) the vLLM engine of a
+    verify-recovery run gets rollout.kv_cache_gb and rollout.cpu_threads; one strategy, 2 steps."""
+    report = tmp_path / "report.json"
+    r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "snapshot", "--steps", "2",
+               "--output", str(report), f"model.checkpoint={ckpt}", "rollout.backend=vllm", "rollout.kv_cache_gb=2",
+               "rollout.max_new_tokens=16", timeout=400, unset=ENGINE_VARS)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
+    s = json.loads(report.read_text())["strategies"]["snapshot"]
+    assert s["exact"] and s["n_tokens"] > 0 and s["max_abs_err"] <= 1e-5, s
 
 
 @pytest.mark.parametrize("override,message", [

@@ -3,6 +3,8 @@
 One engine process per model (dense, then MoE), shared by the tests of its
 class: a vLLM engine costs ~20-35 s and ~3 GB to start. Measurements (start
 time, tokens/s, update times) are printed with a ``MEASURE`` prefix (-s).
+These engines and `megarl generate` start without VLLM_CPU_KVCACHE_SPACE and
+OMP_NUM_THREADS, as in a new user's shell: the flags' defaults must do.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from conftest import ENGINE_VARS
 
 from megarl.errors import EngineError, InputError
 from megarl.models.tiny import write_tiny_checkpoint
@@ -44,11 +48,30 @@ def ckpts(tmp_path_factory):
             for name, yaml, seed in [("dense0", dense, 0), ("dense1", dense, 1), ("moe0", moe, 0), ("moe1", moe, 1)]}
 
 
+_PROCS: dict[str, subprocess.Popen] = {}  # url -> the engine process serving it
+
+
 def _serve(ckpt: str, extra_args: tuple = ()):
     t0 = time.perf_counter()
-    proc, client = launch_engine_process(ckpt, "vllm", env=ENV, startup_timeout_s=240, extra_args=extra_args)
+    proc, client = launch_engine_process(ckpt, "vllm", env=dict.fromkeys(ENGINE_VARS), startup_timeout_s=240,
+                                         extra_args=extra_args)
     print(f"\nMEASURE engine start (process up to /health ok): {time.perf_counter() - t0:.1f} s")
+    _PROCS[client.url] = proc
     return proc, client.url
+
+
+def _group_environments(pgid: int) -> list[dict[str, str]]:
+    """The environments of the processes in process group ``pgid`` (an engine and vLLM's processes)."""
+    envs = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            raw = (stat.parent / "environ").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        envs.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
+    return envs
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -188,6 +211,17 @@ class TestDense:
             return await asyncio.gather(*(c.generate(r) for r in reqs))
         res = with_client(url, go)
         assert len(res) == 48 and all(len(r.output_ids) == 4 for r in res)
+
+    def test_started_without_the_variables_it_takes_the_flag_defaults(self, url):
+        health = with_client(url, lambda c: c.health())
+        assert (health["kv_cache_gb"], health["cpu_threads"]) == (1, 1)  # rollout.kv_cache_gb, rollout.cpu_threads
+        if not Path("/proc/self/environ").is_file():
+            pytest.skip("no /proc: the variables vLLM's processes got cannot be read")
+        # vLLM's engine-core and worker processes got them; the server itself has them not
+        envs = _group_environments(_PROCS[url].pid)
+        vllm_side = [e for e in envs if "VLLM_CPU_KVCACHE_SPACE" in e]
+        assert len(envs) >= 3 and vllm_side, envs
+        assert all(e["VLLM_CPU_KVCACHE_SPACE"] == "1" and e.get("OMP_NUM_THREADS") == "1" for e in vllm_side)
 
     def test_update_from_disk_and_broadcast(self, url, ckpts):
         async def go(c):
@@ -335,10 +369,12 @@ class TestMoE:
 
 
 # -- process and CLI errors (no model loaded) ----------------------------------------------------
-def _cli(*args, timeout=60) -> subprocess.CompletedProcess:
-    """Run `megarl ARGS`; on timeout end its whole process group (vLLM's engine core included)."""
+def _cli(*args, timeout=60, unset=()) -> subprocess.CompletedProcess:
+    """Run `megarl ARGS` without the variables ``unset``; on timeout end its whole process group
+    (vLLM's engine core included)."""
+    env = {k: v for k, v in {**os.environ, **ENV}.items() if k not in unset}
     proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV}, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -380,8 +416,9 @@ def test_generate_cli(ckpts, tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     out = _cli("generate", "--checkpoint", ckpts["dense0"], "--backend", "vllm", "--input", str(tmp_path / "in.jsonl"),
                "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "12", "--temperature", "1.0",
-               "--seed", "3", timeout=240)
+               "--seed", "3", timeout=240, unset=ENGINE_VARS)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "(vllm, kv cache 1 GiB, 1 CPU thread(s))" in out.stderr  # the flags' defaults
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for p, row in zip(prompts, rows):

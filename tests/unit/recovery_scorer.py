@@ -32,13 +32,15 @@ def tiny_checkpoint(path: str | Path, seed: int = 0) -> Path:
 class HFScorerForTests:
     """Stands in for MegatronTrainer in unit tests only (transformers model, fp32, CPU)."""
 
-    def __init__(self, checkpoint_dir: str | Path, version: int = 0) -> None:
+    def __init__(self, checkpoint_dir: str | Path, version: int = 0, temperature: float = 1.0) -> None:
         import transformers
 
         torch.set_num_threads(1)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(checkpoint_dir), dtype=torch.float32).eval()
         self.version = version
+        #: log-probs are of softmax(logits / temperature), as the trainer's
+        self.temperature = temperature
         #: traj_ids of the rows of every forward, and how many times params were swapped in
         self.forward_rows: list[list[str]] = []
         self.n_swaps = 0
@@ -50,7 +52,7 @@ class HFScorerForTests:
         tokens = batch.tokens
         L = tokens.shape[1]
         attn = (torch.arange(L)[None, :] < batch.seq_lens[:, None]).long()
-        logits = self.model(input_ids=tokens, attention_mask=attn).logits.float()
+        logits = self.model(input_ids=tokens, attention_mask=attn).logits.float() / self.temperature
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
@@ -96,9 +98,17 @@ class HFScorerForTests:
         self.version += 1
 
 
-def make_hf_scorer(checkpoint_dir: str) -> HFScorerForTests:
+def make_hf_scorer(checkpoint_dir: str, temperature: float = 1.0) -> HFScorerForTests:
     """Factory for the dedicated strategy's child process (``scorer_factory`` option)."""
-    return HFScorerForTests(checkpoint_dir)
+    return HFScorerForTests(checkpoint_dir, temperature=temperature)
+
+
+def rewind(trainer_and_params: tuple, version: int):
+    """The trainer of ``(trainer, initial params)`` back at those params, at ``version`` (shared across tests)."""
+    trainer, initial = trainer_and_params
+    trainer.set_params(initial)
+    trainer.version = version
+    return trainer
 
 
 def make_traj(traj_id: str, prompt: list[int], runs: list[tuple[str, int, int]], seed: int = 0,

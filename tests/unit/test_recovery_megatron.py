@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from recovery_scorer import LoopState, drive_history, make_traj, tiny_checkpoint
+from recovery_scorer import LoopState, drive_history, make_traj, rewind, tiny_checkpoint
 
 from megarl.types import TrainBatch
 from recovery import verifier
@@ -37,10 +37,7 @@ def megatron(ckpt, request):
 
 @pytest.fixture
 def trainer(megatron):
-    trainer, initial = megatron
-    trainer.set_params(initial)
-    trainer.version = 7
-    return trainer
+    return rewind(megatron, 7)
 
 
 STEP_BATCH = TrainBatch.from_trajectories(

@@ -1,0 +1,23 @@
+"""The flags for an engine's CPU resources, shared by the commands that start one without a run config
+(`megarl engine`, `megarl generate`): the same meaning and defaults as rollout.kv_cache_gb and
+rollout.cpu_threads, so that neither command depends on VLLM_CPU_KVCACHE_SPACE or OMP_NUM_THREADS."""
+from __future__ import annotations
+
+
+def add_engine_resource_args(p) -> None:
+    from megarl.config.schema import RolloutConfig
+
+    defaults = RolloutConfig()
+    p.add_argument("--kv-cache-gb", type=int, default=defaults.kv_cache_gb,
+                   help=f"vllm on CPU: KV cache in GiB (default {defaults.kv_cache_gb}, as rollout.kv_cache_gb; "
+                        f"it replaces $VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--cpu-threads", type=int, default=defaults.cpu_threads,
+                   help=f"on CPU: threads of the engine, OMP_NUM_THREADS of vLLM's processes or torch threads of "
+                        f"hf (default {defaults.cpu_threads}, as rollout.cpu_threads; 0: the environment's)")
+
+
+def engine_resource_options(args) -> dict:
+    """``make_engine`` options from the flags of :func:`add_engine_resource_args`."""
+    from megarl.rollout.base import engine_options
+
+    return engine_options(args.backend, args.kv_cache_gb, args.cpu_threads)
