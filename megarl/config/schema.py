@@ -80,6 +80,8 @@ class TrainerConfig:
     """Global seed (trainer, data order, sampling seeds)."""
     max_consecutive_skips: int = 5
     """Stop the run after this many consecutive steps skipped for non-finite loss or gradients."""
+    stall_timeout_s: float = 600.0
+    """Checkpoint and stop when the trainer has waited this long for a batch with no trajectory accepted meanwhile (0 = wait forever)."""
 
 
 @dataclass
