@@ -75,7 +75,7 @@ class TrainerConfig:
     total_steps: int = 100
     """Optimizer steps to run."""
     publish_every: int = 1
-    """Publish weights to the engines every k optimizer steps."""
+    """Publish weights to the engines every k optimizer steps (at most rollout.eta + 1: the engines trail the trainer by up to k - 1 versions)."""
     seed: int = 0
     """Global seed (trainer, data order, sampling seeds)."""
     max_consecutive_skips: int = 5

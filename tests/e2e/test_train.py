@@ -66,6 +66,7 @@ def test_verify_exact_strategies(ckpt, tmp_path):
     ("reward.fn=no_such_module.fn", "no_such_module"),
     ("data.max_prompt_len=200", "max_position_embeddings"),
     ("trainer.batch_size=30", "multiple of rollout.group_size"),
+    ("trainer.publish_every=4", "set trainer.publish_every <= 3"),  # tiny_cpu.yaml: eta = 2
 ])
 def test_bad_input_fails_before_the_run(ckpt, tmp_path, override, message):
     out = tmp_path / "run"
