@@ -165,6 +165,7 @@ class Controller:
         async def one(traj: Trajectory) -> Trajectory:
             await self.workflow.run(traj, lambda ctx, sp: self._generate(traj, ctx, sp))
             traj.finish_reason = traj.finish_reason or "stop"
+            traj.finished = True  # a workflow sets finish_reason per turn; only its return ends the trajectory
             self.strategy.on_segment_finished(traj)
             out = await self.rewards.score(traj.response_ids, traj.meta)
             traj.reward, traj.reward_failed = out.reward, out.failed
@@ -236,7 +237,7 @@ class Controller:
         await self._all_returned.wait()  # aborted requests return their partial tokens
         t_stopped = time.perf_counter()
         partials = [t for g in self.buffer.running_groups.values() for t in g.trajectories
-                    if t.response_ids and t.finish_reason is None]
+                    if t.response_ids and not t.finished]
         self.strategy.on_rollout_interrupted(partials)
         self.strategy.before_publish(old, new_version)
         t_sync = time.perf_counter()
@@ -278,7 +279,6 @@ class Controller:
             raise RuntimeError("the rollout loop stopped")
         return get.result()
 
-    async def _checkpoint(self) -> None:
     def _stall_message(self, timeout: float) -> str:
         g = self.buffer.gate_state(self.version)
         return (f"no batch for step {self.step}: the trainer waited {timeout:.1f} s (trainer.stall_timeout_s) and no "
@@ -290,6 +290,7 @@ class Controller:
                 f"form (check rollout.eta and trainer.publish_every); otherwise the engines or the rewards are stuck "
                 f"(for very long generations raise trainer.stall_timeout_s), then resume with --resume")
 
+    async def _checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.last_step != self.step:
             t0 = time.perf_counter()
             await self.checkpointer.save(self)
@@ -316,8 +317,8 @@ class Controller:
                 skipped = bool(record.get("skipped"))
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
                     self._consecutive_skips += 1
-                    record["skip_reason"] = getattr(self.trainer, "last_skip_reason", None) or "skipped"
                     self.buffer.release(len(trajs))  # consumed without a step: the gate must not count them
+                    record["skip_reason"] = getattr(self.trainer, "last_skip_reason", None) or "skipped"
                 else:
                     self._consecutive_skips = 0
                     # in a worker thread: strategies may run forwards here while the engines keep generating
