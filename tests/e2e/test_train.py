@@ -61,6 +61,21 @@ def test_verify_exact_strategies(ckpt, tmp_path):
     assert not strategies["loglinear"]["exact"] and strategies["loglinear"]["max_abs_err"] > 0
 
 
+def test_verify_exact_strategies_multi_turn(ckpt, tmp_path):
+    # a multi-turn trajectory waits between its turns (tool, next turn) through publishes: it must be
+    # reported as partial then, or its earlier-version segments are lost to dedicated
+    report = tmp_path / "report.json"
+    r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "interrupt_sync,dedicated",
+               "--steps", "12", "--output", str(report), f"model.checkpoint={ckpt}", "rollout.workflow=multi_turn",
+               "rollout.max_turns=4", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name, s in json.loads(report.read_text())["strategies"].items():
+        assert s["exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert s["max_versions_per_sequence"] >= 2 and s["spliced_frac"] >= 0.1, (name, s)
+        # no stop token but the tool call: every response fills its 64 tokens unless tool tokens are in it
+        assert 0 < s["n_tokens"] < 12 * 2 * 64, (name, s)
+
+
 @pytest.mark.parametrize("override,message", [
     ("data.path={missing}", "does not exist"),
     ("reward.fn=no_such_module.fn", "no_such_module"),
