@@ -12,10 +12,11 @@ follower replays it on its own trainer and strategy, in the same order:
   and shipped with the next collective event, so they never race with a train
   step running in a worker thread). A hook may run forwards (collectives) on
   what ``ctx.live_trajectories`` / ``ctx.live_versions`` return, so every
-  hook event carries rank 0's live versions and trajectories, and rank 0 runs
-  its own hook on exactly what it sent. ``after_optimizer_step`` runs while
-  the event loop still extends trajectories: there the unfinished ones go as
-  copies taken once, so rank 0 and the followers see the same tokens;
+  hook event carries rank 0's live versions, and its live trajectories unless
+  the strategy says it never reads them (``uses_live_trajectories``); rank 0
+  runs its own hook on exactly what it sent. ``after_optimizer_step`` runs
+  while the event loop still extends trajectories: there the unfinished ones
+  go as copies taken once, so rank 0 and the followers see the same tokens;
 * ``anchor``: followers rebuild the same TrainBatch from the same
   trajectories and call their strategy (its forwards are collectives), then
   take rank 0's anchor tensor, so a strategy whose anchor only rank 0 can
