@@ -6,6 +6,11 @@ together and accepted together (its advantages need the whole group).
 Gate: a group may start only if ``accepted + running + n <= (eta + v + 1) * B``
 (v = published version, B = batch size), i.e. the per-request rule
 ``accepted + running < (eta + v + 1) * B`` applied to each of its samples.
+``accepted`` leaves out the trajectories of skipped steps (non-finite loss or
+gradient, :meth:`ReplayBuffer.release`): they left the buffer without an
+optimizer step, so the version they were admitted against never came. Counted,
+every skip would shrink the gate by B for good, and eta + 1 skips over a run
+would close it.
 
 How batches are formed (earliest deadline first, with a feasibility check).
 A group admitted at version v_s must be trained at step v_s + eta at the
@@ -24,7 +29,9 @@ RL.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megarl.types import Trajectory
 
@@ -47,24 +54,51 @@ class ReplayBuffer:
         self.B = batch_size
         self.eta = eta
         self.accepted_total = 0  # trajectories accepted since the start (trained or not)
+        self.released_total = 0  # of those, trajectories of skipped steps (no longer counted by the gate)
         self.running = 0  # trajectories admitted and not yet accepted or dropped
         self.running_groups: dict[str, Group] = {}
         self.ready: list[Group] = []
         self._seq = 0
         self._changed = asyncio.Condition()
+        # ready and running_groups change on the event loop and are read from the trainer's thread
+        # (live_trajectories): each change and each read holds this lock, so a read sees a group
+        # either running or ready, never in between
+        self._lock = threading.Lock()
 
     # -- gate --------------------------------------------------------------------
     def capacity(self, version: int) -> int:
         return (self.eta + version + 1) * self.B
 
     def can_admit(self, n: int, version: int) -> bool:
-        return self.accepted_total + self.running + n <= self.capacity(version)
+        return self.accepted_total - self.released_total + self.running + n <= self.capacity(version)
+
+    async def wait_admissible(self, n: int, version: Callable[[], int], *, ready: Callable[[], bool] = lambda: True,
+                              stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until a group of ``n`` may start at the published ``version()`` and ``ready()`` holds.
+
+        Returns False instead once ``stop()`` holds. The callables are checked again at every change of
+        the buffer and at every :meth:`notify` (call it when what they read changes).
+        """
+        async with self._changed:
+            await self._changed.wait_for(lambda: stop() or (ready() and self.can_admit(n, version())))
+            return not stop()
 
     def admit(self, group: Group) -> None:
-        group.seq = self._seq
-        self._seq += 1
-        self.running += len(group.trajectories)
-        self.running_groups[group.group_id] = group
+        with self._lock:
+            group.seq = self._seq
+            self._seq += 1
+            self.running += len(group.trajectories)
+            self.running_groups[group.group_id] = group
+
+    def release(self, n: int) -> None:
+        """``n`` trajectories a skipped step took out without an optimizer step: the gate stops counting them."""
+        with self._lock:
+            self.released_total += n
+
+    def gate_state(self, version: int) -> dict[str, int]:
+        """The gate's numbers at published ``version`` (what a stalled loop reports)."""
+        return {"accepted": self.accepted_total - self.released_total, "released": self.released_total,
+                "running": self.running, "capacity": self.capacity(version), "ready": self.n_ready()}
 
     # -- completion --------------------------------------------------------------
     async def accept(self, group: Group, kept: list[Trajectory]) -> int:
@@ -73,12 +107,13 @@ class ReplayBuffer:
         Returns ``accepted_total`` right after this accept (what the accepted-ids journal records).
         """
         async with self._changed:
-            self.running -= len(group.trajectories)
-            self.running_groups.pop(group.group_id, None)
-            self.accepted_total += len(kept)
-            if kept:
-                group.trajectories = kept
-                self.ready.append(group)
+            with self._lock:
+                self.running -= len(group.trajectories)
+                self.running_groups.pop(group.group_id, None)
+                self.accepted_total += len(kept)
+                if kept:
+                    group.trajectories = kept
+                    self.ready.append(group)
             self._changed.notify_all()
             return self.accepted_total
 
@@ -127,18 +162,20 @@ class ReplayBuffer:
         async with self._changed:
             await self._changed.wait_for(lambda: self._select(step, version) is not None)
             batch: list[Trajectory] = []
-            for g, k in self._select(step, version):
-                batch += g.trajectories[:k]
-                g.trajectories = g.trajectories[k:]
-                if not g.trajectories:
-                    self.ready.remove(g)
+            with self._lock:
+                for g, k in self._select(step, version):
+                    batch += g.trajectories[:k]
+                    g.trajectories = g.trajectories[k:]
+                    if not g.trajectories:
+                        self.ready.remove(g)
             return batch
 
     # -- views for recovery --------------------------------------------------------
     def live_trajectories(self) -> list[Trajectory]:
-        # list() copies in one step under the GIL: safe to call from the trainer's worker thread
-        out = [t for g in list(self.ready) for t in list(g.trajectories)]
-        out += [t for g in list(self.running_groups.values()) for t in list(g.trajectories)]
+        """Ready and running trajectories, as one consistent view (safe from the trainer's thread)."""
+        with self._lock:
+            out = [t for g in self.ready for t in g.trajectories]
+            out += [t for g in self.running_groups.values() for t in g.trajectories]
         return out
 
     def state_dict(self) -> dict:
@@ -147,15 +184,17 @@ class ReplayBuffer:
         Running groups are not part of it: nothing of them was accepted, the
         controller regenerates their prompts on resume (``running`` restarts at 0).
         """
-        return {"accepted_total": self.accepted_total, "seq": self._seq,
+        return {"accepted_total": self.accepted_total, "released_total": self.released_total, "seq": self._seq,
                 "ready": [{"group_id": g.group_id, "start_version": g.start_version, "seq": g.seq,
                            "trajectories": [t.to_dict() for t in g.trajectories]} for g in self.ready]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.accepted_total = state["accepted_total"]
-        self._seq = state["seq"]
-        self.ready = [Group(d["group_id"], d["start_version"],
-                            [Trajectory.from_dict(t) for t in d["trajectories"]], d["seq"])
-                      for d in state["ready"]]
-        self.running = 0
-        self.running_groups = {}
+        ready = [Group(d["group_id"], d["start_version"], [Trajectory.from_dict(t) for t in d["trajectories"]],
+                       d["seq"]) for d in state["ready"]]
+        with self._lock:
+            self.accepted_total = state["accepted_total"]
+            self.released_total = state.get("released_total", 0)  # absent from checkpoints of older runs
+            self._seq = state["seq"]
+            self.ready = ready
+            self.running = 0
+            self.running_groups = {}

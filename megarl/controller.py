@@ -28,8 +28,11 @@ with the trainer's and strategy's; :meth:`load_state_dict` continues from it
 (running groups are regenerated from their prompts). A request whose engine
 died (``EngineLost``, megarl/rollout/supervisor.py) is sent again, prompt +
 partial, once an engine is up. A step the trainer skipped (non-finite loss or
-gradient norm) is logged with its reason and not published; after
-``trainer.max_consecutive_skips`` in a row the run checkpoints and stops.
+gradient norm) is logged with its reason and not published, and its batch
+stops counting against the staleness gate (``ReplayBuffer.release``); after
+``trainer.max_consecutive_skips`` in a row the run checkpoints and stops. So
+does a trainer that waited ``trainer.stall_timeout_s`` for a batch while no
+trajectory was accepted, naming the gate's numbers.
 """
 from __future__ import annotations
 
@@ -177,6 +180,7 @@ class Controller:
         async def one(traj: Trajectory) -> Trajectory:
             await self.workflow.run(traj, lambda ctx, sp: self._generate(traj, ctx, sp))
             traj.finish_reason = traj.finish_reason or "stop"
+            traj.finished = True  # a workflow sets finish_reason per turn; only its return ends the trajectory
             self.strategy.on_segment_finished(traj)
             out = await self.rewards.score(traj)
             traj.reward, traj.reward_failed = out.reward, out.failed
@@ -237,11 +241,10 @@ class Controller:
                 raise failure
             if self._fatal is not None:
                 raise self._fatal
-            async with self.buffer._changed:
-                await self.buffer._changed.wait_for(
-                    lambda: self._stopping or self._fatal is not None or (
-                        self.weights_ready.is_set() and self.buffer.can_admit(self.n, self.version)))
-            if self._stopping:
+            if not await self.buffer.wait_admissible(self.n, lambda: self.version, ready=self.weights_ready.is_set,
+                                                     stop=lambda: self._stopping or self._fatal is not None):
+                if self._fatal is not None:
+                    raise self._fatal
                 return
             if self._fatal is not None:
                 raise self._fatal
@@ -276,7 +279,7 @@ class Controller:
         await self._all_returned.wait()  # aborted requests return their partial tokens
         t_stopped = time.perf_counter()
         partials = [t for g in self.buffer.running_groups.values() for t in g.trajectories
-                    if t.response_ids and t.finish_reason is None]
+                    if t.response_ids and not t.finished]
         self.strategy.on_rollout_interrupted(partials)
         self.strategy.before_publish(old, new_version)
         t_sync = time.perf_counter()
@@ -294,14 +297,40 @@ class Controller:
 
     # -- training ------------------------------------------------------------------
     async def _next_batch(self, roll: asyncio.Task) -> list[Trajectory]:
-        """The next batch; if the rollout loop dies instead, its error (no waiting forever for data)."""
+        """The next batch; if the rollout loop dies instead, its error (no waiting forever for data).
+
+        A wait of ``trainer.stall_timeout_s`` without any trajectory accepted is a stall (nothing that
+        runs can complete a batch, or nothing runs): checkpoint, then stop naming the gate's numbers.
+        """
         get = asyncio.ensure_future(self.buffer.get_batch(self.trainer.version, self.version))
-        await asyncio.wait({get, roll}, return_when=asyncio.FIRST_COMPLETED)
+        timeout = self.cfg.trainer.stall_timeout_s
+        accepted = self.buffer.accepted_total
+        while True:
+            done, _ = await asyncio.wait({get, roll}, timeout=timeout or None, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                break
+            if self.buffer.accepted_total != accepted:  # trajectories still arrive: slow, not stalled
+                accepted = self.buffer.accepted_total
+                continue
+            get.cancel()
+            await self._checkpoint()
+            raise TrainingError(self._stall_message(timeout))
         if not get.done():
             get.cancel()
             roll.result()  # raises the rollout loop's error
             raise RuntimeError("the rollout loop stopped")
         return get.result()
+
+    def _stall_message(self, timeout: float) -> str:
+        g = self.buffer.gate_state(self.version)
+        return (f"no batch for step {self.step}: the trainer waited {timeout:.1f} s (trainer.stall_timeout_s) and no "
+                f"trajectory was accepted meanwhile. Staleness gate: accepted {g['accepted']} + running "
+                f"{g['running']} of capacity {g['capacity']} = (rollout.eta {self.eta} + version {self.version} + 1) "
+                f"x trainer.batch_size {self.B} (released by skipped steps {g['released']}); ready {g['ready']} of "
+                f"{self.B}; trainer version {self.trainer.version}; dropped {self.counters['n_dropped']}. A checkpoint "
+                f"of this step is in the run directory. A full gate with nothing running means no batch can ever "
+                f"form (check rollout.eta and trainer.publish_every); otherwise the engines or the rewards are stuck "
+                f"(for very long generations raise trainer.stall_timeout_s), then resume with --resume")
 
     async def _checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.last_step != self.step:
@@ -330,6 +359,7 @@ class Controller:
                 skipped = bool(record.get("skipped"))
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
                     self._consecutive_skips += 1
+                    self.buffer.release(len(trajs))  # consumed without a step: the gate must not count them
                     record["skip_reason"] = getattr(self.trainer, "last_skip_reason", None) or "skipped"
                 else:
                     self._consecutive_skips = 0

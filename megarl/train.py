@@ -76,6 +76,18 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb (or set logging.wandb=false)")
+    k, eta = cfg.trainer.publish_every, cfg.rollout.eta
+    if k < 1:
+        raise ConfigError(f"trainer.publish_every={k} must be >= 1")
+    # Refused rather than accounted for in the gate: the engines keep version v for k optimizer steps, so
+    # a token sampled by v just before the next publish is trained k - 1 versions later at the earliest.
+    # With k - 1 > eta no admission rule can keep the bound; a gate on the published version (the only
+    # one that keeps it) admits (eta + 1) batches per version and then waits for a publish that needs k.
+    if k > eta + 1:
+        raise ConfigError(f"trainer.publish_every={k} with rollout.eta={eta}: the engines would trail the trainer "
+                          f"by up to {k - 1} versions, more than eta allows, and the staleness gate would stop "
+                          f"generation before the next publish; set trainer.publish_every <= {eta + 1} "
+                          f"(rollout.eta + 1) or rollout.eta >= {k - 1}")
     max_len = int(hf.get("max_position_embeddings", 0))
     need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if max_len and need > max_len:

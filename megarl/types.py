@@ -118,7 +118,12 @@ class Trajectory:
     reward: float | None = None
     reward_failed: bool = False
     advantage: float | None = None
+    #: why the last policy turn ended; a multi-turn workflow sets it after every turn, so it does not
+    #: say whether more tokens will come (``finished`` does)
     finish_reason: FinishReason | None = None
+    #: True once the workflow returned: no token is appended any more (set by the controller). Until
+    #: then a publish reports the trajectory as partial, also between the turns of a multi-turn workflow
+    finished: bool = False
     n_interrupts: int = 0
     #: free-form task data (e.g. the reference answer); must be JSON-serializable.
     meta: dict[str, Any] = field(default_factory=dict)

@@ -90,6 +90,10 @@ class RecoveryStrategy(abc.ABC):
     Config: ClassVar[type] = object
     #: True when ``anchor`` returns the true ``logp_old``
     exact: ClassVar[bool] = False
+    #: whether hooks read ``ctx.live_trajectories()``; with several trainer ranks rank 0 then sends its
+    #: live trajectories with every hook, for followers to run the same forwards (megarl/trainer/spmd.py).
+    #: A strategy that never reads them sets False and saves that traffic.
+    uses_live_trajectories: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, ctx: RecoveryContext) -> None:
         self.cfg = cfg

@@ -22,6 +22,7 @@ class Behav(RecoveryStrategy):
     name = "behav"
     Config = BehavConfig
     exact = False
+    uses_live_trajectories = False
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         return AnchorResult(logp_anchor=batch.logp_behav.clone(), exact=False)

@@ -101,6 +101,7 @@ class Dedicated(RecoveryStrategy):
     name = "dedicated"
     Config = DedicatedConfig
     exact = True
+    uses_live_trajectories = False  # only rank 0, which scores, reads them
 
     def __init__(self, cfg: DedicatedConfig, ctx: Any) -> None:
         super().__init__(cfg, ctx)

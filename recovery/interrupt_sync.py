@@ -6,7 +6,9 @@ at v). It is needed because by ``before_publish(v, v')`` the optimizer has
 already moved the trainer past v. Only this one copy is ever held.
 
 ``after_optimizer_step``: the engines still generate; tokens of the published
-version in trajectories that have finished are scored now, off the stall.
+version in trajectories that have finished (``traj.finished``: the workflow
+returned, so the event loop no longer appends to them, which a multi-turn
+trajectory between turns does) are scored now, off the stall.
 
 ``before_publish(old, new)``: the loop has stopped the engines; every policy
 token of version ``old`` in the live trajectories (finished and partial, plus
@@ -102,7 +104,7 @@ class InterruptSync(RecoveryStrategy):
         if self._kept_version is None:
             return
         with self.meter.time("prescore_s"):
-            done = [t for t in self.ctx.live_trajectories() if t.finish_reason is not None]
+            done = [t for t in self.ctx.live_trajectories() if t.finished]
             n = self._score(done, self._kept_version)
         self.meter.add("prescored_tokens", float(n))
 

@@ -25,6 +25,7 @@ class Recompute(RecoveryStrategy):
     name = "recompute"
     Config = RecomputeConfig
     exact = False
+    uses_live_trajectories = False
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         with self.meter.time("recovery_s"):

@@ -51,6 +51,7 @@ class Snapshot(RecoveryStrategy):
     name = "snapshot"
     Config = SnapshotConfig
     exact = True
+    uses_live_trajectories = False  # live versions only
 
     def __init__(self, cfg: SnapshotConfig, ctx: Any) -> None:
         super().__init__(cfg, ctx)

@@ -77,11 +77,13 @@ class TrainerConfig:
     total_steps: int = 100
     """Optimizer steps to run."""
     publish_every: int = 1
-    """Publish weights to the engines every k optimizer steps."""
+    """Publish weights to the engines every k optimizer steps (at most rollout.eta + 1: the engines trail the trainer by up to k - 1 versions)."""
     seed: int = 0
     """Global seed (trainer, data order, sampling seeds)."""
     max_consecutive_skips: int = 5
     """Stop the run after this many consecutive steps skipped for non-finite loss or gradients."""
+    stall_timeout_s: float = 600.0
+    """Checkpoint and stop when the trainer has waited this long for a batch with no trajectory accepted meanwhile (0 = wait forever)."""
 
 
 @dataclass

@@ -10,7 +10,13 @@ follower replays it on its own trainer and strategy, in the same order:
 * strategy hooks (``DrivingStrategy`` broadcasts each call with its
   arguments; cheap notifications such as ``on_segment_finished`` are queued
   and shipped with the next collective event, so they never race with a train
-  step running in a worker thread);
+  step running in a worker thread). A hook may run forwards (collectives) on
+  what ``ctx.live_trajectories`` / ``ctx.live_versions`` return, so every
+  hook event carries rank 0's live versions, and its live trajectories unless
+  the strategy says it never reads them (``uses_live_trajectories``); rank 0
+  runs its own hook on exactly what it sent. ``after_optimizer_step`` runs
+  while the event loop still extends trajectories: there the unfinished ones
+  go as copies taken once, so rank 0 and the followers see the same tokens;
 * ``anchor``: followers rebuild the same TrainBatch from the same
   trajectories and call their strategy (its forwards are collectives), then
   take rank 0's anchor tensor, so a strategy whose anchor only rank 0 can
@@ -30,12 +36,26 @@ With one rank none of this is used: the loop talks to the trainer directly.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megarl.types import AnchorResult, Trajectory, TrainBatch
+
+#: a trajectory's per-token lists; an append extends them one after the other
+_PER_TOKEN = ("response_ids", "logp_behav", "versions", "loss_mask")
+
+
+def frozen_copy(traj: Trajectory) -> Trajectory:
+    """A copy of ``traj`` that another thread may be extending, cut to the tokens every list already holds."""
+    d = traj.to_dict()  # each list is copied whole, but one append may land between two lists' copies
+    keys = _PER_TOKEN + (("logp_old",) if d["logp_old"] is not None else ())
+    n = min(len(d[k]) for k in keys)
+    for k in keys:
+        d[k] = d[k][:n]
+    return Trajectory.from_dict(d)
 
 
 class ControlChannel:
@@ -80,10 +100,12 @@ class DrivingStrategy:
         self.channel = channel
         self.exact = inner.exact
         self.name = inner.name
+        self._uses_live = getattr(inner, "uses_live_trajectories", True)
         self._pending: list[tuple] = []
         self._pending_lock = threading.Lock()
 
-    def _event(self, *event) -> None:
+    def _event(self, *event) -> set[int]:
+        """Send queued notifications, rank 0's live versions and ``event``; returns the versions sent."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
         # followers see rank 0's live versions, so their snapshot stores free exactly the same versions
@@ -91,6 +113,27 @@ class DrivingStrategy:
         with self.channel.lock:
             self.channel.send(("hooks", pending, live_versions))
             self.channel.send(event)
+        return live_versions
+
+    @contextmanager
+    def _pinned(self, live_versions: set[int], live: list[Trajectory] | None) -> Iterator[None]:
+        """Rank 0's hook sees the live state it sent to the followers, not a later one."""
+        ctx = self.inner.ctx
+        saved = ctx.live_versions, ctx.live_trajectories
+        ctx.live_versions = lambda: set(live_versions)
+        if live is not None:
+            ctx.live_trajectories = lambda: list(live)
+        try:
+            yield
+        finally:
+            ctx.live_versions, ctx.live_trajectories = saved
+
+    def _hook(self, name: str, args: tuple, live: Callable[[], list[Trajectory]]) -> None:
+        """Run hook ``name`` on every rank, with rank 0's live trajectories when the strategy reads them."""
+        trajs = live() if self._uses_live else None
+        versions = self._event("hook", name, args, trajs)
+        with self._pinned(versions, trajs):
+            getattr(self.inner, name)(*args)
 
     # notifications: queued, shipped with the next event
     def on_segment_finished(self, traj: Trajectory) -> None:
@@ -105,17 +148,18 @@ class DrivingStrategy:
 
     # collective hooks
     def before_publish(self, old_version: int, new_version: int) -> None:
-        live = self.inner.ctx.live_trajectories()
-        self._event("hook", "before_publish", (old_version, new_version), live)
-        self.inner.before_publish(old_version, new_version)
+        # on the event loop with generation stopped: nothing changes the trajectories until it returns,
+        # and the strategy must write into the real ones (their old version is about to go)
+        self._hook("before_publish", (old_version, new_version), self.inner.ctx.live_trajectories)
 
     def on_weights_published(self, version: int) -> None:
-        self._event("hook", "on_weights_published", (version,), None)
-        self.inner.on_weights_published(version)
+        self._hook("on_weights_published", (version,), self.inner.ctx.live_trajectories)
 
     def after_optimizer_step(self, version: int, metrics: dict) -> None:
-        self._event("hook", "after_optimizer_step", (version, metrics), None)
-        self.inner.after_optimizer_step(version, metrics)
+        # in the trainer's thread while the event loop appends tokens and finishes trajectories: finished
+        # ones no longer change, the others are frozen here once, for rank 0 and the followers alike
+        self._hook("after_optimizer_step", (version, metrics),
+                   lambda: [t if t.finished else frozen_copy(t) for t in self.inner.ctx.live_trajectories()])
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         self._event("anchor", batch.version, trajs)
@@ -226,7 +270,7 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
 
     ``view`` backs the follower strategy's ``ctx.live_trajectories`` and
     ``ctx.live_versions``: rank 0 sends its live versions with every event and
-    its live trajectories with every ``before_publish``.
+    its live trajectories with every hook.
     """
     batch: TrainBatch | None = None
     anchor: AnchorResult | None = None

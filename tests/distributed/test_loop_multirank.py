@@ -1,7 +1,9 @@
 """The whole async loop with two trainer ranks, started through the launch wrappers.
 
 torchrun: TP=2 trainer ranks + one vLLM engine process + the dedicated old-logit
-process. mpirun: DP=2 trainer ranks bootstrapped over MPI, snapshot recovery.
+process. mpirun: DP=2 trainer ranks bootstrapped over MPI, snapshot recovery. Then
+interrupt_sync (TP=2 and DP=2), ewma (TP=2) and recompute (DP=2): every strategy
+whose hooks run forwards on all ranks.
 torchrun with rollout.weight_sync=broadcast: TP=2 ranks export together, rank 0 sends.
 """
 import json
@@ -33,7 +35,13 @@ def _records(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("launcher,extra", [
     ("torchrun.sh", ["parallel.tp=2", "recovery.name=dedicated"]),
     ("mpirun.sh", ["recovery.name=snapshot"]),
-])
+    # strategies whose hooks run forwards (collectives) between train steps: interrupt_sync scores
+    # finished trajectories after the optimizer step, so the followers need rank 0's live trajectories
+    ("torchrun.sh", ["parallel.tp=2", "recovery.name=interrupt_sync"]),
+    ("mpirun.sh", ["recovery.name=interrupt_sync"]),
+    ("torchrun.sh", ["parallel.tp=2", "recovery.name=ewma"]),
+    ("torchrun.sh", ["recovery.name=recompute"]),
+], ids=["tp2-dedicated", "dp2-snapshot", "tp2-interrupt_sync", "dp2-interrupt_sync", "tp2-ewma", "dp2-recompute"])
 def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
     run_dir = tmp_path / "run"
     cmd = ["bash", str(ROOT / "launch" / launcher), "--config", "configs/tiny_cpu.yaml", "placement.trainer_ranks=2",
@@ -44,6 +52,10 @@ def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
     assert [x["version"] for x in records] == [1, 2, 3]
     assert all(x["staleness_max"] <= 2 and x["skipped"] == 0 for x in records)
     assert (run_dir / "final" / "model.safetensors").is_file()
+    if extra[-1].split("=")[1] in ("dedicated", "snapshot", "interrupt_sync"):
+        # an exact anchor is the trainer's log-prob of each token's own version, which the fp32 engine
+        # sampled with: a rank that scored other inputs than rank 0 would show here
+        assert all(x["abs_logp_anchor_minus_behav_mean"] < 1e-4 for x in records), records
 
 
 def test_two_trainer_ranks_publish_by_broadcast(ckpt, tmp_path):

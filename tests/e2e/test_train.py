@@ -111,7 +111,22 @@ def test_verify_recovery_takes_engine_resources_from_the_config(ckpt, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
     s = json.loads(report.read_text())["strategies"]["snapshot"]
-    assert s["exact"] and s["n_tokens"] > 0 and s["max_abs_err"] <= 1e-5, s
+    assert s["measured_exact"] and s["n_tokens"] > 0 and s["max_abs_err"] <= 1e-5, s
+
+
+def test_verify_exact_strategies_multi_turn(ckpt, tmp_path):
+    # a multi-turn trajectory waits between its turns (tool, next turn) through publishes: it must be
+    # reported as partial then, or its earlier-version segments are lost to dedicated
+    report = tmp_path / "report.json"
+    r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "interrupt_sync,dedicated",
+               "--steps", "12", "--output", str(report), f"model.checkpoint={ckpt}", "rollout.workflow=multi_turn",
+               "rollout.max_turns=4", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name, s in json.loads(report.read_text())["strategies"].items():
+        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert s["max_versions_per_sequence"] >= 2 and s["spliced_frac"] >= 0.1, (name, s)
+        # policy tokens only: tool output is never scored
+        assert 0 < s["n_tokens"] < 12 * 2 * 64, (name, s)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -122,6 +137,7 @@ def test_verify_recovery_takes_engine_resources_from_the_config(ckpt, tmp_path):
     ("reward.fn=no_such_module.fn", "no_such_module"),
     ("data.max_prompt_len=200", "max_position_embeddings"),
     ("trainer.batch_size=30", "multiple of rollout.group_size"),
+    ("trainer.publish_every=4", "set trainer.publish_every <= 3"),  # tiny_cpu.yaml: eta = 2
 ])
 def test_bad_input_fails_before_the_run(ckpt, tmp_path, override, message):
     out = tmp_path / "run"

@@ -47,3 +47,66 @@ def test_earliest_deadline_first_and_group_split():
 
 def test_not_enough_ready():
     assert buffer_with([group("a", 0)], [], B=2)._select(step=0, version=0) is None
+
+
+class _HookedGroups(dict):
+    """running_groups that runs ``hook`` once, when a reader asks for its values (after ``ready`` was read)."""
+
+    hook = None
+
+    def values(self):
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return super().values()
+
+
+def test_live_trajectories_sees_a_group_accepted_while_it_reads():
+    # The trainer's thread reads the live trajectories while the event loop accepts a group. The hook
+    # stops the reader between reading `ready` and reading `running_groups` and lets the accept run
+    # there: a consistent view holds the group exactly once (before or after its move), never zero times.
+    import asyncio
+    import threading
+
+    buf = ReplayBuffer(batch_size=2, eta=1)
+    buf.running_groups = _HookedGroups()
+    g = group("g0", 0, n=2)
+    buf.admit(g)
+    between, accepted = threading.Event(), threading.Event()
+
+    def hook():
+        between.set()
+        accepted.wait(timeout=2.0)  # the accept may run here, unless the buffer makes it wait for this read
+
+    buf.running_groups.hook = hook
+    seen: list = []
+    reader = threading.Thread(target=lambda: seen.append(buf.live_trajectories()))
+    reader.start()
+    assert between.wait(timeout=10), "live_trajectories never read running_groups"
+    asyncio.run(buf.accept(g, list(g.trajectories)))
+    accepted.set()
+    reader.join(timeout=10)
+    assert [t.traj_id for t in seen[0]] == ["g0-0", "g0-1"]
+    assert buf.ready == [g] and not buf.running_groups
+
+
+def test_wait_admissible():
+    import asyncio
+
+    async def scenario():
+        buf = ReplayBuffer(batch_size=2, eta=0)
+        buf.admit(group("g0", 0, n=2))  # capacity (0 + 0 + 1) * 2 = 2 is full
+        stop = False
+        waiter = asyncio.ensure_future(buf.wait_admissible(2, lambda: 0, stop=lambda: stop))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        await buf.accept(buf.running_groups["g0"], [])  # dropped: leaves the gate's count
+        assert await asyncio.wait_for(waiter, 5) is True
+        buf.admit(group("g1", 0, n=2))
+        waiter = asyncio.ensure_future(buf.wait_admissible(2, lambda: 0, stop=lambda: stop))
+        await asyncio.sleep(0.01)
+        stop = True
+        await buf.notify()
+        assert await asyncio.wait_for(waiter, 5) is False
+
+    asyncio.run(scenario())

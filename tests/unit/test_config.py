@@ -94,3 +94,18 @@ def test_describe_lists_every_leaf():
     assert any(line.startswith("trainer.lr = ") for line in lines)
     assert any(line.startswith("recovery.name = ") for line in lines)
     assert all("#" in line for line in lines)
+
+
+def test_publish_every_beyond_the_staleness_window_is_refused():
+    # with publish_every = k the engines' version trails the trainer by up to k - 1 steps, so eta >= k - 1
+    from megarl.train import validate
+
+    hf = {"max_position_embeddings": 512}
+    validate(load_config(None, ["rollout.eta=2", "trainer.publish_every=3"]), hf)  # k - 1 = 2 = eta: fine
+    validate(load_config(None, ["rollout.eta=0", "trainer.publish_every=1"]), hf)
+    with pytest.raises(ConfigError, match=r"trainer\.publish_every=4 with rollout\.eta=2: .*publish_every <= 3"):
+        validate(load_config(None, ["rollout.eta=2", "trainer.publish_every=4"]), hf)
+    with pytest.raises(ConfigError, match=r"trainer\.publish_every=2 with rollout\.eta=0: .*publish_every <= 1"):
+        validate(load_config(None, ["rollout.eta=0", "trainer.publish_every=2"]), hf)
+    with pytest.raises(ConfigError, match=r"trainer\.publish_every=0 must be >= 1"):
+        validate(load_config(None, ["trainer.publish_every=0"]), hf)

@@ -147,6 +147,29 @@ def test_interrupt_sync_exact(trainer, extra_step):
     assert strat.overhead()["extra_param_copies"] == 1
 
 
+def test_interrupt_sync_prescores_only_finished_trajectories(trainer):
+    # A multi-turn trajectory between turns: its first turn ended on the tool call (finish_reason "stop",
+    # which every turn sets) but the workflow goes on, so the event loop may still append to it while
+    # after_optimizer_step runs in the trainer's thread. Only trajectories the loop marked finished are
+    # prescored there; the stall of before_publish scores the rest, with everything else of v7.
+    loop = LoopState()
+    strat = InterruptSync(InterruptSyncConfig(), loop.context(trainer))
+    loop.published = 7
+    strat.on_weights_published(7)
+    between = extend(Trajectory("mt", "g0", [1, 5, 2], logp_old=[]), "policy", 3, 7, seed=1)
+    between.finish_reason = "stop"
+    done = extend(Trajectory("st", "g1", [1, 6, 2], logp_old=[]), "policy", 4, 7, seed=2)
+    done.finish_reason, done.finished = "stop", True
+    loop.live = [between, done]
+    trainer.fake_step()
+    strat.after_optimizer_step(trainer.version, {})
+    assert not any(math.isnan(x) for x in done.logp_old)
+    assert all(math.isnan(x) for x in between.logp_old), "a trajectory still being generated was scored"
+    assert strat.overhead()["prescored_tokens"] == 4
+    strat.before_publish(7, 8)
+    assert not any(math.isnan(x) for x in between.logp_old)
+
+
 def test_interrupt_sync_creates_logp_old_and_refuses_lost_versions(trainer):
     loop = LoopState()
     strat = InterruptSync(InterruptSyncConfig(), loop.context(trainer))
