@@ -172,10 +172,11 @@ class ReplayBuffer:
 
     # -- views for recovery --------------------------------------------------------
     def live_trajectories(self) -> list[Trajectory]:
-        """Ready and running trajectories, as one consistent view (safe from the trainer's thread)."""
+        """Ready and running trajectories (every training row of an episode), as one consistent view (safe
+        from the trainer's thread)."""
         with self._lock:
-            out = [t for g in self.ready for t in g.trajectories]
-            out += [t for g in self.running_groups.values() for t in g.trajectories]
+            out = [r for g in self.ready for t in g.trajectories for r in t.rows()]
+            out += [r for g in self.running_groups.values() for t in g.trajectories for r in t.rows()]
         return out
 
     def state_dict(self) -> dict:

@@ -46,7 +46,7 @@ from typing import Any, Callable
 from megarl.buffer import Group, ReplayBuffer
 from megarl.errors import RewardError, TrainingError
 from megarl.rollout.supervisor import EngineLost
-from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch
+from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch, training_rows
 
 log = logging.getLogger("megarl.controller")
 
@@ -109,6 +109,7 @@ class Controller:
         self._reward_failure: str | None = None  # one failing reward call of the current step, for the error
         self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
         self._failed_groups_in_a_row = 0
+        self._prev_workflow_stats: dict[str, int] = {}
         self._step_counters = dict(self.counters)
         self._prev_step_counters = dict(self.counters)
         self.gen_stall_s = 0.0
@@ -178,15 +179,22 @@ class Controller:
 
     async def _run_group(self, group: Group, item) -> None:
         async def one(traj: Trajectory) -> Trajectory:
-            await self.workflow.run(traj, lambda ctx, sp: self._generate(traj, ctx, sp))
+            # generate(context, sampling, into=row): an agent's episode may write into a part of its own
+            await self.workflow.run(traj, lambda ctx, sp, into=None: self._generate(into or traj, ctx, sp))
             traj.finish_reason = traj.finish_reason or "stop"
-            traj.finished = True  # a workflow sets finish_reason per turn; only its return ends the trajectory
-            self.strategy.on_segment_finished(traj)
-            out = await self.rewards.score(traj)
-            traj.reward, traj.reward_failed = out.reward, out.failed
-            self.counters["n_reward_calls"] += 1
-            if out.failed and self._reward_failure is None:
-                self._reward_failure = f"trajectory {traj.traj_id}: {out.reason}"
+            for row in traj.rows():  # a workflow sets finish_reason per turn; only its return ends the trajectory
+                row.finished = True
+                self.strategy.on_segment_finished(row)
+            failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
+            if traj.reward is None:  # an agent may return the episode's reward itself
+                out = await self.rewards.score(traj)
+                traj.reward, traj.reward_failed = out.reward, out.failed  # failed ones are counted per group
+                failure = out.reason if out.failed else None
+            elif failure is not None:  # a failed agent counts against reward.max_fail_frac like a failed reward
+                self.counters["n_reward_failed"] += 1
+            self.counters["n_reward_calls"] += 1  # one outcome per episode: scored, or given by its agent
+            if failure is not None and self._reward_failure is None:
+                self._reward_failure = f"trajectory {traj.traj_id}: {failure}"
             return traj
 
         try:
@@ -220,6 +228,9 @@ class Controller:
                 log.exception("advantages of group %s failed; its samples are dropped", group.group_id)
                 self.counters["n_dropped"] += len(kept)
                 kept = []
+        for t in kept:  # an episode's parts share its reward and advantage
+            for part in t.parts:
+                part.reward, part.advantage = t.reward, t.advantage
         self._items.pop(group.group_id, None)
         if self._fatal is None:  # with on_failure=drop nothing reaches a step: check here too, per B calls
             self._fatal = self._reward_failure_error(min_calls=self.B)
@@ -278,8 +289,8 @@ class Controller:
             await self.router.abort_all()
         await self._all_returned.wait()  # aborted requests return their partial tokens
         t_stopped = time.perf_counter()
-        partials = [t for g in self.buffer.running_groups.values() for t in g.trajectories
-                    if t.response_ids and not t.finished]
+        partials = [r for g in self.buffer.running_groups.values() for t in g.trajectories for r in t.rows()
+                    if r.response_ids and not r.finished]
         self.strategy.on_rollout_interrupted(partials)
         self.strategy.before_publish(old, new_version)
         t_sync = time.perf_counter()
@@ -354,6 +365,7 @@ class Controller:
                 t0 = time.perf_counter()
                 trajs = await self._next_batch(roll)
                 t_got = time.perf_counter()
+                trajs = training_rows(trajs)  # an agent's episode may hold several rows
                 record = await asyncio.to_thread(self._train_on, trajs)
                 t_trained = time.perf_counter()
                 skipped = bool(record.get("skipped"))
@@ -501,6 +513,13 @@ class Controller:
             await self.publish(self.trainer.version)
         await self._evaluate(self.step)
 
+    def _workflow_step_stats(self) -> dict[str, int]:
+        """What the workflow counted (agent turns, tool calls, failures) since the last step."""
+        now = self.workflow.stats()
+        step = {k: v - self._prev_workflow_stats.get(k, 0) for k, v in now.items()}
+        self._prev_workflow_stats = now
+        return step
+
     def _step_record(self, trajs, t0, t_got, t_trained, t_start) -> dict[str, Any]:
         rewards = [t.reward for t in trajs if t.reward is not None]
         step_counts = {k: self.counters[k] - self._step_counters[k] for k in self.counters}
@@ -521,6 +540,7 @@ class Controller:
             "wall_s": time.perf_counter() - t_start,
             "gen_stall_total_s": self.gen_stall_s,
             **step_counts,
+            **self._workflow_step_stats(),
             **(self.router.stats() if hasattr(self.router, "stats") else {}),
             **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
         }

@@ -13,8 +13,8 @@ string, or a list of chat messages ``[{"role", "content"}, ...]``; both go
 through the tokenizer's chat template (megarl/tokenizer.py). Rows may instead
 hold pre-tokenized ``prompt_ids`` (a list of ints). The ground truth sits under
 ``data.answer_key`` (default ``answer``). Both keys may be dotted paths into
-nested fields (``reward_model.ground_truth``). Every other field of the row
-travels with the prompt to the reward. An ``id`` field names the prompt
+nested fields (``reward_model.ground_truth``). The row's fields (the prompt as
+written included) travel with the prompt to the reward and to an agent. An ``id`` field names the prompt
 (default ``FILE:LINE`` / ``NAME:SPLIT:ROW``).
 
 Everything is read, rendered and checked when the dataset is built, so a bad
@@ -48,7 +48,7 @@ class Prompt:
     prompt_id: str
     prompt_ids: list[int]
     answer: Any = None
-    #: every field of the row except the prompt itself (reaches the reward as ``row``)
+    #: the row's fields, the prompt as written included (the reward gets them as ``row``, an agent as its row)
     row: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,8 +196,7 @@ class PromptDataset:
             if pid in seen:
                 raise InputError(f"{where}: duplicate id {pid!r} (first at {seen[pid]}); prompt ids must be unique")
             seen[pid] = where
-            top = prompt_key.split(".")[0] if prompt_key not in row else prompt_key
-            rests.append({k: v for k, v in row.items() if k not in (top, "prompt_ids")})
+            rests.append({k: v for k, v in row.items() if k != "prompt_ids"})
             wheres.append(where)
             pids.append(pid)
             answers.append(answer)

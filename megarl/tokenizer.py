@@ -50,7 +50,7 @@ class RunTokenizer:
 
     def __init__(self, hf_tokenizer: Any, *, source: str, stop_token_ids: list[int],
                  chat_template: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
-                 generation_config: Path | None = None) -> None:
+                 generation_config: Path | None = None, model_max_len: int = 1 << 20) -> None:
         self.hf = hf_tokenizer
         self.source = source
         self.stop_token_ids = sorted(set(stop_token_ids))
@@ -64,6 +64,8 @@ class RunTokenizer:
         self.use_template = has_template if mode == "auto" else mode == "true"
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.generation_config = generation_config
+        #: the model's context length (max_position_embeddings): no sequence may be longer
+        self.model_max_len = model_max_len
 
     @classmethod
     def load(cls, model_cfg: Any, rollout_cfg: Any, data_cfg: Any, vocab_size: int | None = None) -> "RunTokenizer":
@@ -99,8 +101,11 @@ class RunTokenizer:
                                   f"vocab_size {vocab_size}: tokenizer and checkpoint do not belong together")
         gen_path = next((p / "generation_config.json" for p in (ckpt, path)
                          if (p / "generation_config.json").is_file()), None)
+        config = ckpt / "config.json"
+        max_len = int(json.loads(config.read_text()).get("max_position_embeddings", 1 << 20)) if config.is_file() \
+            else 1 << 20
         return cls(hf, source=str(source), stop_token_ids=stop, chat_template=data_cfg.apply_chat_template,
-                   chat_template_kwargs=data_cfg.chat_template_kwargs, generation_config=gen_path)
+                   chat_template_kwargs=data_cfg.chat_template_kwargs, generation_config=gen_path, model_max_len=max_len)
 
     def __len__(self) -> int:
         return len(self.hf)
@@ -120,6 +125,25 @@ class RunTokenizer:
                                                **self.chat_template_kwargs)
         except Exception as e:  # a template error names a missing field or kwarg
             raise InputError(f"{where}: the chat template failed: {type(e).__name__}: {e}") from None
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """A whole conversation (an agent's turn), tools included, with the generation prompt."""
+        if not self.use_template:
+            raise InputError("an agent conversation needs a chat template (data.apply_chat_template is false or "
+                             f"the tokenizer in {self.source} has none)")
+        check_messages(messages, "agent conversation")
+        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                           **self.chat_template_kwargs)
+
+    def supports_tools(self) -> bool:
+        """Whether the chat template shows tools to the model (a probe tool's name appears in the rendering)."""
+        probe = {"type": "function", "function": {"name": "megarl_probe_tool", "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.render_chat([{"role": "user", "content": "hi"}], tools=[probe])
+        except Exception:  # a template that fails on tools does not support them
+            return False
+        return "megarl_probe_tool" in text
 
     def encode_rendered(self, texts: list[str]) -> list[list[int]]:
         """Token ids of rendered prompts (no special tokens added when a template rendered them)."""

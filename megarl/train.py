@@ -115,7 +115,7 @@ def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
     if cfg.rollout.workflow == "multi_turn":
         return build_workflow("multi_turn", cfg, tokenizer, env=cfg.rollout.tool_env,
                               max_turns=cfg.rollout.max_turns, max_response_len=cfg.rollout.max_new_tokens)
-    return build_workflow("single_turn", cfg, tokenizer)
+    return build_workflow(cfg.rollout.workflow, cfg, tokenizer)
 
 
 def build_trainer(cfg: MegaRLConfig, ckpt: Path):
@@ -298,14 +298,16 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, inputs: Run
         wandb = ({"project": cfg.logging.wandb_project, "config": to_dict(cfg)} if cfg.logging.wandb else None)
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
                            wandb=wandb)
+        workflows = [_workflow(cfg, inputs.tokenizer)]
         evaluator = None
         if inputs.eval_dataset is not None:
-            evaluator = Evaluator(inputs.eval_dataset.prompts(), _eval_workflow(cfg, inputs.tokenizer), scorer,
+            workflows.append(_eval_workflow(cfg, inputs.tokenizer))
+            evaluator = Evaluator(inputs.eval_dataset.prompts(), workflows[-1], scorer,
                                   n_samples=cfg.eval.n_samples, pass_threshold=cfg.eval.pass_threshold)
         # built before any resume loads a checkpoint: the KL reference is the run's initial weights
         objective = loss_fn_factory_for_run(cfg, getattr(trainer, "trainer", trainer))
         controller = Controller(cfg, trainer=trainer, router=router, rewards=scorer, dataset=inputs.dataset,
-                                workflow=_workflow(cfg, inputs.tokenizer), strategy=strategy,
+                                workflow=workflows[0], strategy=strategy,
                                 publisher=publisher, loss_fn_factory=objective,
                                 advantages=advantage_fn(cfg.advantage), on_step=logger.log,
                                 checkpointer=checkpointer, journal=logger, evaluator=evaluator,
@@ -330,6 +332,8 @@ async def _train_async(cfg: MegaRLConfig, run_dir: Path, ckpt: Path, inputs: Run
             logger.close()
             strategy.close()
             publisher.close()
+            for w in workflows:
+                w.close()
             if channel is not None:  # also after an error: followers must not wait for events forever
                 trainer.stop_followers()
         shutil.rmtree(weights_dir, ignore_errors=True)

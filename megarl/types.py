@@ -127,6 +127,10 @@ class Trajectory:
     n_interrupts: int = 0
     #: free-form task data (e.g. the reference answer); must be JSON-serializable.
     meta: dict[str, Any] = field(default_factory=dict)
+    #: further trajectories of the same episode, each with a prompt of its own: an agent's turn whose
+    #: rendered conversation does not extend what the model saw before (megarl/agents/client.py). They
+    #: share this trajectory's reward and advantage; the staleness gate counts the episode once
+    parts: list["Trajectory"] = field(default_factory=list)
 
     # -- appending -------------------------------------------------------------
     def append_policy(self, output_ids: list[int], logp_behav: list[float], versions: list[int]) -> None:
@@ -175,12 +179,22 @@ class Trajectory:
     def is_spliced(self) -> bool:
         return len(self.policy_versions()) >= 2
 
+    def rows(self) -> list["Trajectory"]:
+        """The training rows of this episode: itself, then its parts."""
+        return [self, *self.parts]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
-        return cls(**d)
+        parts = [cls.from_dict(p) for p in d.get("parts", [])]
+        return cls(**{**d, "parts": parts})
+
+
+def training_rows(trajs: list[Trajectory]) -> list[Trajectory]:
+    """Every training row of ``trajs`` (episodes with parts contribute several), in order."""
+    return [r for t in trajs for r in t.rows()]
 
 
 @dataclass

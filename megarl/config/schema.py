@@ -114,8 +114,8 @@ class RolloutConfig:
     """Extra token ids that end a response, on top of the tokenizer's EOS and every `eos_token_id` of the checkpoint's generation_config.json (the stop token is kept and trained on)."""
     filter_groups: bool = False
     """Drop groups whose rewards are all equal (zero advantage, no learning signal), count them as n_filtered, and generate others in their place (DAPO's dynamic sampling)."""
-    workflow: Literal["single_turn", "multi_turn"] = "single_turn"
-    """How a trajectory is rolled out: one answer, or policy turns interleaved with tool output."""
+    workflow: Literal["single_turn", "multi_turn", "agent"] = "single_turn"
+    """How a trajectory is rolled out: one answer, policy turns interleaved with tool output, or an agent (section `agent`)."""
     tool_env: str = "digit_count"
     """Tool environment of the multi_turn workflow (megarl/workflows/registry.py TOOL_ENVS)."""
     max_turns: int = 4
@@ -158,6 +158,28 @@ class DataConfig:
     """Prompts longer than max_prompt_len: filter them out before the run (counted, with a warning) or refuse the dataset."""
     shuffle: bool = True
     """Shuffle the rows each epoch (seeded by trainer.seed and the epoch)."""
+
+
+@dataclass
+class AgentConfig:
+    """Agent episodes (rollout.workflow=agent): a user's `async def agent(client, row)` against an OpenAI-style chat client (megarl/workflows/agent.py)."""
+
+    fn: str = "math_python"
+    """The agent: a built-in name (math_python) or a dotted path pkg.mod:agent to an `async def agent(client, row) -> float | None` (None: the reward service scores the final answer)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call: built-in names (python: sandboxed code execution) or dotted paths to functions `fn(**arguments) -> str`."""
+    max_turns: int = 8
+    """Completions per episode; an agent asking for more fails its episode (counted in n_agent_failed)."""
+    max_tokens: int = 0
+    """Token budget of one trajectory (prompt, turns and tool results); 0 = the model's max_position_embeddings."""
+    turns: Literal["auto", "individual"] = "auto"
+    """auto: turns that extend the conversation token-exactly stay one trajectory, a turn whose template rewrites the past starts a new one; individual: every completion is a trajectory of its own. All of an episode's trajectories share its reward."""
+    tool_timeout_s: float = 10.0
+    """Time limit of one tool call (it runs in a worker process); past it the model gets an error message."""
+    tool_memory_mb: int = 512
+    """Memory one tool call may allocate in its worker process."""
+    n_tool_workers: int = 2
+    """Worker processes running tool calls."""
 
 
 @dataclass
@@ -302,6 +324,8 @@ class MegaRLConfig:
     """Prompts."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation during training."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent episodes (rollout.workflow=agent)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward service."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

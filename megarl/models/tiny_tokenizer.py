@@ -33,8 +33,9 @@ from typing import Any
 from megarl.errors import ConfigError
 
 #: ChatML as Qwen models use it: ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`` per message. With ``tools``
-#: a system block lists them as JSON; assistant tool calls render as ``<tool_call>`` JSON blocks, tool
-#: results as ``<tool_response>`` blocks inside a user turn.
+#: a system block lists them as JSON; assistant tool calls render as ``<tool_call>`` JSON blocks after the
+#: content (``\\n<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, arguments as the model
+#: wrote them), tool results as ``<tool_response>`` blocks inside a user turn.
 CHATML = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -52,10 +53,12 @@ CHATML = (
     "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- if message.tool_calls and not message.content %}{{- '<|im_start|>' + message.role }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}{%- endif %}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set fn = call.function if call.function is defined else call %}"
-    "{{- '\\n<tool_call>\\n' }}{{- {'name': fn.name, 'arguments': fn.arguments} | tojson }}{{- '\\n</tool_call>' }}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"

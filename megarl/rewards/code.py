@@ -115,27 +115,32 @@ def _limit_child(memory_mb: int, cpu_s: int) -> None:
         pass
 
 
-def run_sandboxed(code: str, tests: list[str], time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-                  memory_mb: int = DEFAULT_MEMORY_MB) -> SandboxResult:
-    """Run ``code`` then each test in a sandboxed subprocess; count the tests that pass."""
-    nonce = secrets.token_hex(16)
+@dataclass
+class _Run:
+    stdout: str
+    stderr_tail: str
+    timed_out: bool
+    returncode: int | None
+
+
+def _run_in_sandbox(files: dict[str, str], script: str, stdin: str, time_limit_s: float, memory_mb: int) -> _Run:
+    """Run ``python -I -c script`` in a fresh directory holding ``files``, with the sandbox's limits."""
     with tempfile.TemporaryDirectory(prefix="megarl-code-") as tmp:
-        with open(os.path.join(tmp, "solution.py"), "w") as f:
-            f.write(code)
-        with open(os.path.join(tmp, "tests.json"), "w") as f:
-            json.dump(list(tests), f)
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [*netns_prefix(), sys.executable, "-I", "-c", _HARNESS]
+        cmd = [*netns_prefix(), sys.executable, "-I", "-c", script]
         out_path, err_path = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
         timed_out = False
-        # output goes to files, not pipes: a solution printing in a loop then hits
-        # RLIMIT_FSIZE instead of filling the reward worker's memory
+        # output goes to files, not pipes: code printing in a loop then hits
+        # RLIMIT_FSIZE instead of filling the worker's memory
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=tmp, env=env,
                                     start_new_session=True,
                                     preexec_fn=functools.partial(_limit_child, memory_mb, math.ceil(time_limit_s)))
             try:
-                proc.communicate((nonce + "\n").encode(), timeout=time_limit_s)
+                proc.communicate(stdin.encode(), timeout=time_limit_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
@@ -145,13 +150,36 @@ def run_sandboxed(code: str, tests: list[str], time_limit_s: float = DEFAULT_TIM
                     pass
                 proc.wait()
         with open(out_path, "rb") as f:
-            lines = f.read(MAX_OUTPUT_BYTES).decode(errors="replace").splitlines()
+            stdout = f.read(MAX_OUTPUT_BYTES).decode(errors="replace")
         with open(err_path, "rb") as f:
             stderr_tail = f.read()[-2000:].decode(errors="replace")
-    passed = {int(parts[1]) for parts in (ln.split() for ln in lines)
+    return _Run(stdout, stderr_tail, timed_out, proc.returncode)
+
+
+def run_sandboxed(code: str, tests: list[str], time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+                  memory_mb: int = DEFAULT_MEMORY_MB) -> SandboxResult:
+    """Run ``code`` then each test in a sandboxed subprocess; count the tests that pass."""
+    nonce = secrets.token_hex(16)
+    run = _run_in_sandbox({"solution.py": code, "tests.json": json.dumps(list(tests))}, _HARNESS, nonce + "\n",
+                          time_limit_s, memory_mb)
+    passed = {int(parts[1]) for parts in (ln.split() for ln in run.stdout.splitlines())
               if len(parts) == 2 and parts[0] == nonce and parts[1].isdigit()}
-    return SandboxResult(n_passed=len(passed), n_tests=len(tests), timed_out=timed_out,
-                         returncode=proc.returncode, stderr_tail=stderr_tail)
+    return SandboxResult(n_passed=len(passed), n_tests=len(tests), timed_out=run.timed_out,
+                         returncode=run.returncode, stderr_tail=run.stderr_tail)
+
+
+_RUN_SCRIPT = "exec(compile(open('main.py').read(), 'main.py', 'exec'), {'__name__': '__main__'})"
+
+
+def run_python(code: str, time_limit_s: float = DEFAULT_TIME_LIMIT_S, memory_mb: int = DEFAULT_MEMORY_MB) -> str:
+    """Run ``code`` in the sandbox; what it printed, then its error or a note that it was stopped."""
+    run = _run_in_sandbox({"main.py": code}, _RUN_SCRIPT, "", time_limit_s, memory_mb)
+    text = run.stdout
+    if run.timed_out:
+        text += f"\n[stopped: the code ran longer than {time_limit_s:g} s]"
+    elif run.returncode:
+        text += ("\n" if text else "") + run.stderr_tail.strip()
+    return text.strip() or "[the code printed nothing]"
 
 
 def code_reward(response: str, answer: Any, *, row: dict[str, Any] | None = None, **_: Any) -> float:

@@ -22,7 +22,9 @@ class TrajectoryScorer:
         self.service = service
 
     def reward_input(self, traj: Trajectory) -> RewardInput:
-        return RewardInput(response=self.tokenizer.decode_response(traj.response_ids),
+        # an agent's episode is scored on its final assistant message, not on the whole conversation
+        final = traj.meta.get("final_response")
+        return RewardInput(response=final if final is not None else self.tokenizer.decode_response(traj.response_ids),
                            answer=traj.meta.get("answer"),
                            prompt=self.tokenizer.decode_prompt(traj.prompt_ids),
                            row=traj.meta.get("row") or {}, finish_reason=traj.finish_reason,

@@ -18,7 +18,9 @@ from typing import Awaitable, Callable, Protocol, runtime_checkable
 
 from megarl.types import GenerateResult, SamplingParams, Trajectory
 
-GenerateFn = Callable[[list[int], SamplingParams], Awaitable[GenerateResult]]
+#: ``generate(context_ids, sampling, into=None)``: one policy turn appended to the trajectory (or to
+#: ``into``, another trajectory of the same episode: an agent's part, megarl/agents/client.py)
+GenerateFn = Callable[..., Awaitable[GenerateResult]]
 
 
 @runtime_checkable
@@ -26,6 +28,14 @@ class Workflow(Protocol):
     """Rolls out ``traj`` (prompt filled in, response empty) and returns it completed."""
 
     async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory: ...
+
+    def stats(self) -> dict[str, int]:
+        """Counts since the start (e.g. an agent's tool calls and failures); the loop logs each step's share."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the workflow started (an agent's tool workers)."""
+        ...
 
 
 @runtime_checkable

@@ -46,3 +46,9 @@ class MultiTurnWorkflow:
                 break
             traj.append_tool(await self.env.respond(traj))
         return traj
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass  # holds nothing that needs stopping

@@ -36,7 +36,29 @@ def _multi_turn(cfg: Any, tokenizer: Any, env: str | ToolEnv = "digit_count", ma
                              max_response_len=max_response_len)
 
 
-WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn}
+def _agent(cfg: Any, tokenizer: Any) -> Workflow:
+    from megarl.agents.client import AgentLimits
+    from megarl.agents.tools import ToolService
+    from megarl.workflows.agent import AgentWorkflow, load_agent
+
+    a = cfg.agent
+    if a.max_turns < 1:
+        raise ConfigError(f"agent.max_turns={a.max_turns} must be >= 1")
+    fn = load_agent(a.fn)
+    tools = ToolService(a.tools, timeout_s=a.tool_timeout_s, memory_mb=a.tool_memory_mb,
+                        n_workers=a.n_tool_workers) if a.tools else None
+    try:
+        limits = AgentLimits(sampling_from_config(cfg, tokenizer.stop_token_ids), max_turns=a.max_turns,
+                             max_tokens=a.max_tokens or tokenizer.model_max_len, turns=a.turns)
+        return AgentWorkflow(fn, tokenizer, tools, limits)
+    except Exception:
+        if tools is not None:
+            tools.close()
+        raise
+
+
+WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn,
+                                                 "agent": _agent}
 
 
 def build_workflow(name: str, cfg: Any, tokenizer: Any, **options: Any) -> Workflow:

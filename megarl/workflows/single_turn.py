@@ -17,3 +17,9 @@ class SingleTurnWorkflow:
         append_turn(traj, n_before, result)
         traj.finish_reason = result.finish_reason
         return traj
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass  # holds nothing that needs stopping

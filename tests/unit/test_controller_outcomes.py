@@ -37,14 +37,14 @@ class ScriptedRewards:
         return SimpleNamespace(reward=r, failed=False, reason=None)
 
 
-def loop(overrides, *, engine=None, rewards=None, steps=4):
+def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None):
     rng = random.Random(0)
     cfg = load_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
     trainer = StepCounterTrainerForGateTests(rng)
     counter = iter(range(10**9))
     prompts = iter(lambda: SimpleNamespace(prompt_id=f"p{next(counter)}", prompt_ids=[1, 5, 2], answer=None,
-                                           row={}), None)
+                                           row={"prompt": "hi"}), None)
 
     class Publisher:
         async def prepare(self, version):
@@ -59,7 +59,7 @@ def loop(overrides, *, engine=None, rewards=None, steps=4):
 
     records = []
     c = Controller(cfg, trainer=trainer, router=engine, rewards=rewards or ScriptedRewards(lambda t: 1.0),
-                   dataset=prompts, workflow=SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
+                   dataset=prompts, workflow=workflow or SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=Publisher(), loss_fn_factory=lambda b, a: None, advantages=advantages,
                    on_step=records.append)
     asyncio.run(asyncio.wait_for(c.train(steps), 60))
@@ -102,3 +102,19 @@ def test_filter_groups_drops_all_equal_groups_and_refills():
     assert all(r["reward_mean"] == 0.25 for r in records)  # only groups with signal were trained on
     _, unfiltered = loop([], rewards=ScriptedRewards(reward))
     assert sum(r["n_filtered"] for r in unfiltered) == 0 and any(r["reward_mean"] > 0.25 for r in unfiltered)
+
+
+def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
+    # each episode's failure alone is counted and the run goes on; a run of them is no silent run of zeros
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from megarl.types import SamplingParams
+    from megarl.agents.client import AgentLimits
+    from megarl.workflows.agent import AgentWorkflow, load_agent
+
+    workflow = AgentWorkflow(load_agent("agent_fixtures:raises_after_one_turn"), text_tokenizer, None,
+                             AgentLimits(SamplingParams(max_new_tokens=8), max_turns=4, max_tokens=512))
+    with pytest.raises(RewardError, match=r"reward calls failed .* RuntimeError: the agent broke"):
+        loop([], workflow=workflow)

@@ -37,7 +37,7 @@ def test_text_chat_and_pretokenized_rows(three, demo_tokenizer):
     assert a.prompt_ids == chat_prompt("12")
     assert demo_tokenizer.decode_prompt(a.prompt_ids) == demo_tokenizer.render("12") == \
         "<|im_start|>user\n12<|im_end|>\n<|im_start|>assistant\n"
-    assert (a.prompt_id, a.answer, a.row) == ("a", "21", {"id": "a", "answer": "21", "level": 3})
+    assert (a.prompt_id, a.answer, a.row) == ("a", "21", {"id": "a", "prompt": "12", "answer": "21", "level": 3})
     assert b.prompt_ids == chat_prompt("345") and b.prompt_id == "p.jsonl:2" and b.answer == "543"
     assert c.prompt_ids == [1, 7, 2] and c.prompt_id == "7"
     assert ds.size == 3

@@ -88,6 +88,9 @@ class SingleTurn:
         await generate(traj.prompt_ids, SamplingParams(max_new_tokens=12))
         return traj
 
+    def stats(self):
+        return {}
+
 
 class Rewards:
     async def score(self, traj):

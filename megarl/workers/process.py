@@ -1,17 +1,23 @@
-"""The loop of one reward worker process (started by RewardService).
+"""The loop of one worker process (started by megarl.workers.pool.WorkerPool).
 
 The worker is a fresh interpreter (``python -c`` calling :func:`main`) that
-talks to the service over a socket wrapped in a
+talks to the pool over a socket wrapped in a
 ``multiprocessing.connection.Connection``. Not ``multiprocessing``'s own
 'spawn': that re-imports the launcher's ``__main__`` in every worker (an
 unguarded script runs again; torch and Megatron would load into each worker
 and into its memory budget).
 
-Protocol. Parent -> worker first: ``(fn_name, memory_mb, sys_path)``.
+Protocol. Parent -> worker first: ``(mode, target, memory_mb, sys_path)``.
 Worker -> parent: ``("ready", None)`` or ``("setup_error", msg)``. Then per
-request ``(response, answer, info)`` (megarl.types.RewardInput) it answers ``("ok", reward)``,
+request (a payload of the mode, :data:`HANDLERS`) it answers ``("ok", value)``,
 ``("raise", msg)`` or ``("memory", msg)``; ``None`` asks it to exit. Hangs and
 crashes are the parent's to detect (timeout, EOF).
+
+Modes:
+- ``reward``: target = a reward name or dotted path; payload
+  ``(response, answer, info)`` (megarl.types.RewardInput); value = the reward (a finite float).
+- ``tool``: target = ``{tool name: dotted path}``; payload ``(name, arguments)``;
+  value = the tool's result as a string (megarl/agents/tools.py).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import resource
 import signal
 import sys
 from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 
 def _address_space_bytes() -> int:
@@ -45,27 +52,55 @@ def _die_with_parent() -> None:
         pass
 
 
+def _reward_handler(name: str) -> Callable[[tuple], float]:
+    from megarl.rewards import resolve_reward_fn, reward_kwargs
+
+    fn = resolve_reward_fn(name)
+    takes = reward_kwargs(fn, name)  # None: every info key
+
+    def handle(request: tuple) -> float:
+        response, answer, info = request
+        kwargs = info if takes is None else {k: info[k] for k in takes}
+        reward = float(fn(response, answer, **kwargs))
+        if not math.isfinite(reward):
+            raise ValueError(f"reward function returned {reward}")
+        return reward
+    return handle
+
+
+def _tool_handler(paths: dict[str, str]) -> Callable[[tuple], str]:
+    from megarl.rewards import resolve_reward_fn
+
+    tools = {name: resolve_reward_fn(path) for name, path in paths.items()}
+
+    def handle(request: tuple) -> str:
+        name, arguments = request
+        return str(tools[name](**arguments))
+    return handle
+
+
+#: mode -> (target -> the function that serves one request)
+HANDLERS: dict[str, Callable[[Any], Callable[[Any], Any]]] = {"reward": _reward_handler, "tool": _tool_handler}
+
+
 def main(fd: int) -> None:
-    """Serve reward requests on the socket ``fd`` until told to stop or the parent goes."""
+    """Serve requests on the socket ``fd`` until told to stop or the parent goes."""
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     conn = Connection(fd)
     try:
-        fn_name, memory_mb, sys_path = conn.recv()
+        mode, target, memory_mb, sys_path = conn.recv()
     except (EOFError, OSError):
         return
-    # the parent's path, so a user reward in a directory it added (tests, scripts) imports here too
+    # the parent's path, so user code in a directory it added (tests, scripts) imports here too
     sys.path[:] = sys_path
     try:
-        from megarl.rewards import resolve_reward_fn, reward_kwargs
-
-        fn = resolve_reward_fn(fn_name)
-        takes = reward_kwargs(fn, fn_name)  # None: every info key
+        handle = HANDLERS[mode](target)
         if memory_mb is not None:
             # The budget is on top of the idle worker (interpreter and the
-            # reward's own imports, e.g. sympy), so memory_mb is what one call
-            # may allocate. Soft limit only: the code reward's sandbox sets its
+            # target's own imports, e.g. sympy), so memory_mb is what one call
+            # may allocate. Soft limit only: the code sandbox sets its
             # own limit for its subprocess.
             hard = resource.getrlimit(resource.RLIMIT_AS)[1]
             soft = _address_space_bytes() + (memory_mb << 20)
@@ -83,13 +118,8 @@ def main(fd: int) -> None:
             return
         if request is None:
             return
-        response, answer, info = request
         try:
-            kwargs = info if takes is None else {k: info[k] for k in takes}
-            reward = float(fn(response, answer, **kwargs))
-            if not math.isfinite(reward):
-                raise ValueError(f"reward function returned {reward}")
-            reply = ("ok", reward)
+            reply = ("ok", handle(request))
         except MemoryError as e:
             reply = ("memory", _describe(e) if str(e) else f"MemoryError (over memory_mb={memory_mb})")
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: the sample fails, the worker lives

@@ -1,0 +1,114 @@
+"""Agent workflows: a user's ``async def agent(client, row) -> reward`` runs one episode per trajectory.
+
+``agent.fn`` names the agent by a built-in name (:data:`BUILTIN_AGENTS`) or a
+dotted path. It gets an :class:`megarl.agents.client.AgentClient` (an
+OpenAI-style chat client whose completions are recorded token-exactly, with
+per-token versions) and the data row (a dict: the prompt, the answer and every
+other field). It returns the episode's reward, or None to have the reward
+service score its final assistant message (``reward.fn``).
+
+Many agents run at once as asyncio tasks (the controller's groups); requests
+in flight are bounded by ``rollout.max_concurrency``. An agent that raises,
+goes past ``agent.max_turns`` or its token budget ends with reward 0 and its
+error counted (``n_agent_failed``, the first error logged); the run goes on.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from megarl.agents.client import AgentClient, AgentLimits
+from megarl.agents.tools import ToolService
+from megarl.errors import ConfigError
+from megarl.rewards import resolve_reward_fn
+from megarl.types import Trajectory
+from megarl.workflows.base import GenerateFn
+
+log = logging.getLogger("megarl.agents")
+
+BUILTIN_AGENTS: dict[str, str] = {"math_python": "megarl.workflows.math_python:agent"}
+
+
+def load_agent(name: str):
+    """The agent function ``name`` (built-in or dotted path); ConfigError unless it is an ``async def``."""
+    fn = resolve_reward_fn(BUILTIN_AGENTS.get(name, name))
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"agent.fn={name!r} is not an async function: define it as "
+                          f"`async def agent(client, row) -> float | None`")
+    try:
+        inspect.signature(fn).bind("client", "row")
+    except TypeError:
+        raise ConfigError(f"agent.fn={name!r} has signature {inspect.signature(fn)}; it must take "
+                          f"(client, row)") from None
+    return fn
+
+
+class AgentWorkflow:
+    """Runs ``agent_fn`` for one trajectory; counts turns, tool calls and failures (``stats``)."""
+
+    def __init__(self, agent_fn, tokenizer: Any, tools: ToolService | None, limits: AgentLimits) -> None:
+        if tools is not None and tools.names and not tokenizer.supports_tools():
+            raise ConfigError(f"agent.tools={tools.names} but the chat template of {tokenizer.source} does not show "
+                              f"tools to the model; use a tokenizer whose template supports tools, or no tools")
+        self.agent_fn = agent_fn
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.limits = limits
+        self._stats = {"n_agent_failed": 0, "n_agent_turns": 0, "n_tool_calls": 0, "n_tool_errors": 0,
+                       "n_agent_new_trajectories": 0}
+        self._logged_failure = False
+
+    def client(self, traj: Trajectory, generate: GenerateFn) -> AgentClient:
+        return AgentClient(traj, generate, self.tokenizer, self.tools, self.limits)
+
+    async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory:
+        client = self.client(traj, generate)
+        row = dict(traj.meta.get("row") or {})
+        try:
+            reward = await self.agent_fn(client, row)
+            if reward is not None:
+                traj.reward = float(reward)
+        except Exception as e:  # an agent's failure costs its episode, never the run
+            self._stats["n_agent_failed"] += 1
+            traj.meta["agent_error"] = f"{type(e).__name__}: {e}"[:500]
+            traj.reward = 0.0
+            if not self._logged_failure:  # once: a broken agent fails every episode the same way
+                log.warning("agent episode %s failed (counted in n_agent_failed): %s", traj.traj_id,
+                            traj.meta["agent_error"])
+                self._logged_failure = True
+        finally:
+            s = client.stats
+            self._stats["n_agent_turns"] += s.n_turns
+            self._stats["n_tool_calls"] += s.n_tool_calls
+            self._stats["n_tool_errors"] += s.n_tool_errors
+            self._stats["n_agent_new_trajectories"] += s.n_new_trajectories
+        check_token_exact(traj, client.records)
+        traj.meta["final_response"] = client.final_text
+        last = traj.parts[-1] if traj.parts else traj
+        traj.finish_reason = last.finish_reason or "stop"
+        return traj
+
+    def stats(self) -> dict[str, int]:
+        """Totals since the start (the controller logs what each step added)."""
+        return dict(self._stats)
+
+    def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
+
+
+def check_token_exact(traj: Trajectory, records) -> None:
+    """Every completion's prompt and output ids, as the engine saw them, are a prefix of its training row,
+    with the output's tokens marked as policy tokens of the versions that sampled them."""
+    rows = {r.traj_id: r for r in traj.rows()}
+    for i, rec in enumerate(records):
+        row = rows[rec.traj_id]
+        n_prompt, n_out = len(rec.prompt_ids), len(rec.output_ids)
+        tokens = row.tokens
+        start = n_prompt - len(row.prompt_ids)  # where the output sits in row.response_ids
+        if (tokens[:n_prompt] != rec.prompt_ids or tokens[n_prompt:n_prompt + n_out] != rec.output_ids
+                or row.versions[start:start + n_out] != rec.versions
+                or row.loss_mask[start:start + n_out] != [1] * n_out):
+            raise RuntimeError(f"agent episode {traj.traj_id}: completion {i} is not recorded token-exactly in "
+                               f"{rec.traj_id} (a bug in megarl's agent client)")

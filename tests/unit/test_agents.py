@@ -1,0 +1,252 @@
+"""Agents: tool-call parsing, tools in worker processes, and the chat client's token-exact records.
+
+The engine is a scripted stand-in for the controller's generate function only
+(it replays model outputs and appends them to the trajectory it is given, as
+the controller does); the tokenizer, chat template, tool service and workers
+are the real ones. tests/e2e/test_agents.py runs agents on the real vLLM engine.
+"""
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.agents.client import INVALID_TOOL, AgentClient, AgentLimitError, AgentLimits
+from megarl.agents.tool_calls import parse_tool_calls
+from megarl.agents.tools import ToolService, tool_schema
+from megarl.errors import ConfigError
+from megarl.types import GenerateResult, SamplingParams, Trajectory
+from megarl.workflows.agent import AgentWorkflow, check_token_exact, load_agent
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # agent_fixtures, for the worker processes too
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=64)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- parsing ------------------------------------------------------------------------------------
+def test_parse_tool_calls():
+    out = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(2)"}}\n'
+                           '</tool_call>')
+    assert out.content == "Let me compute." and not out.malformed
+    (call,) = out.calls
+    assert (call.name, call.arguments) == ("python", '{"code": "print(2)"}')
+    assert parse_tool_calls("no call here").calls == []
+    bad = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": </tool_call><tool_call>[1]')
+    assert [c.error is not None for c in bad.calls] == [True, True]
+    assert "not valid JSON" in bad.calls[0].error and "must be an object" in bad.calls[1].error
+
+
+# -- tools --------------------------------------------------------------------------------------
+def test_schema_from_the_signature():
+    import agent_fixtures
+
+    schema = tool_schema("add", agent_fixtures.add)
+    assert schema["function"]["parameters"] == {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                 "b": {"type": "integer"}},
+                                                "required": ["a"]}
+    assert schema["function"]["description"] == "Add two integers."
+    with pytest.raises(ConfigError, match="needs an int, float, str or bool annotation"):
+        tool_schema("untyped", agent_fixtures.untyped)
+
+
+def test_tools_run_in_workers_and_failures_become_messages():
+    async def main(tools):
+        return [await tools.call("add", '{"a": 2, "b": 3}'),
+                await tools.call("python", '{"code": "print(6 * 7)"}'),
+                await tools.call("nope", "{}"),
+                await tools.call("add", '{"c": 1}'),
+                await tools.call("add", "{not json"),
+                await tools.call("hang", "{}"),
+                await tools.call("hog", "{}"),
+                await tools.call("add", '{"a": 1}')]  # the pool serves on after the failures
+
+    tools = ToolService(["agent_fixtures:add", "python", "agent_fixtures:hang", "agent_fixtures:hog"],
+                        timeout_s=2.0, memory_mb=256)
+    try:
+        add, py, unknown, bad_args, bad_json, hang, hog, after = run(main(tools))
+    finally:
+        tools.close()
+    assert (add.content, add.error) == ("5", None) and py.content == "42"
+    assert unknown.error == "unknown tool 'nope'; available: add, python, hang, hog"
+    assert "bad arguments for add" in bad_args.error and "not valid JSON" in bad_json.error
+    assert "failed (timeout)" in hang.error and "failed (memory)" in hog.error
+    assert all(r.content.startswith("Error: ") for r in (unknown, bad_args, bad_json, hang, hog))
+    assert after.content == "1"
+
+
+def test_bad_tool_configuration_fails_before_the_run():
+    with pytest.raises(ConfigError, match="no_such_module"):
+        ToolService(["no_such_module:tool"])
+    with pytest.raises(ConfigError, match="names two tools 'add'"):
+        ToolService(["agent_fixtures:add", "agent_fixtures.add"])
+
+
+# -- the client ---------------------------------------------------------------------------------
+class ScriptedModel:
+    """Replays model outputs (text; the EOS id is added) and appends them to the trajectory it is given."""
+
+    def __init__(self, tokenizer, outputs, version=3):
+        self.tok = tokenizer
+        self.outputs = list(outputs)
+        self.version = version
+        self.contexts = []
+
+    async def __call__(self, context, sampling, into):
+        self.contexts.append(list(context))
+        ids = self.tok.hf.encode(self.outputs.pop(0), add_special_tokens=False) + [self.tok.hf.eos_token_id]
+        into.append_policy(ids, [-0.5] * len(ids), [self.version] * len(ids))
+        self.version += 1
+        return GenerateResult("r", ids, [-0.5] * len(ids), [self.version - 1] * len(ids), "stop")
+
+
+def client_for(tokenizer, outputs, tools=None, **kw):
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
+    model = ScriptedModel(tokenizer, outputs)
+    kw = {"max_turns": 8, "max_tokens": 1024, **kw}
+    return AgentClient(traj, model, tokenizer, tools, AgentLimits(SAMPLING, **kw)), traj, model
+
+
+def test_three_turns_with_tool_results_are_one_token_exact_trajectory(text_tokenizer):
+    client, traj, model = client_for(text_tokenizer, ["a1", "b2", "c3"])
+
+    async def episode():
+        messages = [{"role": "user", "content": "go"}]
+        for turn in range(3):
+            reply = await client.chat.completions.create(messages=messages)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "content": f"result {turn}"})
+        return reply
+
+    last = run(episode())
+    assert last.choices[0].message.content == "c3" and last.choices[0].finish_reason == "stop"
+    assert traj.parts == [] and len(client.records) == 3
+    check_token_exact(traj, client.records)
+    # what the engine saw each turn is exactly the trajectory's prefix; the model's own tokens are
+    # policy tokens of the version that sampled them, the template and tool results are not
+    for ctx, rec in zip(model.contexts, client.records):
+        assert ctx == rec.prompt_ids == traj.tokens[:len(ctx)]
+    assert traj.policy_versions() == {3, 4, 5} and traj.n_policy_tokens == 3 * 3
+    decoded = text_tokenizer.hf.decode(traj.tokens)
+    assert decoded == text_tokenizer.render_chat([
+        {"role": "user", "content": "go"}, {"role": "assistant", "content": "a1"},
+        {"role": "tool", "content": "result 0"}, {"role": "assistant", "content": "b2"},
+        {"role": "tool", "content": "result 1"}]) + "c3<|im_end|>"
+
+
+def test_a_template_that_rewrites_the_past_starts_a_new_trajectory(text_tokenizer):
+    client, traj, _ = client_for(text_tokenizer, ["x1", "y2"])
+
+    async def episode():
+        messages = [{"role": "user", "content": "go"}]
+        await client.chat.completions.create(messages=messages)
+        # the agent changes what the model said: the rendering no longer extends the context
+        messages += [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "more"}]
+        await client.chat.completions.create(messages=messages)
+
+    run(episode())
+    # both rows stay unfinished until the episode returns (a publish meanwhile reports them as partial)
+    assert [r.traj_id for r in traj.rows()] == ["g0-0", "g0-0.t1"] and not any(r.finished for r in traj.rows())
+    part = traj.parts[0]
+    assert text_tokenizer.hf.decode(part.prompt_ids).endswith("<|im_start|>user\nmore<|im_end|>\n"
+                                                              "<|im_start|>assistant\n")
+    assert len(part.logp_old) == len(part.response_ids) == 3  # exact strategies fill it in later
+    check_token_exact(traj, client.records)
+
+
+def test_individual_turns(text_tokenizer):
+    client, traj, _ = client_for(text_tokenizer, ["x1", "y2"], turns="individual")
+
+    async def episode():
+        messages = [{"role": "user", "content": "go"}]
+        r = await client.chat.completions.create(messages=messages)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        await client.chat.completions.create(messages=messages)
+
+    run(episode())
+    assert len(traj.rows()) == 2 and client.stats.n_new_trajectories == 1
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_answered(text_tokenizer):
+    tools = ToolService(["agent_fixtures:add"], timeout_s=5.0)
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    client, traj, _ = client_for(text_tokenizer, [good, '<tool_call>{"name": add}</tool_call>'], tools=tools)
+
+    async def episode():
+        messages = [{"role": "user", "content": "go"}]
+        out = []
+        for _ in range(2):
+            r = await client.chat.completions.create(messages=messages, tools=client.tool_schemas)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            for call in msg.tool_calls:
+                out.append((r.choices[0].finish_reason, call.function.name, await client.call_tool(call)))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": out[-1][2]})
+        return out
+
+    try:
+        (r1, r2) = run(episode())
+    finally:
+        tools.close()
+    assert r1 == ("tool_calls", "add", "3")
+    assert r2[1] == INVALID_TOOL and r2[2].startswith("Error: tool call is not valid JSON")
+    assert (client.stats.n_tool_calls, client.stats.n_tool_errors) == (2, 1)
+    assert traj.parts == []  # the template renders the call as the model wrote it: one trajectory
+    check_token_exact(traj, client.records)
+
+
+def test_limits_and_sampling_are_the_runs(text_tokenizer):
+    client, _, _ = client_for(text_tokenizer, ["a", "b"], max_turns=1)
+    msgs = [{"role": "user", "content": "go"}]
+    with pytest.raises(AgentLimitError, match="more than agent.max_turns=1"):
+        run(_twice(client, msgs))
+    client, _, _ = client_for(text_tokenizer, ["a"], max_tokens=20)
+    with pytest.raises(AgentLimitError, match="agent.max_tokens=20 leaves none"):
+        run(client.chat.completions.create(messages=[{"role": "user", "content": "a long question, really"}]))
+    client, _, _ = client_for(text_tokenizer, ["a"])
+    with pytest.raises(ValueError, match=r"temperature=0.5 differs from the run's rollout.temperature=1.0"):
+        run(client.chat.completions.create(messages=msgs, temperature=0.5))
+
+
+async def _twice(client, messages):
+    await client.chat.completions.create(messages=messages)
+    await client.chat.completions.create(messages=messages)
+
+
+# -- the workflow ---------------------------------------------------------------------------------
+def test_agent_functions_are_checked_when_loaded():
+    with pytest.raises(ConfigError, match="is not an async function"):
+        load_agent("agent_fixtures:not_async")
+    with pytest.raises(ConfigError, match="must take \\(client, row\\)"):
+        load_agent("agent_fixtures:no_row")
+    assert load_agent("math_python").__name__ == "agent"
+
+
+def test_tools_need_a_template_that_shows_them(demo_tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from conftest import run_tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(demo_tokenizer_dir))
+    hf.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tools in it
+    hf.save_pretrained(str(tmp_path))
+    tools = ToolService(["agent_fixtures:add"])
+    try:
+        with pytest.raises(ConfigError, match="does not show tools to the model"):
+            AgentWorkflow(load_agent("agent_fixtures:scripted"), run_tokenizer(tmp_path), tools,
+                          AgentLimits(SAMPLING, max_turns=4, max_tokens=128))
+    finally:
+        tools.close()
+
+
+def test_a_failing_agent_costs_its_episode_not_the_run(text_tokenizer):
+    wf = AgentWorkflow(load_agent("agent_fixtures:raises_after_one_turn"), text_tokenizer, None,
+                       AgentLimits(SAMPLING, max_turns=4, max_tokens=512))
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {"prompt": "hi"}})
+    run(wf.run(traj, ScriptedModel(text_tokenizer, ["ok"])))
+    assert traj.reward == 0.0 and traj.meta["agent_error"] == "RuntimeError: the agent broke"
+    assert wf.stats()["n_agent_failed"] == 1 and wf.stats()["n_agent_turns"] == 1
+    assert traj.n_policy_tokens == 3  # "ok" + EOS: what it generated stays, with reward 0
