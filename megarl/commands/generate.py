@@ -25,16 +25,20 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
     p.add_argument("--seed", type=int, default=0, help="request i is sampled with seed + i")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=None,
-                   help="token ids that end a generation (default: the model's eos_token_id)")
+                   help="token ids that end a generation (default: eos_token_id of config.json and "
+                        "generation_config.json)")
     add_engine_resource_args(p)
     p.set_defaults(func=run)
 
 
 def _default_stop_ids(checkpoint: str) -> list[int]:
+    """What a training run stops at: config.json's eos_token_id and every id of generation_config.json."""
     from megarl.rollout.weight_spec import read_config
+    from megarl.tokenizer import read_generation_eos
 
     eos = read_config(checkpoint).get("eos_token_id")
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return sorted(set(ids) | set(read_generation_eos(checkpoint)))
 
 
 async def _generate_all(args, prompts: list[list[int]]) -> list:

@@ -32,3 +32,12 @@ def ckpt(tmp_path_factory):
     r = run_megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml", "--output", str(out))
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    """The tiny Qwen3 with the character-level ASCII tokenizer (long answers at random init: splicing)."""
+    out = tmp_path_factory.mktemp("text_ckpt") / "tiny_text"
+    r = run_megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3_text.yaml", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    return out

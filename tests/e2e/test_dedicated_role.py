@@ -21,18 +21,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_dedicated_role_on_its_own_process_is_exact(ckpt, tmp_path):
+def test_dedicated_role_on_its_own_process_is_exact(text_ckpt, tmp_path):
     port, key = _free_port(), secrets.token_hex(16)
     env = {k: v for k, v in ENV.items() if not k.startswith("MEGARL_")}
     env["MEGARL_DEDICATED_AUTHKEY"] = key
-    role = subprocess.Popen([*MEGARL, "train", "--config", "configs/verify_cpu.yaml", f"model.checkpoint={ckpt}",
+    role = subprocess.Popen([*MEGARL, "train", "--config", "configs/verify_cpu.yaml", f"model.checkpoint={text_ckpt}",
                              "recovery.name=dedicated"],
                             cwd=ROOT, env={**env, "MEGARL_ROLE": "dedicated", "MEGARL_SERVER_PORT": str(port)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         report = tmp_path / "report.json"
         r = subprocess.run([*MEGARL, "verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
-                            "dedicated", "--steps", "6", "--output", str(report), f"model.checkpoint={ckpt}",
+                            "dedicated", "--steps", "6", "--output", str(report), f"model.checkpoint={text_ckpt}",
                             "recovery.dedicated.start_timeout_s=120", "recovery.dedicated.wait_timeout_s=120"],
                            cwd=ROOT, env={**env, "MEGARL_DEDICATED_ADDR": f"127.0.0.1:{port}"},
                            capture_output=True, text=True, timeout=300)

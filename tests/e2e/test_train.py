@@ -81,12 +81,12 @@ def test_sync_run_trains_only_current_version(ckpt, tmp_path):
     assert all(r["staleness_max"] == 0 and r["n_spliced"] == 0 for r in records)
 
 
-def test_verify_exact_strategies(ckpt, tmp_path):
+def test_verify_exact_strategies(text_ckpt, tmp_path):
     # configs/verify_cpu.yaml says why it makes many sequences splice across versions
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
                "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "20", "--output", str(report),
-               f"model.checkpoint={ckpt}", timeout=900)
+               f"model.checkpoint={text_ckpt}", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     strategies = json.loads(report.read_text())["strategies"]
     for name in ("snapshot", "interrupt_sync", "dedicated"):
@@ -114,12 +114,12 @@ def test_verify_recovery_takes_engine_resources_from_the_config(ckpt, tmp_path):
     assert s["measured_exact"] and s["n_tokens"] > 0 and s["max_abs_err"] <= 1e-5, s
 
 
-def test_verify_exact_strategies_multi_turn(ckpt, tmp_path):
+def test_verify_exact_strategies_multi_turn(text_ckpt, tmp_path):
     # a multi-turn trajectory waits between its turns (tool, next turn) through publishes: it must be
     # reported as partial then, or its earlier-version segments are lost to dedicated
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "interrupt_sync,dedicated",
-               "--steps", "12", "--output", str(report), f"model.checkpoint={ckpt}", "rollout.workflow=multi_turn",
+               "--steps", "12", "--output", str(report), f"model.checkpoint={text_ckpt}", "rollout.workflow=multi_turn",
                "rollout.max_turns=4", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():

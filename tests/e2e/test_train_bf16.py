@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 from conftest import run_megarl
 
 BF16 = ["model.dtype=bfloat16", "rollout.backend=hf", "recovery.name=snapshot", "trainer.batch_size=16",
-        "rollout.group_size=8", "rollout.max_new_tokens=12", "logging.progress=none", "logging.tensorboard=false"]
+        "rollout.group_size=8", "rollout.max_new_tokens=12", "logging.progress=none", "logging.tensorboard=false",
+        "eval.path="]
 
 
 def test_bf16_run(ckpt, tmp_path):
