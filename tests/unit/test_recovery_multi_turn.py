@@ -21,7 +21,7 @@ from recovery_scorer import HFScorerForTests, tiny_checkpoint
 
 from megarl.types import NO_VERSION
 
-STEPS = 8
+STEPS = 16
 
 
 @pytest.fixture(scope="module")
