@@ -47,7 +47,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl.errors import CheckpointError
+import numpy as np
+import torch
+
+from megarl.errors import CheckpointError, ConfigError
+from megarl.trainer.parallel import global_rank
 
 log = logging.getLogger("megarl.checkpoint")
 
@@ -219,47 +223,31 @@ def find_latest_checkpoint(run_dir: str | Path) -> Path:
 
 # -- state ------------------------------------------------------------------------
 def capture_rng() -> dict:
-    import numpy as np
-    import torch
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_rank_state(step_dir: str | Path, trainer, strategy_state: dict) -> None:
     """This rank's trainer (trainer/rank{r}.pt) and strategy state (strategy/rank{r}.pt)."""
-    import torch
-
     step_dir = Path(step_dir)
     trainer.save_state(str(step_dir / "trainer"))
     (step_dir / "strategy").mkdir(parents=True, exist_ok=True)
-    torch.save(strategy_state, step_dir / "strategy" / f"rank{_rank()}.pt")
+    torch.save(strategy_state, step_dir / "strategy" / f"rank{global_rank()}.pt")
 
 
 def load_rank_state(step_dir: str | Path, trainer, strategy) -> None:
     step_dir = Path(step_dir)
     trainer.load_state(str(step_dir / "trainer"))
-    strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{_rank()}.pt"))
+    strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{global_rank()}.pt"))
 
 
 def load_file(path: str | Path) -> Any:
     """``torch.load`` of a checkpoint file; a missing or unreadable one is a CheckpointError naming it."""
-    import torch
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
@@ -274,8 +262,6 @@ def check_run_settings(cfg, manifest: dict, step_dir: Path, world_size: int, hf_
 
     Checked before anything in the run directory changes, so a mismatch leaves it as it was.
     """
-    from megarl.errors import ConfigError
-
     saved = manifest.get("run", {})
     mine = run_settings(cfg, world_size, hf_config)
     bad = [f"{RUN_KEYS.get(k, k)}={mine[k]} (checkpoint: {saved[k]})"
@@ -356,8 +342,6 @@ class Checkpointer:
         return path
 
     def _write(self, step: int, state: dict, strategy_state: dict, engine_version: int, meta: dict) -> Path:
-        import torch
-
         def fill(tmp: Path) -> None:
             torch.save(state, tmp / "controller.pt")
             if hasattr(self.trainer, "save_rank_states"):  # several ranks: each writes its own shard files

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from megarl.trainer.parallel import global_rank
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 from recovery._scoring import params_nbytes, score_versions, versions_in
 from recovery.base import RecoveryStrategy
@@ -38,12 +39,6 @@ class SnapshotConfig:
 
     storage: Literal["cpu", "disk"] = "cpu"
     """Where kept versions live: cpu (host memory, pinned when CUDA is present) or disk (safetensors under <run_dir>/snapshots)."""
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @register
@@ -75,7 +70,7 @@ class Snapshot(RecoveryStrategy):
             if self.cfg.storage == "disk":
                 from safetensors.torch import save_file
 
-                path = self._dir() / f"v{version}.rank{_rank()}.safetensors"
+                path = self._dir() / f"v{version}.rank{global_rank()}.safetensors"
                 save_file({k: t.contiguous() for k, t in params.items()}, str(path))
                 self._held[version] = str(path)
                 self.meter.add("bytes_moved", nbytes)

@@ -17,6 +17,7 @@ import socket
 from typing import MutableMapping
 
 from megarl.errors import ConfigError
+from megarl.rollout.client import free_port
 
 #: world size variables of Open MPI and of Hydra-based MPIs (MPICH, Intel MPI)
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -35,12 +36,6 @@ def _first(env: MutableMapping[str, str], names: tuple[str, ...]) -> str | None:
 def under_mpi(env: MutableMapping[str, str] | None = None) -> bool:
     """True in a process started by mpirun/mpiexec."""
     return _first(os.environ if env is None else env, _SIZE_VARS) is not None
-
-
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _from_env_only(env: MutableMapping[str, str]) -> dict[str, str]:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megarl.platform import prepare_megatron
 
@@ -40,10 +41,13 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def global_rank() -> int:
+    """This process's rank in the default process group; 0 when there is none (a plain process)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def init_distributed() -> None:
     """Initialize the default process group once (env:// under torchrun, else a world of one)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -58,8 +62,6 @@ def init_distributed() -> None:
 
 def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> ParallelInfo:
     """Set up torch.distributed and megatron's TP/PP/EP groups; seed megatron's RNG trackers."""
-    import torch.distributed as dist
-
     prepare_megatron()
     init_distributed()
     from megatron.core import parallel_state as ps
@@ -88,7 +90,6 @@ def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Pa
 
 def shutdown() -> None:
     """Tear down megatron's groups and the default process group (end of a command)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
