@@ -246,6 +246,22 @@ def load_rank_state(step_dir: str | Path, trainer, strategy) -> None:
     strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{global_rank()}.pt"))
 
 
+class SingleRankStates:
+    """The trainer's and strategy's files of a run with one trainer rank: this process writes and reads them.
+
+    With several ranks :class:`~megarl.trainer.spmd.DrivingTrainer` takes its place: every rank does its own.
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
+        save_rank_state(step_dir, self.trainer, strategy_state)
+
+    def load_rank_states(self, step_dir: str, strategy) -> None:
+        load_rank_state(step_dir, self.trainer, strategy)
+
+
 def load_file(path: str | Path) -> Any:
     """``torch.load`` of a checkpoint file; a missing or unreadable one is a CheckpointError naming it."""
     path = Path(path)
@@ -317,10 +333,12 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | Path, trainer, strategy, weights_dir: str | Path, *, keep_last: int,
-                 run: dict | None = None) -> None:
+                 run: dict | None = None, rank_states=None) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.trainer = trainer
         self.strategy = strategy
+        #: writes every trainer rank's state (SingleRankStates, or DrivingTrainer with several ranks)
+        self.rank_states = rank_states or SingleRankStates(trainer)
         self.weights_dir = Path(weights_dir)
         self.keep_last = keep_last
         self.run = run or {}
@@ -344,10 +362,7 @@ class Checkpointer:
     def _write(self, step: int, state: dict, strategy_state: dict, engine_version: int, meta: dict) -> Path:
         def fill(tmp: Path) -> None:
             torch.save(state, tmp / "controller.pt")
-            if hasattr(self.trainer, "save_rank_states"):  # several ranks: each writes its own shard files
-                self.trainer.save_rank_states(str(tmp), strategy_state)
-            else:
-                save_rank_state(tmp, self.trainer, strategy_state)
+            self.rank_states.save_rank_states(str(tmp), strategy_state)
             if engine_version > 0:
                 src = self.weights_dir / f"v{engine_version}"
                 if not (src / "config.json").is_file():

@@ -35,15 +35,6 @@ def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", tem
     return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature)
 
 
-def _load_weights(scorer: Any, path: str) -> None:
-    if hasattr(scorer, "load_hf_checkpoint"):
-        scorer.load_hf_checkpoint(path)
-    else:
-        from megarl.models.bridge import load_hf_weights
-
-        load_hf_weights(scorer.model, path, scorer.hf_config, scorer.config)
-
-
 def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
     """One forward over the segments' sequences (prompt + response up to the segment's end)."""
     trajs = [Trajectory(traj_id=j["traj_id"], group_id="", prompt_ids=j["prompt_ids"],
@@ -159,7 +150,7 @@ def _serve(scorer: Any, recv, send) -> None:
             break
         if kind == "version":
             v, path = payload
-            _load_weights(scorer, path)
+            scorer.load_hf_checkpoint(path)
             if version_dir and version_dir != path:
                 shutil.rmtree(version_dir, ignore_errors=True)
             version, version_dir = v, path

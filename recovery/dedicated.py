@@ -140,8 +140,7 @@ class Dedicated(RecoveryStrategy):
         proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
                              args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
                                    self.cfg.num_threads, in_q, out_q,
-                                   getattr(self.ctx.trainer, "dtype", "float32"),
-                                   getattr(self.ctx.trainer, "temperature", 1.0)))
+                                   self.ctx.trainer.dtype, self.ctx.trainer.temperature))
         proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
         self._link = QueueLink(proc, in_q, out_q)
 

@@ -23,6 +23,8 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from megarl.rewards import resolve_reward_fn, reward_kwargs
+
 
 def _address_space_bytes() -> int:
     """Current virtual memory size (what RLIMIT_AS limits); 0 where /proc is missing."""
@@ -58,8 +60,6 @@ def main(fd: int) -> None:
     # the parent's path, so a user reward in a directory it added (tests, scripts) imports here too
     sys.path[:] = sys_path
     try:
-        from megarl.rewards import resolve_reward_fn, reward_kwargs
-
         fn = resolve_reward_fn(fn_name)
         takes = reward_kwargs(fn, fn_name)  # None: every info key
         if memory_mb is not None:

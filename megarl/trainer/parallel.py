@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.platform import prepare_megatron
 
 
@@ -58,6 +59,15 @@ def init_distributed() -> None:
     else:
         # one process, no torchrun: an in-memory store needs no port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_ranks() -> tuple[int, int]:
+    """(rank, world size) of the trainer ranks; a plain process is rank 0 of 1 (no process group yet)."""
+    bootstrap_env_from_mpi()  # under mpirun: RANK/WORLD_SIZE/MASTER_* from MPI (no-op otherwise)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    init_distributed()
+    return dist.get_rank(), dist.get_world_size()
 
 
 def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> ParallelInfo:
