@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from megarl.trainer.parallel import global_rank
 from megarl.types import AnchorResult, Trajectory, TrainBatch
@@ -68,8 +69,6 @@ class Snapshot(RecoveryStrategy):
         nbytes = params_nbytes(params)
         with self.meter.time("snapshot_save_s"):
             if self.cfg.storage == "disk":
-                from safetensors.torch import save_file
-
                 path = self._dir() / f"v{version}.rank{global_rank()}.safetensors"
                 save_file({k: t.contiguous() for k, t in params.items()}, str(path))
                 self._held[version] = str(path)
@@ -88,8 +87,6 @@ class Snapshot(RecoveryStrategy):
         held = self._held[version]
         if self.cfg.storage != "disk":
             return held
-        from safetensors.torch import load_file
-
         with self.meter.time("snapshot_load_s"):
             params = load_file(held)
         self.meter.add("bytes_moved", self._nbytes[version])

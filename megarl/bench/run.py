@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:
+    import psutil
+except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
+    psutil = None
+
 from megarl.bench import plots, report
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.errors import MegarlError
@@ -148,12 +153,7 @@ class _TreeRssSampler(threading.Thread):
         self.pid = pid
         self.peak_mb = 0.0
         self._stop_event = threading.Event()
-        try:
-            import psutil  # optional: without it the peak is taken from getrusage
-        except ImportError:
-            self._psutil = None
-        else:
-            self._psutil = psutil
+        self._psutil = psutil
 
     @property
     def available(self) -> bool:

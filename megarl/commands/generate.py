@@ -7,10 +7,17 @@ Request i uses seed ``--seed + i``, so a run is reproducible.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
+import time
 
 from megarl.commands._engine_args import add_engine_resource_args, engine_resource_options
-from megarl.rollout.base import BACKENDS
+from megarl.commands._jsonl_input import read_input_ids
+from megarl.rollout.backends import make_engine
+from megarl.rollout.base import BACKENDS, resources_note
+from megarl.rollout.weight_spec import read_config
+from megarl.types import GenerateRequest, SamplingParams
 
 
 def register(sub) -> None:
@@ -31,18 +38,11 @@ def register(sub) -> None:
 
 
 def _default_stop_ids(checkpoint: str) -> list[int]:
-    from megarl.rollout.weight_spec import read_config
-
     eos = read_config(checkpoint).get("eos_token_id")
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 async def _generate_all(args, prompts: list[list[int]]) -> list:
-    import asyncio
-
-    from megarl.rollout.base import make_engine, resources_note
-    from megarl.types import GenerateRequest, SamplingParams
-
     stop = args.stop_token_ids if args.stop_token_ids is not None else _default_stop_ids(args.checkpoint)
     engine = await make_engine(args.backend, args.checkpoint, seed=args.seed, **engine_resource_options(args))
     try:
@@ -56,12 +56,6 @@ async def _generate_all(args, prompts: list[list[int]]) -> list:
 
 
 def run(args) -> int:
-    import asyncio
-    import json
-    import time
-
-    from megarl.commands._jsonl_input import read_input_ids
-
     prompts = read_input_ids(args.input)
     t0 = time.perf_counter()
     results, resources = asyncio.run(_generate_all(args, prompts))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
 from megarl.launch.roles import RoleEnv, current_role
 from megarl.rollout.base import engine_options
@@ -30,7 +31,6 @@ def register(sub) -> None:
 def run(args) -> int:
     # the loop's modules (torch, Megatron, the strategies) load only when the command runs, not for `megarl --help`
     from megarl.builder import describe_config, load_run_config
-    from megarl.config.loader import dump_yaml
     from megarl.train import train
 
     if args.help_config:
@@ -67,6 +67,6 @@ def serve_role(cfg, role: RoleEnv) -> None:
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
                           dtype=cfg.model.dtype, **resources, **tp))
         return
-    from megarl.builder import serve_dedicated_role  # the old-logit scorer on its own node(s)
+    from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 
     serve_dedicated_role(cfg, role.server_port)

@@ -54,7 +54,7 @@ def _from_env_only(env: MutableMapping[str, str]) -> dict[str, str]:
 
 
 def _from_mpi4py(env: MutableMapping[str, str], master_port: int | None) -> dict[str, str]:
-    from mpi4py import MPI
+    from mpi4py import MPI  # optional package (without it: the launcher's variables, _from_env_only)
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -89,7 +89,7 @@ def bootstrap_env_from_mpi(env: MutableMapping[str, str] | None = None, *,
     if ("RANK" in env and "WORLD_SIZE" in env) or not under_mpi(env):
         return None
     try:
-        import mpi4py  # noqa: F401
+        import mpi4py  # noqa: F401  (optional package)
     except ImportError:
         values = _from_env_only(env)
     else:

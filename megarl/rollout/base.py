@@ -157,15 +157,3 @@ def resources_note(health: dict) -> str:
         parts.append(f"{health['cpu_threads']} CPU thread(s)")
     return "".join(f", {p}" for p in parts)
 
-
-async def make_engine(backend: str, checkpoint: str, **options) -> Engine:
-    """Build an in-process engine; ``options`` go to the backend's ``create``."""
-    if backend == "vllm":
-        from megarl.rollout.vllm_engine import VLLMEngine
-
-        return await VLLMEngine.create(checkpoint, **options)
-    if backend == "hf":
-        from megarl.rollout.hf_engine import HFEngine
-
-        return await HFEngine.create(checkpoint, **options)
-    raise ConfigError(f"unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -32,7 +32,8 @@ import time
 from aiohttp import web
 
 from megarl.errors import EngineError, InputError, MegarlError
-from megarl.rollout.base import make_engine, resources_note
+from megarl.rollout.backends import make_engine
+from megarl.rollout.base import resources_note
 from megarl.types import GenerateRequest
 
 

@@ -28,6 +28,7 @@ Choices that matter for RL, and why:
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -39,6 +40,9 @@ from megarl.rollout.base import check_request, effective_max_new_tokens, resolve
 from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
                                         tied_optional_names)
 from megarl.types import GenerateRequest, GenerateResult
+
+# vLLM is imported inside the methods that use it: this module is named by `megarl engine --backend vllm`
+# and must import (and fail with a clear message) where vLLM is not installed.
 
 #: tokens one scheduler step may process on a CPU engine (vLLM's default budget)
 _CPU_STEP_TOKENS = 2048
@@ -216,8 +220,6 @@ class VLLMEngine:
 
     # -- weight updates ------------------------------------------------------------------------
     def _lock(self):
-        import asyncio
-
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         return self._update_lock

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.platform import prepare_megatron
+from megarl.platform.cpu import seed_model_parallel_rng
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Pa
     """Set up torch.distributed and megatron's TP/PP/EP groups; seed megatron's RNG trackers."""
     prepare_megatron()
     init_distributed()
+    # megatron: imported only after prepare_megatron() made it safe here (its CPU patches, TE)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -89,8 +91,6 @@ def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Pa
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        from megarl.platform.cpu import seed_model_parallel_rng
-
         seed_model_parallel_rng(seed)
     return ParallelInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep,
@@ -100,7 +100,7 @@ def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Pa
 
 def shutdown() -> None:
     """Tear down megatron's groups and the default process group (end of a command)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron: after prepare_megatron()
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
