@@ -19,6 +19,7 @@ of each v_theta convention (``conventions``), whichever one the run trained with
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class VerifyingStrategy(RecoveryStrategy):
                       "n_spliced_sequences": 0, "max_versions_per_sequence": 0}
         #: per v_theta convention of an interpolation strategy: [max abs err, sum abs err]
         self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in inner.conventions}
+        #: seconds the wrapped strategy's own ``anchor`` took in the last call (the rest was the verifier's)
+        self.inner_anchor_s = 0.0
 
     # hooks: delegate, plus keep every version's weights
     def on_weights_published(self, version: int) -> None:
@@ -112,7 +115,9 @@ class VerifyingStrategy(RecoveryStrategy):
         self.inner.close()
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        t0 = time.perf_counter()
         result = self.inner.anchor(batch, trajs)
+        self.inner_anchor_s = time.perf_counter() - t0
         anchor = result.logp_anchor
         logp_theta = None
         if anchor is None or self.by_convention:

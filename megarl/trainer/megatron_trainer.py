@@ -55,6 +55,9 @@ from megarl.trainer.microbatch import MicroBatch, plan_microbatches
 from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
 from megarl.trainer.state import load_trainer_state, save_trainer_state
 
+# megatron.core is imported inside the methods that use it: only after init_parallel() has run
+# megarl.platform.prepare_megatron() (the CPU adaptations and the TransformerEngine guard come first).
+
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, object, dict], tuple]
