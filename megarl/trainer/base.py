@@ -3,16 +3,15 @@
 :class:`TrainerProtocol` is the trainer as the controller, the publishers and
 the checkpointer see it: :class:`~megarl.trainer.megatron_trainer.MegatronTrainer`
 with one rank, :class:`~megarl.trainer.spmd.DrivingTrainer` (rank 0 announcing
-every collective to the other ranks) with several. :class:`ScoringTrainer` adds
-the forwards and parameter swaps a recovery strategy runs on its own rank's
-trainer (``RecoveryContext.trainer``, recovery/base.py); only MegatronTrainer
-(and stand-ins for it in tests) provides them, never the driving view, whose
-followers would not join such a call.
+every collective to the other ranks) with several. :class:`ScoringTrainer` is
+what a recovery strategy runs on its own rank's trainer (``RecoveryContext.trainer``,
+recovery/base.py): forwards and parameter swaps. MegatronTrainer is both; the
+driving view is never a ScoringTrainer, its followers would not join such a call.
 """
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch only for the annotations: this module stays light
     import torch
@@ -20,6 +19,7 @@ if TYPE_CHECKING:  # torch only for the annotations: this module stays light
     from megarl.types import TrainBatch
 
 
+@runtime_checkable
 class TrainerProtocol(Protocol):
     """The policy trainer as the loop drives it."""
 
@@ -41,9 +41,12 @@ class TrainerProtocol(Protocol):
         """An HF checkpoint of the current weights in ``out_dir`` (rank 0 writes)."""
 
 
-class ScoringTrainer(TrainerProtocol, Protocol):
+@runtime_checkable
+class ScoringTrainer(Protocol):
     """The local trainer a recovery strategy runs forwards with (``RecoveryContext.trainer``)."""
 
+    #: optimizer steps taken: the policy version of the current parameters
+    version: int
     #: "float32" or "bfloat16": the parameters' dtype (a scorer of old versions must use the same)
     dtype: str
     #: log-probs are of softmax(logits / temperature), the engines' sampling temperature
@@ -60,3 +63,6 @@ class ScoringTrainer(TrainerProtocol, Protocol):
 
     def use_params(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
         """Score with ``params`` inside the block; the trainer's own parameters come back afterwards."""
+
+    def save_hf_checkpoint(self, out_dir: str) -> Any:
+        """An HF checkpoint of the current weights in ``out_dir`` (a scorer process loads versions from it)."""
