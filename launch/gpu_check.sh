@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of megarl on one GPU with the tiny model, < 5 min (see launch/gpu_check.py for what each does):
+# GPU checks of megarl on one GPU with the tiny model, < 5 min (see tests/gpu/gpu_check.py for what each does):
 #   env, rendezvous (NCCL through launch/torchrun.sh), vllm_parity (official vLLM wheel generate +
 #   logprobs vs the Megatron trainer), broadcast_gloo / broadcast_nccl (trainer step -> weights into
 #   the GPU engine -> parity), te_spec (TransformerEngine layer spec, if installed), bf16_step.
@@ -29,7 +29,7 @@ run_checks() {
   for name in "$@"; do
     echo "=== gpu_check $name (limit ${TIMEOUT}s, log $WORK/$name.log)"
     local t0=$SECONDS
-    timeout --kill-after=15 "$TIMEOUT" "$PY" launch/gpu_check.py "$name" --workdir "$WORK" 2>&1 | tee "$WORK/$name.log"
+    timeout --kill-after=15 "$TIMEOUT" "$PY" tests/gpu/gpu_check.py "$name" --workdir "$WORK" 2>&1 | tee "$WORK/$name.log"
     rc=${PIPESTATUS[0]}
     line=$(grep -E "^GPU_CHECK (PASS|SKIP|FAIL) $name:" "$WORK/$name.log" | tail -n 1)
     if [[ $rc -eq 124 || $rc -eq 137 ]]; then
@@ -51,7 +51,7 @@ run_checks() {
 
 if [[ "${1:-}" == "--self-test" ]]; then
   bash -n "${BASH_SOURCE[0]}" || { echo "GPU_CHECK FAIL self-test: bash syntax"; exit 1; }
-  "$PY" launch/gpu_check.py --self-test --workdir "$WORK" || exit 1
+  "$PY" tests/gpu/gpu_check.py --self-test --workdir "$WORK" || exit 1
   # the harness must report a passing and a failing check as such, and count the failure
   out=$(run_checks _pass _fail 2>&1); n=$?
   if [[ $n -ne 1 || "$out" != *"PASS _pass: ok"* || "$out" != *"FAIL _fail: CheckFailed: deliberate failure"* ]]; then
@@ -67,7 +67,7 @@ fi
 if [[ $# -gt 0 ]]; then
   checks=("$@")
 else
-  read -r -a checks <<< "$("$PY" launch/gpu_check.py --list)"
+  read -r -a checks <<< "$("$PY" tests/gpu/gpu_check.py --list)"
 fi
 run_checks "${checks[@]}"
 failed=$?

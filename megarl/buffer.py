@@ -37,6 +37,17 @@ from megarl.types import Trajectory
 
 
 @dataclass
+class PublishedVersion:
+    """The weight version the engines generate with (v of the gate); the controller advances it at each publish.
+
+    Built before the controller, so that whatever reads it (the recovery context's live versions, the
+    checkpoint) needs no reference to the controller.
+    """
+
+    value: int = 0
+
+
+@dataclass
 class Group:
     """The n samples of one prompt, admitted at ``start_version``."""
 
@@ -178,6 +189,13 @@ class ReplayBuffer:
             out = [r for g in self.ready for t in g.trajectories for r in t.rows()]
             out += [r for g in self.running_groups.values() for t in g.trajectories for r in t.rows()]
         return out
+
+    def live_versions(self, published: int) -> set[int]:
+        """Versions a live token still references, and ``published`` (the engines' next tokens will)."""
+        versions = {published}
+        for t in self.live_trajectories():
+            versions |= t.policy_versions()
+        return versions
 
     def state_dict(self) -> dict:
         """Accepted-but-untrained groups (trajectories as plain data) and the gate's counters.

@@ -47,7 +47,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl.errors import CheckpointError
+import numpy as np
+import torch
+
+from megarl.errors import CheckpointError, ConfigError
+from megarl.trainer.parallel import global_rank
 
 log = logging.getLogger("megarl.checkpoint")
 
@@ -219,47 +223,47 @@ def find_latest_checkpoint(run_dir: str | Path) -> Path:
 
 # -- state ------------------------------------------------------------------------
 def capture_rng() -> dict:
-    import numpy as np
-    import torch
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_rank_state(step_dir: str | Path, trainer, strategy_state: dict) -> None:
     """This rank's trainer (trainer/rank{r}.pt) and strategy state (strategy/rank{r}.pt)."""
-    import torch
-
     step_dir = Path(step_dir)
     trainer.save_state(str(step_dir / "trainer"))
     (step_dir / "strategy").mkdir(parents=True, exist_ok=True)
-    torch.save(strategy_state, step_dir / "strategy" / f"rank{_rank()}.pt")
+    torch.save(strategy_state, step_dir / "strategy" / f"rank{global_rank()}.pt")
 
 
 def load_rank_state(step_dir: str | Path, trainer, strategy) -> None:
     step_dir = Path(step_dir)
     trainer.load_state(str(step_dir / "trainer"))
-    strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{_rank()}.pt"))
+    strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{global_rank()}.pt"))
+
+
+class SingleRankStates:
+    """The trainer's and strategy's files of a run with one trainer rank: this process writes and reads them.
+
+    With several ranks :class:`~megarl.trainer.spmd.DrivingTrainer` takes its place: every rank does its own.
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
+        save_rank_state(step_dir, self.trainer, strategy_state)
+
+    def load_rank_states(self, step_dir: str, strategy) -> None:
+        load_rank_state(step_dir, self.trainer, strategy)
 
 
 def load_file(path: str | Path) -> Any:
     """``torch.load`` of a checkpoint file; a missing or unreadable one is a CheckpointError naming it."""
-    import torch
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
@@ -274,8 +278,6 @@ def check_run_settings(cfg, manifest: dict, step_dir: Path, world_size: int, hf_
 
     Checked before anything in the run directory changes, so a mismatch leaves it as it was.
     """
-    from megarl.errors import ConfigError
-
     saved = manifest.get("run", {})
     mine = run_settings(cfg, world_size, hf_config)
     bad = [f"{RUN_KEYS.get(k, k)}={mine[k]} (checkpoint: {saved[k]})"
@@ -331,10 +333,12 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | Path, trainer, strategy, weights_dir: str | Path, *, keep_last: int,
-                 run: dict | None = None) -> None:
+                 run: dict | None = None, rank_states=None) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.trainer = trainer
         self.strategy = strategy
+        #: writes every trainer rank's state (SingleRankStates, or DrivingTrainer with several ranks)
+        self.rank_states = rank_states or SingleRankStates(trainer)
         self.weights_dir = Path(weights_dir)
         self.keep_last = keep_last
         self.run = run or {}
@@ -356,14 +360,9 @@ class Checkpointer:
         return path
 
     def _write(self, step: int, state: dict, strategy_state: dict, engine_version: int, meta: dict) -> Path:
-        import torch
-
         def fill(tmp: Path) -> None:
             torch.save(state, tmp / "controller.pt")
-            if hasattr(self.trainer, "save_rank_states"):  # several ranks: each writes its own shard files
-                self.trainer.save_rank_states(str(tmp), strategy_state)
-            else:
-                save_rank_state(tmp, self.trainer, strategy_state)
+            self.rank_states.save_rank_states(str(tmp), strategy_state)
             if engine_version > 0:
                 src = self.weights_dir / f"v{engine_version}"
                 if not (src / "config.json").is_file():

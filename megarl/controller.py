@@ -43,9 +43,12 @@ import zlib
 from dataclasses import replace
 from typing import Any, Callable
 
-from megarl.buffer import Group, ReplayBuffer
+from megarl.buffer import Group, PublishedVersion, ReplayBuffer
+from megarl.data import Prompt
 from megarl.errors import RewardError, TrainingError
+from megarl.rollout.base import RouterProtocol
 from megarl.rollout.supervisor import EngineLost
+from megarl.trainer.base import TrainerProtocol
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch, training_rows
 
 log = logging.getLogger("megarl.controller")
@@ -54,8 +57,11 @@ log = logging.getLogger("megarl.controller")
 class Controller:
     """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
 
-    Collaborators are passed in, already built: ``trainer`` (MegatronTrainer),
-    ``router`` (EngineRouter over the engine processes), ``rewards``
+    Collaborators are passed in, already built: ``trainer`` (TrainerProtocol:
+    MegatronTrainer, or DrivingTrainer with several ranks), ``router``
+    (RouterProtocol: EngineSupervisor over the engine processes), ``buffer``
+    (the ReplayBuffer and staleness gate) and ``published`` (the engines'
+    version, which this loop advances), ``rewards``
     (TrajectoryScorer: decodes with the run's tokenizer and scores in the
     reward service), ``dataset`` (PromptDataset), ``workflow``, ``strategy``
     (recovery), ``publisher(version) -> awaitable`` that moves the trainer's
@@ -67,8 +73,9 @@ class Controller:
     results to ``on_eval``).
     """
 
-    def __init__(self, cfg, *, trainer, router, rewards, dataset, workflow, strategy,
-                 publisher: Any, loss_fn_factory: Callable[[TrainBatch, Any], Any],
+    def __init__(self, cfg, *, trainer: TrainerProtocol, router: RouterProtocol, buffer: ReplayBuffer,
+                 published: PublishedVersion, rewards, dataset, workflow, strategy, publisher: Any,
+                 loss_fn_factory: Callable[[TrainBatch, Any], Any],
                  advantages: Callable[[list[Trajectory]], None], on_step: Callable[[dict], None],
                  checkpointer=None, journal=None, evaluator=None,
                  on_eval: Callable[[dict], None] | None = None, tokenizer=None) -> None:
@@ -92,8 +99,8 @@ class Controller:
         self.B = cfg.trainer.batch_size
         self.n = cfg.rollout.group_size
         self.eta = cfg.rollout.eta
-        self.buffer = ReplayBuffer(self.B, self.eta)
-        self.version = 0  # the version the engines generate with
+        self.buffer = buffer
+        self.published = published
         self.step = 0
         self.weights_ready = asyncio.Event()
         self.weights_ready.set()
@@ -121,6 +128,15 @@ class Controller:
         self._regenerate: list[Any] = []  # prompts of groups that were running at the checkpoint
         self._resumed = False
         self._consecutive_skips = 0
+
+    @property
+    def version(self) -> int:
+        """The version the engines generate with."""
+        return self.published.value
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.published.value = value
 
     # -- generation ------------------------------------------------------------------
     async def _generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams,
@@ -247,9 +263,8 @@ class Controller:
     async def _rollout_loop(self) -> None:
         data = iter(self.dataset)
         while not self._stopping:
-            failure = getattr(self.router, "failure", None)
-            if failure is not None:  # every engine is gone for good
-                raise failure
+            if self.router.failure is not None:  # every engine is gone for good
+                raise self.router.failure
             if self._fatal is not None:
                 raise self._fatal
             if not await self.buffer.wait_admissible(self.n, lambda: self.version, ready=self.weights_ready.is_set,
@@ -372,7 +387,7 @@ class Controller:
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
                     self._consecutive_skips += 1
                     self.buffer.release(len(trajs))  # consumed without a step: the gate must not count them
-                    record["skip_reason"] = getattr(self.trainer, "last_skip_reason", None) or "skipped"
+                    record["skip_reason"] = self.trainer.last_skip_reason or "skipped"
                 else:
                     self._consecutive_skips = 0
                     # in a worker thread: strategies may run forwards here while the engines keep generating
@@ -541,7 +556,7 @@ class Controller:
             "gen_stall_total_s": self.gen_stall_s,
             **step_counts,
             **self._workflow_step_stats(),
-            **(self.router.stats() if hasattr(self.router, "stats") else {}),
+            **self.router.stats(),
             **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
         }
 
@@ -565,8 +580,6 @@ class Controller:
 
         ``id_prefix`` starts the ids of the groups this attempt admits (unique per attempt, e.g. ``r1.``).
         """
-        from megarl.data import Prompt
-
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.group_counter = int(state["group_counter"])

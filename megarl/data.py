@@ -86,7 +86,7 @@ def read_rows(source: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
         raise InputError(f"data file {path} does not exist (expected a .jsonl or .parquet file, or hf:NAME[:SPLIT])")
     if path.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional package, only for .parquet data
 
             rows = pq.read_table(path).to_pylist()
         except ImportError:
@@ -116,7 +116,7 @@ def read_rows(source: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
 
 def _hf_rows(spec: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
     try:
-        import datasets
+        import datasets  # optional (and heavy) package, only for hf: data
     except ImportError:
         raise ConfigError(f"data.path 'hf:{spec}' needs the Hugging Face `datasets` package: "
                           f"pip install datasets") from None

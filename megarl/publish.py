@@ -30,9 +30,14 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from megarl.errors import EngineError
+from megarl.launch.roles import current_role
 from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.client import free_port
+from megarl.rollout.weight_spec import tensor_specs
+from megarl.rollout.weight_sync import WeightBroadcaster
 
 log = logging.getLogger("megarl.publish")
 
@@ -113,8 +118,6 @@ class BroadcastPublisher:
     async def apply(self, version: int) -> dict:
         """Send ``version``; returns the step record's ``weight_sync_bytes`` (0: no engine took the stream),
         ``weight_sync_groups`` (groups made so far) and ``weight_sync_fallbacks`` (publishes that went by disk)."""
-        from megarl.rollout.weight_spec import tensor_specs
-
         tensors, self._tensors = self._tensors, None
         if tensors is None:
             raise RuntimeError(f"BroadcastPublisher.apply({version}) without prepare({version})")
@@ -145,8 +148,6 @@ class BroadcastPublisher:
         ``members``: ``(index, incarnation, n_workers)`` of each engine; a group is
         reused while they are the same engine processes.
         """
-        from megarl.rollout.weight_sync import WeightBroadcaster
-
         if not members:
             return None
         if self._group is None or tuple(members) != self._members:
@@ -218,8 +219,6 @@ def make_publisher(cfg, trainer, router, weights_dir: Path):
     """The publisher ``rollout.weight_sync`` names."""
     if cfg.rollout.weight_sync == "disk":
         return DiskPublisher(trainer, router, weights_dir)
-    from megarl.launch.roles import current_role
-
     role = current_role()
     host, port = "127.0.0.1", 0  # engines this process spawned: loopback, a free port
     if role.weight_sync_addr:  # a launched plan says where engines on other nodes reach this rank
@@ -236,6 +235,4 @@ def _backend(engines_elsewhere: bool) -> str:
     (they receive there); gloo otherwise. Engines this process spawns inherit its visible GPUs and share
     the trainer's device, where NCCL refuses a second rank; gloo passes the tensors through host memory and
     the engines copy them to their GPU."""
-    import torch
-
     return "nccl" if torch.cuda.is_available() and engines_elsewhere else "gloo"

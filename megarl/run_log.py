@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from tqdm import tqdm
+
+from megarl.errors import ConfigError
 
 
 def _jsonable(v: Any) -> Any:
@@ -41,7 +47,7 @@ class RunLogger:
         self._journals: dict[str, Any] = {}
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: torch and TensorBoard only when asked for
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self._wandb = None
@@ -49,15 +55,11 @@ class RunLogger:
             self._wandb = start_wandb(self.run_dir, **wandb)
         self._bar = None
         if progress == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
             self._task = self._bar.add_task("train", total=total_steps, info="")
             self._bar.start()
         elif progress == "tqdm":
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, desc="train")
 
     def log(self, record: dict[str, Any]) -> None:
@@ -65,7 +67,7 @@ class RunLogger:
         step = int(record.get("step", 0))
         info = (f"v{record.get('version')} reward {record.get('reward_mean', 0):.3f} "
                 f"stale max {record.get('staleness_max')} spliced {record.get('n_spliced')}")
-        if self._bar is not None and hasattr(self._bar, "update") and hasattr(self, "_task"):
+        if isinstance(self._bar, Progress):
             self._bar.update(self._task, completed=step + 1, info=info)
         elif self._bar is not None:
             self._bar.update(1)
@@ -100,7 +102,7 @@ class RunLogger:
         for f in self._journals.values():
             f.close()
         if self._bar is not None:
-            (self._bar.stop if hasattr(self._bar, "stop") else self._bar.close)()
+            (self._bar.stop if isinstance(self._bar, Progress) else self._bar.close)()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -111,13 +113,9 @@ class RunLogger:
 def start_wandb(run_dir: Path, project: str, config: dict[str, Any], name: str | None = None):
     """A W&B run in ``run_dir/wandb``: online with WANDB_API_KEY set, offline otherwise (sync it later with
     ``wandb sync``). W&B is optional: without the package, logging.wandb=true is refused before the run."""
-    import os
-
     try:
-        import wandb
+        import wandb  # optional package (not a dependency of megarl)
     except ImportError:
-        from megarl.errors import ConfigError
-
         raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb "
                           "(or set logging.wandb=false)") from None
     mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"

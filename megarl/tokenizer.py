@@ -75,7 +75,7 @@ class RunTokenizer:
         if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise ConfigError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {path}: copy the tokenizer of "
                               f"the model there, or set model.tokenizer to a directory that has them")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: heavy; the checks above fail fast without it
 
         try:
             hf = AutoTokenizer.from_pretrained(str(source))

@@ -268,7 +268,7 @@ class TrainBatch:
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory], version: int, pad_id: int = 0) -> "TrainBatch":
-        import torch
+        import torch  # lazy: this module also serves light processes (the HTTP client, the CLI)
 
         if not trajs:
             raise ValueError("TrainBatch needs at least one trajectory")
@@ -303,7 +303,7 @@ class TrainBatch:
 
     def select(self, idx: list[int]) -> "TrainBatch":
         """Sub-batch of rows ``idx`` (micro-batching), trimmed to its longest row."""
-        import torch
+        import torch  # lazy: this module also serves light processes (the HTTP client, the CLI)
 
         ix = torch.as_tensor(idx, dtype=torch.long)
         L = int(self.seq_lens[ix].max())

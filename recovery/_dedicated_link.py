@@ -20,7 +20,7 @@ both with ``put``, ``get``, ``alive``, ``failure`` and ``close``):
   over a TCP connection from :mod:`multiprocessing.connection`. Messages are
   pickled, so the connection is authenticated: both ends hold the same key,
   ``MEGARL_DEDICATED_AUTHKEY`` (``megarl launch`` gives both commands the
-  same one: :func:`megarl.launch.commands.dedicated_authkey` says where it
+  same one: :func:`megarl.launch.role_commands.dedicated_authkey` says where it
   comes from), and the listener refuses a client whose key differs before
   reading any message from it.
 

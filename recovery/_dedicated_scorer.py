@@ -13,15 +13,38 @@ import logging
 import os
 import shutil
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megarl.errors import ConfigError
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import free_port
+from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.types import Trajectory, TrainBatch
+from recovery import _dedicated_link as link
 
 log = logging.getLogger("megarl.dedicated")
+
+
+@dataclass
+class DedicatedConfig:
+    """Options of the dedicated scoring process."""
+
+    scorer_factory: str = ""
+    """Builder of the scoring model in the child, 'pkg.module:function' called with the checkpoint dir and temperature=T (score softmax(logits / T)); empty = MegatronTrainer (tp=pp=ep=1)."""
+    master_port: int = 0
+    """MASTER_PORT of the scoring process's own gloo world of one; 0 picks a free port."""
+    cuda_visible_devices: str = ""
+    """CUDA_VISIBLE_DEVICES of the scoring process, i.e. its own GPU(s); empty = inherit the trainer's."""
+    num_threads: int = 0
+    """Intra-op CPU threads of the scoring process (0 = torch's default)."""
+    start_timeout_s: float = 600.0
+    """Seconds to wait for the scoring process to build its model."""
+    wait_timeout_s: float = 600.0
+    """Seconds anchor() waits for missing segment scores before giving up with an error."""
 
 
 def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0) -> Any:
@@ -30,18 +53,7 @@ def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", tem
     if factory:
         module, _, fn = factory.partition(":")
         return getattr(importlib.import_module(module), fn)(checkpoint_dir, temperature=temperature)
-    from megarl.trainer.megatron_trainer import MegatronTrainer
-
     return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature)
-
-
-def _load_weights(scorer: Any, path: str) -> None:
-    if hasattr(scorer, "load_hf_checkpoint"):
-        scorer.load_hf_checkpoint(path)
-    else:
-        from megarl.models.bridge import load_hf_weights
-
-        load_hf_weights(scorer.model, path, scorer.hf_config, scorer.config)
 
 
 def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
@@ -63,8 +75,6 @@ def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_thre
                 dtype: str = "float32", temperature: float = 1.0) -> None:
     _own_world(env)
     try:
-        import torch
-
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature)
@@ -87,8 +97,6 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
     after a long model load), then serves the protocol until ``stop`` or until
     the trainer hangs up.
     """
-    from recovery import _dedicated_link as link
-
     if run_cfg.recovery.name != "dedicated":
         raise ConfigError(f"MEGARL_ROLE=dedicated with recovery.name={run_cfg.recovery.name}: the trainer would "
                           f"never connect; launch the scorer role only with recovery.name=dedicated")
@@ -99,8 +107,6 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
     if not (Path(checkpoint_dir) / "config.json").is_file():
         raise ConfigError(f"the dedicated scorer role needs model.checkpoint={checkpoint_dir!r} to hold an HF "
                           f"checkpoint (config.json) that this node can read")
-    from recovery.dedicated import DedicatedConfig
-
     cfg: DedicatedConfig = run_cfg.recovery.options.get("dedicated") or DedicatedConfig()
     dtype = run_cfg.model.dtype
     listener = link.listen(port, link.authkey_from_env() if authkey is None else authkey, host)
@@ -111,8 +117,6 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.master_port or free_port())})
         build_error = None
         try:
-            import torch
-
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
             scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype,
@@ -159,7 +163,7 @@ def _serve(scorer: Any, recv, send) -> None:
             break
         if kind == "version":
             v, path = payload
-            _load_weights(scorer, path)
+            scorer.load_hf_checkpoint(path)
             if version_dir and version_dir != path:
                 shutil.rmtree(version_dir, ignore_errors=True)
             version, version_dir = v, path

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
+from megarl.trainer.base import ScoringTrainer
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 
 
@@ -33,8 +34,8 @@ from megarl.types import AnchorResult, Trajectory, TrainBatch
 class RecoveryContext:
     """What a strategy may use. Built by the loop once per run."""
 
-    #: the Megatron trainer (logprobs, get_params, set_params, use_params, version)
-    trainer: Any
+    #: this rank's trainer (MegatronTrainer): logprobs, get_params, set_params, use_params, version, dtype
+    trainer: ScoringTrainer
     #: the policy-loss config (strategies that gate on the active-token fraction need it)
     loss_cfg: Any = None
     #: versions still referenced by a live token (in the buffer or in flight)
@@ -94,6 +95,9 @@ class RecoveryStrategy(abc.ABC):
     #: live trajectories with every hook, for followers to run the same forwards (megarl/trainer/spmd.py).
     #: A strategy that never reads them sets False and saves that traffic.
     uses_live_trajectories: ClassVar[bool] = True
+    #: the v_theta conventions the anchor can be formed with (``anchor_with``; the interpolation
+    #: strategies, recovery/loglinear.py); empty for a strategy whose anchor has none
+    conventions: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Any, ctx: RecoveryContext) -> None:
         self.cfg = cfg

@@ -57,16 +57,21 @@ rank 0 and broadcasting the results is not implemented.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file, save_file
+
+from megarl.launch.roles import current_role
 from megarl.rollout.client import free_port
 from megarl.types import AnchorResult, Trajectory, TrainBatch
-from recovery._dedicated_scorer import _child_main, serve_role  # noqa: F401  (serve_role: the role's entry)
+from recovery._dedicated_link import QueueLink, TcpLink, authkey_from_env
+from recovery._dedicated_scorer import DedicatedConfig, _child_main
+from recovery._dedicated_scorer import serve_role  # noqa: F401  (the scorer role's entry, beside its strategy)
 from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
@@ -75,24 +80,6 @@ log = logging.getLogger("megarl.dedicated")
 
 #: a segment's identity: (traj_id, start, end) in response-token indices
 SegKey = tuple[str, int, int]
-
-
-@dataclass
-class DedicatedConfig:
-    """Options of the dedicated scoring process."""
-
-    scorer_factory: str = ""
-    """Builder of the scoring model in the child, 'pkg.module:function' called with the checkpoint dir and temperature=T (score softmax(logits / T)); empty = MegatronTrainer (tp=pp=ep=1)."""
-    master_port: int = 0
-    """MASTER_PORT of the scoring process's own gloo world of one; 0 picks a free port."""
-    cuda_visible_devices: str = ""
-    """CUDA_VISIBLE_DEVICES of the scoring process, i.e. its own GPU(s); empty = inherit the trainer's."""
-    num_threads: int = 0
-    """Intra-op CPU threads of the scoring process (0 = torch's default)."""
-    start_timeout_s: float = 600.0
-    """Seconds to wait for the scoring process to build its model."""
-    wait_timeout_s: float = 600.0
-    """Seconds anchor() waits for missing segment scores before giving up with an error."""
 
 
 # -- the strategy -----------------------------------------------------------------------
@@ -121,15 +108,10 @@ class Dedicated(RecoveryStrategy):
 
     # -- process ---------------------------------------------------------------------
     def _start(self) -> None:
-        from megarl.launch.roles import current_role
-        from recovery._dedicated_link import QueueLink, TcpLink, authkey_from_env
-
         addr = current_role().dedicated_addr
         if addr:  # a scorer role on its own node: connect (in the background) instead of spawning
             self._link = TcpLink(addr, authkey_from_env(), self.cfg.start_timeout_s)
             return
-        import multiprocessing as mp
-
         mpctx = mp.get_context("spawn")
         in_q, out_q = mpctx.Queue(), mpctx.Queue()
         port = self.cfg.master_port or free_port()
@@ -140,8 +122,7 @@ class Dedicated(RecoveryStrategy):
         proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
                              args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
                                    self.cfg.num_threads, in_q, out_q,
-                                   getattr(self.ctx.trainer, "dtype", "float32"),
-                                   getattr(self.ctx.trainer, "temperature", 1.0)))
+                                   self.ctx.trainer.dtype, self.ctx.trainer.temperature))
         proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
         self._link = QueueLink(proc, in_q, out_q)
 
@@ -293,8 +274,6 @@ class Dedicated(RecoveryStrategy):
         self._state_reply = None
         self._link.put(("state", None))
         self._wait_for(lambda: self._state_reply is not None, self.cfg.wait_timeout_s, "state_dict")
-        from safetensors.torch import load_file
-
         path = Path(self.ctx.run_dir) / "dedicated" / f"v{self._state_reply}"
         weights = {f.name: load_file(str(f)) for f in sorted(path.glob("*.safetensors"))}
         extra = {f.name: f.read_text() for f in sorted(path.glob("*.json"))}
@@ -305,8 +284,6 @@ class Dedicated(RecoveryStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["version"] is None:
             return
-        from safetensors.torch import save_file
-
         path = Path(self.ctx.run_dir) / "dedicated" / f"v{state['version']}"
         path.mkdir(parents=True, exist_ok=True)
         for name, tensors in state["weights"].items():

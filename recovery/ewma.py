@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from megarl.losses import PolicyLossConfig, policy_loss
+from megarl.losses import PolicyLossConfig
+from megarl.losses.policy import policy_loss
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 from recovery._scoring import forward, params_nbytes
 from recovery.base import RecoveryStrategy

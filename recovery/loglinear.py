@@ -34,7 +34,8 @@ from typing import Callable, ClassVar, Literal
 
 import torch
 
-from megarl.losses import PolicyLossConfig, normalizer_needs_anchor
+from megarl.losses import PolicyLossConfig
+from megarl.losses.policy import normalizer_needs_anchor
 from megarl.types import NO_VERSION, AnchorResult, Trajectory, TrainBatch
 from recovery.base import RecoveryStrategy
 from recovery.registry import register

@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 from typing import Any
 
+import recovery
 from megarl.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}
@@ -33,8 +34,6 @@ def _discover() -> None:
     global _discovered
     if _discovered:
         return
-    import recovery
-
     for mod in pkgutil.iter_modules(recovery.__path__):
         if mod.name not in _NOT_STRATEGIES and not mod.name.startswith("_"):
             importlib.import_module(f"recovery.{mod.name}")

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from megarl.trainer.parallel import global_rank
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 from recovery._scoring import params_nbytes, score_versions, versions_in
 from recovery.base import RecoveryStrategy
@@ -38,12 +40,6 @@ class SnapshotConfig:
 
     storage: Literal["cpu", "disk"] = "cpu"
     """Where kept versions live: cpu (host memory, pinned when CUDA is present) or disk (safetensors under <run_dir>/snapshots)."""
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @register
@@ -73,9 +69,7 @@ class Snapshot(RecoveryStrategy):
         nbytes = params_nbytes(params)
         with self.meter.time("snapshot_save_s"):
             if self.cfg.storage == "disk":
-                from safetensors.torch import save_file
-
-                path = self._dir() / f"v{version}.rank{_rank()}.safetensors"
+                path = self._dir() / f"v{version}.rank{global_rank()}.safetensors"
                 save_file({k: t.contiguous() for k, t in params.items()}, str(path))
                 self._held[version] = str(path)
                 self.meter.add("bytes_moved", nbytes)
@@ -93,8 +87,6 @@ class Snapshot(RecoveryStrategy):
         held = self._held[version]
         if self.cfg.storage != "disk":
             return held
-        from safetensors.torch import load_file
-
         with self.meter.time("snapshot_load_s"):
             params = load_file(held)
         self.meter.add("bytes_moved", self._nbytes[version])

@@ -5,16 +5,28 @@ the whole batch under the parameters of v and keeps the positions of that
 version: the slow, obviously-correct reference the exact strategies are
 checked against (``megarl verify-recovery``). ``compare`` reports how far an
 anchor is from it over the policy tokens.
+
+:class:`VerifyingStrategy` does that inside the real async loop: it wraps the
+strategy under test and is itself a strategy (it plugs in through the hooks,
+like any other), keeps every published version's parameters on the side and,
+for every train batch, compares the wrapped strategy's anchor with the truth.
+It is a check, not a printout: a strategy that claims exactness
+(``claims_exact``, the class flag) is *measured* exact when its largest error
+over all policy tokens is at most ``tol`` (``measured_exact``). For the
+interpolation strategies (loglinear, linear) the report also gives the error
+of each v_theta convention (``conventions``), whichever one the run trained with.
 """
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
 
-from megarl.types import TrainBatch
+from megarl.types import AnchorResult, Trajectory, TrainBatch
 from recovery._scoring import forward, policy_mask, versions_in
+from recovery.base import RecoveryStrategy
 
 
 def true_logp_old(batch: TrainBatch, params_by_version: dict[int, dict[str, torch.Tensor]],
@@ -50,3 +62,98 @@ def compare(anchor: torch.Tensor, truth: torch.Tensor, batch: TrainBatch) -> dic
         "n_spliced_sequences": float(sum(k >= 2 for k in per_seq)),
         "max_versions_per_sequence": float(max(per_seq, default=0)),
     }
+
+
+DEFAULT_TOL = 1e-5
+"""Largest abs error of logp_old that still counts as exact (fp32 round-off of two forward layouts is ~5e-7)."""
+
+
+class VerifyingStrategy(RecoveryStrategy):
+    """Delegates every hook to ``inner`` and scores its anchors against the truth."""
+
+    name = "verifying"
+
+    def __init__(self, inner: RecoveryStrategy) -> None:
+        super().__init__(inner.cfg, inner.ctx)
+        self.inner = inner
+        self.exact = inner.exact  # type: ignore[misc]
+        self.params_by_version: dict[int, dict] = {}
+        self.stats = {"max_abs_err": 0.0, "sum_abs_err": 0.0, "n_tokens": 0, "n_sequences": 0,
+                      "n_spliced_sequences": 0, "max_versions_per_sequence": 0}
+        #: per v_theta convention of an interpolation strategy: [max abs err, sum abs err]
+        self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in inner.conventions}
+        #: seconds the wrapped strategy's own ``anchor`` took in the last call (the rest was the verifier's)
+        self.inner_anchor_s = 0.0
+
+    # hooks: delegate, plus keep every version's weights
+    def on_weights_published(self, version: int) -> None:
+        self.params_by_version[version] = self.ctx.trainer.get_params()
+        self.inner.on_weights_published(version)
+
+    def before_publish(self, old_version: int, new_version: int) -> None:
+        self.inner.before_publish(old_version, new_version)
+
+    def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
+        self.inner.on_rollout_interrupted(partials)
+
+    def on_segment_finished(self, traj: Trajectory) -> None:
+        self.inner.on_segment_finished(traj)
+
+    def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
+        self.inner.after_optimizer_step(version, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def overhead(self) -> dict[str, float]:
+        return self.inner.overhead()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        t0 = time.perf_counter()
+        result = self.inner.anchor(batch, trajs)
+        self.inner_anchor_s = time.perf_counter() - t0
+        anchor = result.logp_anchor
+        logp_theta = None
+        if anchor is None or self.by_convention:
+            # interpolation anchors depend on logp_theta: the loss sees these values at the first forward
+            logp_theta = self.ctx.trainer.logprobs(batch)
+        if anchor is None:
+            anchor = result.from_theta(logp_theta, batch)
+        truth = true_logp_old(batch, self.params_by_version, self.ctx.trainer)
+        c = compare(anchor, truth, batch)
+        for convention, acc in self.by_convention.items():
+            cc = compare(self.inner.anchor_with(logp_theta, batch, convention), truth, batch)
+            acc[0] = max(acc[0], cc["max_abs_err"])
+            acc[1] += cc["mean_abs_err"] * cc["n_tokens"]
+        s = self.stats
+        s["max_abs_err"] = max(s["max_abs_err"], c["max_abs_err"])
+        s["sum_abs_err"] += c["mean_abs_err"] * c["n_tokens"]
+        s["n_tokens"] += int(c["n_tokens"])
+        s["n_sequences"] += batch.size
+        s["n_spliced_sequences"] += int(c["n_spliced_sequences"])
+        s["max_versions_per_sequence"] = max(s["max_versions_per_sequence"], int(c["max_versions_per_sequence"]))
+        result.metrics["verify/max_abs_err"] = c["max_abs_err"]
+        return result
+
+    def report(self, tol: float = DEFAULT_TOL) -> dict[str, Any]:
+        """The strategy's numbers; ``measured_exact``: some policy tokens were checked and none is off by > tol."""
+        s = self.stats
+        n = max(s["n_tokens"], 1)
+        rep = {"claims_exact": bool(self.inner.exact),
+               "measured_exact": s["n_tokens"] > 0 and s["max_abs_err"] <= tol, "tol": tol,
+               "max_abs_err": s["max_abs_err"],
+               "mean_abs_err": s["sum_abs_err"] / n, "n_tokens": s["n_tokens"],
+               "n_sequences": s["n_sequences"], "n_spliced_sequences": s["n_spliced_sequences"],
+               "spliced_frac": s["n_spliced_sequences"] / max(s["n_sequences"], 1),
+               "max_versions_per_sequence": s["max_versions_per_sequence"]}
+        if self.by_convention:
+            rep["convention"] = self.inner.cfg.convention
+            rep["conventions"] = {c: {"max_abs_err": mx, "mean_abs_err": total / n}
+                                  for c, (mx, total) in self.by_convention.items()}
+        return rep

@@ -13,7 +13,7 @@ PHASE_LABELS = {"wait_batch": "wait for batch", "recovery": "recovery (anchor)",
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # lazy: heavy, and its backend must be chosen before pyplot is imported
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

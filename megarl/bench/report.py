@@ -40,6 +40,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 #: the stacked phases of overhead.png, in order; each a per-step key of step_phases()
 PHASES = ("wait_batch", "recovery", "train_step", "publish_drain", "publish_recovery", "weight_sync",
           "recovery_hooks", "other")
@@ -259,9 +262,6 @@ _DEFINITIONS = [
 
 def print_table(report: dict[str, Any]) -> None:
     """The table and the target lines on stdout (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="megarl bench")
     for i, (_, head) in enumerate(COLUMNS):
         table.add_column(head, justify="left" if i == 0 else "right")

@@ -6,7 +6,7 @@ peak memory is its own: the parent samples the resident set of that process
 and all its descendants (vLLM engines, reward workers, the dedicated scorer).
 
 Inside the child the strategy is wrapped in :class:`BenchStrategy`, a
-:class:`~megarl.verify.VerifyingStrategy` that also times every hook. The
+:class:`~recovery.verifier.VerifyingStrategy` that also times every hook. The
 verifier's own work (the true-``logp_old`` forwards inside ``anchor`` and the
 parameter copies it keeps at each publish) is reported per step under
 ``recovery/bench_verifier_anchor_s`` and ``recovery/bench_verifier_publish_s``
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -34,30 +35,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:
+    import psutil
+except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
+    psutil = None
+
+from megarl.bench import plots, report
+from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.errors import MegarlError
+from megarl.train import train
 from megarl.types import AnchorResult, Trajectory, TrainBatch
-from megarl.verify import VerifyingStrategy
 
 #: seconds between two samples of the process tree's resident memory
 RSS_SAMPLE_INTERVAL_S = 0.5
-
-
-class _AnchorClock:
-    """Stands in for the strategy under test inside VerifyingStrategy; times its ``anchor``."""
-
-    def __init__(self, strategy: Any) -> None:
-        self._strategy = strategy
-        self.last_s = 0.0
-
-    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
-        t0 = time.perf_counter()
-        try:
-            return self._strategy.anchor(batch, trajs)
-        finally:
-            self.last_s = time.perf_counter() - t0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._strategy, name)
 
 
 class BenchStrategy(VerifyingStrategy):
@@ -72,14 +62,16 @@ class BenchStrategy(VerifyingStrategy):
     def __init__(self, inner: Any, verify: bool = True) -> None:
         super().__init__(inner)
         self.verify = verify
-        self._clock = _AnchorClock(inner)
-        self.inner = self._clock
         self._in_loop = False  # the first publish (version 0) happens before the timed loop
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         t0 = time.perf_counter()
-        result = super().anchor(batch, trajs) if self.verify else self._clock.anchor(batch, trajs)
-        self.meter.add("bench_verifier_anchor_s", time.perf_counter() - t0 - self._clock.last_s)
+        if self.verify:
+            result = super().anchor(batch, trajs)
+        else:
+            result = self.inner.anchor(batch, trajs)
+            self.inner_anchor_s = time.perf_counter() - t0
+        self.meter.add("bench_verifier_anchor_s", time.perf_counter() - t0 - self.inner_anchor_s)
         return result
 
     def on_weights_published(self, version: int) -> None:
@@ -91,7 +83,7 @@ class BenchStrategy(VerifyingStrategy):
             for v in [v for v in self.params_by_version if v < oldest_live]:
                 del self.params_by_version[v]
         t1 = time.perf_counter()
-        self._clock.on_weights_published(version)
+        self.inner.on_weights_published(version)
         t2 = time.perf_counter()
         if self._in_loop:
             self.meter.add("bench_verifier_publish_s", t1 - t0)
@@ -100,10 +92,10 @@ class BenchStrategy(VerifyingStrategy):
 
     def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
         with self.meter.time("bench_hook_optimizer_s"):
-            self._clock.after_optimizer_step(version, metrics)
+            self.inner.after_optimizer_step(version, metrics)
 
     def overhead(self) -> dict[str, float]:
-        out = dict(self._clock.overhead())
+        out = dict(self.inner.overhead())
         out.update(self.meter.pop_step())
         return out
 
@@ -111,26 +103,21 @@ class BenchStrategy(VerifyingStrategy):
 # -- the child: one strategy, one train() ------------------------------------------------
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec["strategy"]`` for ``spec["steps"]`` steps into ``spec["run_dir"]``; returns the child summary."""
-    import resource
-
-    from megarl.config import load_config
-    from megarl.train import train
-
     run_dir = Path(spec["run_dir"])
-    cfg = load_config(spec["config"], [*spec["overrides"], f"recovery.name={spec['strategy']}",
-                                       f"trainer.total_steps={spec['steps']}", "logging.progress=none",
-                                       "logging.tensorboard=false", f"logging.output_dir={run_dir}"])
-    holder: dict[str, BenchStrategy] = {}
+    cfg = load_run_config(spec["config"], [*spec["overrides"], f"recovery.name={spec['strategy']}",
+                                           f"trainer.total_steps={spec['steps']}", "logging.progress=none",
+                                           "logging.tensorboard=false", f"logging.output_dir={run_dir}"])
+    wrapped: list[BenchStrategy] = []
 
     def wrap(inner):
-        holder["s"] = BenchStrategy(inner, verify=spec["verify"])
-        return holder["s"]
+        wrapped.append(BenchStrategy(inner, verify=spec["verify"]))
+        return wrapped[-1]
 
     t0 = time.perf_counter()
     train(cfg, wrap_strategy=wrap)
     kib = 1024.0  # ru_maxrss is in KiB on Linux
     summary = {"strategy": spec["strategy"], "total_s": time.perf_counter() - t0,
-               "verify": holder["s"].report() if spec["verify"] else None,
+               "verify": wrapped[-1].report() if spec["verify"] else None,
                "ru_maxrss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib,
                "ru_maxrss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib}
     (run_dir / "bench_child.json").write_text(json.dumps(summary, default=_json_default) + "\n")
@@ -150,12 +137,7 @@ class _TreeRssSampler(threading.Thread):
         self.pid = pid
         self.peak_mb = 0.0
         self._stop_event = threading.Event()
-        try:
-            import psutil
-        except ImportError:
-            self._psutil = None
-        else:
-            self._psutil = psutil
+        self._psutil = psutil
 
     @property
     def available(self) -> bool:
@@ -239,12 +221,9 @@ def weights_nbytes(run_dir: Path) -> int:
 def bench(config: str, strategies: list[str], steps: int | None, output: str, overrides: list[str], *,
           compare_sync: bool = False, verify: bool = True, log=print) -> dict[str, Any]:
     """Run every strategy (and the sync/async pair), then write report.json, report.md and the plots."""
-    from megarl.bench import plots, report
-    from megarl.config import load_config
-
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(config, overrides)  # fails fast on a bad config or override
+    cfg = load_run_config(config, overrides)  # fails fast on a bad config or override
     steps = steps or cfg.trainer.total_steps
     load_start = os.getloadavg()[0]
     runs: dict[str, dict[str, Any]] = {}

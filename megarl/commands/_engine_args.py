@@ -3,10 +3,11 @@
 rollout.cpu_threads, so that neither command depends on VLLM_CPU_KVCACHE_SPACE or OMP_NUM_THREADS."""
 from __future__ import annotations
 
+from megarl.config.schema import RolloutConfig
+from megarl.rollout.base import engine_options
+
 
 def add_engine_resource_args(p) -> None:
-    from megarl.config.schema import RolloutConfig
-
     defaults = RolloutConfig()
     p.add_argument("--kv-cache-gb", type=int, default=defaults.kv_cache_gb,
                    help=f"vllm on CPU: KV cache in GiB (default {defaults.kv_cache_gb}, as rollout.kv_cache_gb; "
@@ -18,6 +19,4 @@ def add_engine_resource_args(p) -> None:
 
 def engine_resource_options(args) -> dict:
     """``make_engine`` options from the flags of :func:`add_engine_resource_args`."""
-    from megarl.rollout.base import engine_options
-
     return engine_options(args.backend, args.kv_cache_gb, args.cpu_threads)

@@ -1,6 +1,9 @@
 """`megarl bench`: run every recovery strategy from the same config and seed; report costs and errors."""
 from __future__ import annotations
 
+from megarl.bench.report import print_table
+from megarl.errors import ConfigError
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark recovery strategies: step time, overheads, memory, exactness")
@@ -18,12 +21,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from megarl.bench.report import print_table
+    # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
     from megarl.bench.run import bench
-    from megarl.errors import ConfigError
-    from recovery.registry import resolve_names
+    from megarl.builder import strategy_names
 
-    chosen = resolve_names(args.strategies)
+    chosen = strategy_names(args.strategies)
     if args.steps is not None and args.steps < 2:
         raise ConfigError(f"--steps={args.steps}: the bench needs at least 2 steps (the first one is start-up)")
     report = bench(args.config, chosen, args.steps, args.output, list(args.overrides),

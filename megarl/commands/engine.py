@@ -1,10 +1,13 @@
 """`megarl engine`: serve one rollout engine (vLLM or HF) over HTTP; see megarl.rollout.server."""
 from __future__ import annotations
 
+import asyncio
 import sys
 
+from megarl.cli import main
 from megarl.commands._engine_args import add_engine_resource_args, engine_resource_options
 from megarl.rollout.base import BACKENDS, ENGINE_DTYPES
+from megarl.rollout.server import serve
 
 
 def register(sub) -> None:
@@ -30,10 +33,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import asyncio
-
-    from megarl.rollout.server import serve
-
     options = {"seed": args.seed, "initial_version": args.initial_version, **engine_resource_options(args)}
     if args.dtype is not None:
         options["dtype"] = args.dtype
@@ -52,6 +51,4 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import the main module
-    from megarl.cli import main
-
     sys.exit(main(["engine", *sys.argv[1:]]))

@@ -7,10 +7,18 @@ Request i uses seed ``--seed + i``, so a run is reproducible.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
+import time
 
 from megarl.commands._engine_args import add_engine_resource_args, engine_resource_options
-from megarl.rollout.base import BACKENDS
+from megarl.commands._jsonl_input import read_input_ids
+from megarl.rollout.backends import make_engine
+from megarl.rollout.base import BACKENDS, resources_note
+from megarl.rollout.weight_spec import read_config
+from megarl.tokenizer import read_generation_eos
+from megarl.types import GenerateRequest, SamplingParams
 
 
 def register(sub) -> None:
@@ -33,20 +41,12 @@ def register(sub) -> None:
 
 def _default_stop_ids(checkpoint: str) -> list[int]:
     """What a training run stops at: config.json's eos_token_id and every id of generation_config.json."""
-    from megarl.rollout.weight_spec import read_config
-    from megarl.tokenizer import read_generation_eos
-
     eos = read_config(checkpoint).get("eos_token_id")
     ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return sorted(set(ids) | set(read_generation_eos(checkpoint)))
 
 
 async def _generate_all(args, prompts: list[list[int]]) -> list:
-    import asyncio
-
-    from megarl.rollout.base import make_engine, resources_note
-    from megarl.types import GenerateRequest, SamplingParams
-
     stop = args.stop_token_ids if args.stop_token_ids is not None else _default_stop_ids(args.checkpoint)
     engine = await make_engine(args.backend, args.checkpoint, seed=args.seed, **engine_resource_options(args))
     try:
@@ -60,12 +60,6 @@ async def _generate_all(args, prompts: list[list[int]]) -> list:
 
 
 def run(args) -> int:
-    import asyncio
-    import json
-    import time
-
-    from megarl.commands._jsonl_input import read_input_ids
-
     prompts = read_input_ids(args.input)
     t0 = time.perf_counter()
     results, resources = asyncio.run(_generate_all(args, prompts))

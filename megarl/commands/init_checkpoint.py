@@ -1,6 +1,8 @@
 """`megarl init-checkpoint`: write a random-initialized HF checkpoint from a model YAML."""
 from __future__ import annotations
 
+from megarl.models.tiny import write_tiny_checkpoint
+
 
 def register(sub) -> None:
     p = sub.add_parser("init-checkpoint", help="write a random-initialized HF-format checkpoint (tests, demo)")
@@ -11,8 +13,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from megarl.models.tiny import write_tiny_checkpoint
-
     out = write_tiny_checkpoint(args.model, args.output, seed=args.seed)
     print(f"wrote {out}")
     return 0

@@ -6,9 +6,16 @@ wrappers around this command.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
+
+from megarl.errors import ConfigError
+from megarl.launch import cluster
+from megarl.launch.overlays import overlay_overrides, recovery_overlay
+from megarl.launch.placement import load_hf_config, resolve_plan
+from megarl.launch.runner import run_commands
 
 
 def register(sub) -> None:
@@ -30,13 +37,9 @@ def register(sub) -> None:
 
 
 def _allocation(args, cfg):
-    from megarl.launch import cluster
-
     if args.nodes is not None or args.gpus_per_node is not None:
         return cluster.detect(args.nodes, args.gpus_per_node)
     if args.launcher == "slurm" and not args.dry_run and cluster.from_slurm() is None:
-        from megarl.errors import ConfigError
-
         raise ConfigError("--launcher slurm needs a Slurm allocation (SLURM_JOB_NODELIST is unset): "
                           "run inside sbatch/salloc, or add --dry-run")
     alloc = cluster.detect()
@@ -55,18 +58,12 @@ def _short(host: str) -> str:
 
 
 def run(args) -> int:
-    import json
-
-    from megarl.config.loader import load_config
-    from megarl.errors import ConfigError
-    from megarl.launch.overlays import overlay_overrides, recovery_overlay
-    from megarl.launch.placement import load_hf_config, resolve_plan
-    from megarl.launch.runner import run_commands
+    from megarl.builder import load_run_config  # the strategies' config classes (torch): not for `megarl --help`
 
     launcher = args.launcher or ("slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun")
     overlays = ([recovery_overlay(args.recovery)] if args.recovery else []) + list(args.overlay)
     overrides = [o for path in overlays for o in overlay_overrides(path)] + list(args.overrides)
-    cfg = load_config(args.config, overrides)
+    cfg = load_run_config(args.config, overrides)
     hf, source = load_hf_config(cfg)
     plan = resolve_plan(cfg, hf, _allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megarl.commands._jsonl_input import read_input_ids
 from megarl.errors import InputError
+from megarl.types import TrainBatch
 
 #: rows per trainer call: bounds the [rows, longest] padded batch held at once
 ROWS_PER_CALL = 256
@@ -36,9 +37,7 @@ def register(sub) -> None:
 
 
 def _batch(rows: list[list[int]]):
-    import torch
-
-    from megarl.types import TrainBatch
+    import torch  # lazy here and below: torch and Megatron load when the command runs, not for `megarl --help`
 
     B, L = len(rows), max(len(r) for r in rows)
     tokens = torch.zeros(B, L, dtype=torch.long)
@@ -51,6 +50,8 @@ def _batch(rows: list[list[int]]):
 
 def run(args) -> int:
     from megarl.models.bridge import read_hf_config
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+    from megarl.trainer.parallel import shutdown
 
     hf = read_hf_config(args.checkpoint)
     rows = read_input_ids(args.input, int(hf["max_position_embeddings"]), int(hf["vocab_size"]))
@@ -58,8 +59,6 @@ def run(args) -> int:
     scored = [i for i, r in enumerate(rows) if len(r) >= 2]
     rank = int(os.environ.get("RANK", "0"))
     if scored:
-        from megarl.trainer.megatron_trainer import MegatronTrainer
-
         trainer = MegatronTrainer(args.checkpoint, tp=args.tp, pp=args.pp, ep=args.ep,
                                   micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype,
                                   temperature=args.temperature)
@@ -69,8 +68,6 @@ def run(args) -> int:
             logp = trainer.logprobs(_batch([rows[i] for i in chunk]))
             for b, i in enumerate(chunk):
                 results[i] = logp[b, : len(rows[i]) - 1].tolist()
-        from megarl.trainer.parallel import shutdown
-
         shutdown()
     if rank == 0:
         out = Path(args.output)

@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from megarl.data import read_rows
 from megarl.errors import InputError
 
 INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{N}."
@@ -33,8 +34,6 @@ FORMATS = {"gsm8k": gsm8k_row}
 
 def convert(fmt: str, src: str, dst: str) -> int:
     """Write ``dst`` (JSONL) from ``src``; returns the number of rows."""
-    from megarl.data import read_rows
-
     to_row = FORMATS[fmt]
     n = 0
     Path(dst).parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,18 @@
-"""`megarl train`: run the asynchronous RL loop from a config."""
+"""`megarl train` (and ``python -m megarl.train``): run the asynchronous RL loop from a config.
+
+A process a launcher started for a server role of a plan (``MEGARL_ROLE=engine``
+or ``dedicated``, megarl/launch/roles.py) runs the same command with the same
+config and serves that role instead of training.
+"""
 from __future__ import annotations
+
+import asyncio
+
+from megarl.config.loader import dump_yaml
+from megarl.errors import ConfigError
+from megarl.launch.roles import RoleEnv, current_role
+from megarl.rollout.base import engine_options
+from megarl.rollout.server import serve
 
 
 def register(sub) -> None:
@@ -16,26 +29,44 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from megarl.config.loader import describe, dump_yaml, load_config
+    # the loop's modules (torch, Megatron, the strategies) load only when the command runs, not for `megarl --help`
+    from megarl.builder import describe_config, load_run_config
+    from megarl.train import train
 
     if args.help_config:
-        print("\n".join(describe()))
+        print("\n".join(describe_config()))
         return 0
     overrides = list(args.overrides)
     if args.resume and args.output_dir:
-        from megarl.errors import ConfigError
-
         raise ConfigError("--resume RUN_DIR continues writing to RUN_DIR; drop --output-dir")
     if args.output_dir:
         overrides.append(f"logging.output_dir={args.output_dir}")
     if args.resume:
         overrides.append(f"logging.resume={args.resume}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_run_config(args.config, overrides)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
-    from megarl.train import train
-
+    role = current_role()
+    if role.role != "trainer":
+        serve_role(cfg, role)
+        return 0
     run_dir = train(cfg)
     print(f"run finished: {run_dir}")
     return 0
+
+
+def serve_role(cfg, role: RoleEnv) -> None:
+    """A process launched for a server role of a plan: a rollout engine, or the dedicated old-logit scorer."""
+    if role.role == "engine":
+        tp = {"tensor_parallel_size": role.server_tp} if role.server_tp > 1 else {}
+        if tp and cfg.rollout.backend != "vllm":
+            raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
+                              f"(the hf engine runs one worker); set placement.engine_tp=1")
+        resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
+        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
+                          dtype=cfg.model.dtype, **resources, **tp))
+        return
+    from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
+
+    serve_dedicated_role(cfg, role.server_port)

@@ -6,7 +6,10 @@ Exit code 0 when every strategy that claims exactness was measured exact
 """
 from __future__ import annotations
 
+import math
 import sys
+
+from megarl.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -18,23 +21,21 @@ def register(sub) -> None:
     p.add_argument("--output", default="report.json", help="where to write the JSON report")
     p.add_argument("--tol", type=float, default=None,
                    help="largest max abs error of an exact strategy's anchor, exit code 1 above it "
-                        "(default megarl.verify.DEFAULT_TOL = 1e-5)")
+                        "(default recovery.verifier.DEFAULT_TOL = 1e-5)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import math
-
-    from megarl.errors import ConfigError
-    from megarl.verify import DEFAULT_TOL, failures, verify
-    from recovery.registry import resolve_names
+    # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
+    from megarl.builder import strategy_names
+    from megarl.exactness import DEFAULT_TOL, failures, verify_recovery
 
     tol = DEFAULT_TOL if args.tol is None else args.tol
     if not (math.isfinite(tol) and tol >= 0):
         raise ConfigError(f"--tol={tol} must be a finite number >= 0")
-    chosen = resolve_names(args.strategies)
-    report = verify(args.config, chosen, args.steps, args.output, args.overrides, tol=tol)
+    chosen = strategy_names(args.strategies)
+    report = verify_recovery(args.config, chosen, args.steps, args.output, args.overrides, tol=tol)
     print(f"wrote {args.output}")
     failed = failures(report)
     for line in failed:

@@ -4,6 +4,11 @@ Precedence: overrides > YAML file > dataclass defaults. Unknown keys fail with
 the closest valid name; values of the wrong type fail naming the field and the
 expected type. Override values are parsed as YAML scalars (``3``, ``1e-3``,
 ``true``, ``null``, ``[0.9, 0.99]``).
+
+The ``recovery`` section is checked against ``strategies`` (strategy name ->
+its config dataclass), which the caller passes in: the strategies are plug-ins
+(the ``recovery`` package), and the one module that wires them in
+(megarl/builder.py, ``load_run_config``) hands over the registry's classes.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -23,8 +28,12 @@ from megarl.config.schema import MegaRLConfig, RecoveryConfig
 from megarl.errors import ConfigError
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MegaRLConfig:
-    """Resolve the config from a YAML file (optional) and dotted overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                strategies: Mapping[str, type]) -> MegaRLConfig:
+    """Resolve the config from a YAML file (optional) and dotted overrides.
+
+    ``strategies``: recovery strategy name -> its config dataclass (the options under ``recovery.<name>.*``).
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -46,7 +55,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except yaml.YAMLError:
             parsed = value
         _set_dotted(raw, key.strip(), parsed)
-    return build(MegaRLConfig, raw, prefix="")
+    return build(MegaRLConfig, raw, prefix="", strategies=strategies)
 
 
 def _expand_includes(raw: dict, base: Path) -> dict:
@@ -92,31 +101,28 @@ def _unknown(key: str, valid: list[str], prefix: str) -> ConfigError:
     return ConfigError(f"unknown config key {prefix}{key}; {hint}")
 
 
-def build(cls: type, raw: Any, prefix: str) -> Any:
+def build(cls: type, raw: Any, prefix: str, strategies: Mapping[str, type]) -> Any:
     """Build dataclass ``cls`` from a mapping, validating keys and types."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     if cls is RecoveryConfig:
-        return _build_recovery(raw, prefix)
+        return _build_recovery(raw, prefix, strategies)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
             raise _unknown(key, names, prefix)
-    kwargs = {k: coerce(v, hints[k], f"{prefix}{k}") for k, v in raw.items()}
+    kwargs = {k: coerce(v, hints[k], f"{prefix}{k}", strategies) for k, v in raw.items()}
     # nested sections not given are built too, so their own defaults are resolved the same way
     for f in dataclasses.fields(cls):
         if f.name not in kwargs and dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = coerce({}, hints[f.name], f"{prefix}{f.name}")
+            kwargs[f.name] = coerce({}, hints[f.name], f"{prefix}{f.name}", strategies)
     return cls(**kwargs)
 
 
-def _build_recovery(raw: dict, prefix: str) -> RecoveryConfig:
-    from recovery.registry import config_classes
-
-    classes = config_classes()
+def _build_recovery(raw: dict, prefix: str, classes: Mapping[str, type]) -> RecoveryConfig:
     name = raw.get("name", RecoveryConfig.name)
     if not isinstance(name, str) or name not in classes:
         raise ConfigError(f"{prefix}name={name!r} is not a recovery strategy; valid: {', '.join(sorted(classes))}")
@@ -126,7 +132,7 @@ def _build_recovery(raw: dict, prefix: str) -> RecoveryConfig:
             continue
         if key not in classes:
             raise _unknown(key, ["name", *sorted(classes)], prefix)
-        options[key] = build(classes[key], value, f"{prefix}{key}.")
+        options[key] = build(classes[key], value, f"{prefix}{key}.", classes)
     for strategy, ccls in classes.items():
         options.setdefault(strategy, ccls())
     return RecoveryConfig(name=name, options=options)
@@ -143,8 +149,11 @@ def _type_name(tp: Any) -> str:
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against type ``tp``; return it (ints widened to float where a float is expected)."""
+def coerce(value: Any, tp: Any, key: str, strategies: Mapping[str, type]) -> Any:
+    """Check ``value`` against type ``tp``; return it (ints widened to float where a float is expected).
+
+    ``strategies`` as for :func:`load_config` (reached when ``tp`` is or holds the recovery section).
+    """
     def bad() -> ConfigError:
         return ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
 
@@ -152,7 +161,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, f"{key}.")
+        return build(tp, value, f"{key}.", strategies)
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key}={value!r} is not allowed; choose one of {_type_name(tp)}")
@@ -167,7 +176,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return coerce(value, arg, key)
+                return coerce(value, arg, key, strategies)
             except ConfigError:
                 pass
         raise bad()
@@ -175,7 +184,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise bad()
         (item,) = typing.get_args(tp) or (Any,)
-        return [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, item, f"{key}[{i}]", strategies) for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise bad()
@@ -241,8 +250,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe(cls: type = MegaRLConfig, prefix: str = "") -> list[str]:
-    """One line per leaf field: dotted key, default and docstring (for --help-config)."""
+def describe(strategies: Mapping[str, type], cls: type = MegaRLConfig, prefix: str = "") -> list[str]:
+    """One line per leaf field: dotted key, default and docstring (for --help-config); ``strategies`` as
+    for :func:`load_config`."""
     lines: list[str] = []
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -250,13 +260,11 @@ def describe(cls: type = MegaRLConfig, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp) and tp is not RecoveryConfig:
-            lines += describe(tp, f"{prefix}{f.name}.")
+            lines += describe(strategies, tp, f"{prefix}{f.name}.")
         elif tp is RecoveryConfig:
-            from recovery.registry import config_classes
-
             lines.append(f"{prefix}{f.name}.name = {RecoveryConfig.name!r}  # {field_docs(RecoveryConfig)['name']}")
-            for sname, ccls in sorted(config_classes().items()):
-                lines += describe(ccls, f"{prefix}{f.name}.{sname}.")
+            for sname, ccls in sorted(strategies.items()):
+                lines += describe(strategies, ccls, f"{prefix}{f.name}.{sname}.")
         else:
             lines.append(f"{prefix}{f.name} = {getattr(defaults, f.name)!r}  # {docs.get(f.name, '')}")
     return lines

@@ -17,6 +17,7 @@ import socket
 from typing import MutableMapping
 
 from megarl.errors import ConfigError
+from megarl.rollout.client import free_port
 
 #: world size variables of Open MPI and of Hydra-based MPIs (MPICH, Intel MPI)
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -37,12 +38,6 @@ def under_mpi(env: MutableMapping[str, str] | None = None) -> bool:
     return _first(os.environ if env is None else env, _SIZE_VARS) is not None
 
 
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _from_env_only(env: MutableMapping[str, str]) -> dict[str, str]:
     """Without mpi4py: the launcher's own variables, and MASTER_ADDR/PORT exported by the user (mpirun -x)."""
     if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
@@ -59,7 +54,7 @@ def _from_env_only(env: MutableMapping[str, str]) -> dict[str, str]:
 
 
 def _from_mpi4py(env: MutableMapping[str, str], master_port: int | None) -> dict[str, str]:
-    from mpi4py import MPI
+    from mpi4py import MPI  # optional package (without it: the launcher's variables, _from_env_only)
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -94,7 +89,7 @@ def bootstrap_env_from_mpi(env: MutableMapping[str, str] | None = None, *,
     if ("RANK" in env and "WORLD_SIZE" in env) or not under_mpi(env):
         return None
     try:
-        import mpi4py  # noqa: F401
+        import mpi4py  # noqa: F401  (optional package)
     except ImportError:
         values = _from_env_only(env)
     else:

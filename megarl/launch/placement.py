@@ -14,13 +14,17 @@ controller itself (what ``megarl train`` does on one machine).
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from megarl.errors import ConfigError
 from megarl.launch.cluster import Allocation, compress_hosts
+from megarl.launch.role_commands import describe_plan, render
 from megarl.rollout.router import group_ranks
 
 DEFAULT_MASTER_PORT = 29500
@@ -118,13 +122,9 @@ class Plan:
     def commands(self, launcher: str = "torchrun", *, python: str | None = None,
                  bootstrap_check: bool = False) -> list:
         """The exact per-role commands for ``launcher`` (torchrun, slurm or mpirun): a list of RoleCommand."""
-        from megarl.launch.commands import render
-
         return render(self, launcher, python=python or sys.executable, bootstrap_check=bootstrap_check)
 
     def describe(self) -> str:
-        from megarl.launch.commands import describe_plan
-
         return describe_plan(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,10 +175,6 @@ def load_hf_config(cfg) -> tuple[dict, str]:
     ``model.checkpoint``/config.json when it exists here, else
     ``placement.model_config``, else ``model.init_model`` (tiny random models).
     """
-    import json
-
-    import yaml
-
     ckpt = Path(cfg.model.checkpoint) / "config.json" if cfg.model.checkpoint else None
     if ckpt is not None and ckpt.is_file():
         return json.loads(ckpt.read_text()), str(ckpt)
@@ -194,7 +190,7 @@ def load_hf_config(cfg) -> tuple[dict, str]:
 
 # -- checks ----------------------------------------------------------------------------------------
 def _check_trainer_model(hf: dict, tp: int, pp: int, ep: int, world: int, what: str) -> None:
-    from megarl.models.hf_config import validate_parallel
+    from megarl.models.hf_config import validate_parallel  # imports torch: the launch package stays light
 
     try:
         validate_parallel(hf, tp, pp, ep, world)

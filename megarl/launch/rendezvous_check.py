@@ -13,14 +13,14 @@ import os
 import socket
 import sys
 
+import torch
+import torch.distributed as dist
+
+from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
+
 
 def main() -> int:
-    from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
-
     bootstrapped = bootstrap_env_from_mpi() is not None
-    import torch
-    import torch.distributed as dist
-
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

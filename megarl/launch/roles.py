@@ -1,6 +1,6 @@
 """What a process launched from a plan is: its role and the addresses it needs (the MEGARL_* variables).
 
-:mod:`megarl.launch.commands` sets these variables in front of every role's
+:mod:`megarl.launch.role_commands` sets these variables in front of every role's
 ``python -m megarl.train``; the entry point reads them back with
 :func:`current_role`. A process with none of them (plain ``megarl train``)
 is the trainer that spawns its engines itself.

@@ -1,5 +1,9 @@
-"""The policy loss shared by every old-logit recovery strategy (docs/design.md §3)."""
-from megarl.losses.config import PolicyLossConfig
-from megarl.losses.policy import loss_normalizer, normalizer_needs_anchor, policy_loss
+"""The policy loss shared by every old-logit recovery strategy (docs/design.md §3).
 
-__all__ = ["PolicyLossConfig", "loss_normalizer", "normalizer_needs_anchor", "policy_loss"]
+The formula is in :mod:`megarl.losses.policy` (torch), its settings in
+:mod:`megarl.losses.config`, which the config schema imports: this package
+itself stays free of torch.
+"""
+from megarl.losses.config import PolicyLossConfig
+
+__all__ = ["PolicyLossConfig"]

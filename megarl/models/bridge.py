@@ -43,9 +43,16 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from megarl.errors import CheckpointError
 from megarl.models.hf_config import is_moe, num_experts
+from megarl.trainer.parallel import global_rank
+
+# mbridge and megatron.core are imported inside the functions that use them: megatron may be imported
+# only after megarl.platform.prepare_megatron() (called when the trainer sets up its parallel groups).
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -162,8 +169,6 @@ class HFWeights:
         self._files: dict[str, object] = {}
 
     def _open(self, path: Path):
-        from safetensors import safe_open
-
         if not path.is_file():
             raise CheckpointError(f"{path}: file is missing (listed in {self.dir / 'model.safetensors.index.json'})")
         try:
@@ -236,7 +241,6 @@ def export_hf_weights(model_chunks, hf: dict, config=None) -> Iterator[tuple[str
     one parameter at a time (peak extra memory: one full parameter).
     With tied embeddings the last stage's ``output_layer`` copy is not yielded.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     r = _ranks()
@@ -265,8 +269,6 @@ def export_hf_weights(model_chunks, hf: dict, config=None) -> Iterator[tuple[str
 
 
 def _gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
     if size == 1:
         return [tensor]
     parts = [torch.empty_like(tensor) for _ in range(size)]
@@ -303,9 +305,7 @@ def save_hf_checkpoint(model_chunks, out_dir: str | os.PathLike, hf: dict, confi
     file (fine for the models megarl runs on CPU; shard for large ones).
     Returns the directory on the writing rank, None on the others.
     """
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     tensors = {}
     for name, tensor in export_hf_weights(model_chunks, hf, config):
         if rank == 0:  # the others only take part in the gathers
@@ -320,8 +320,6 @@ def save_hf_checkpoint(model_chunks, out_dir: str | os.PathLike, hf: dict, confi
 def write_hf_checkpoint(tensors: dict, out_dir: str | os.PathLike, hf: dict) -> Path:
     """``model.safetensors`` (written to a temp name, then renamed) and then ``config.json``: a
     directory with config.json is complete (the checkpointer relies on that)."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"

@@ -3,13 +3,15 @@
 Layer spec: TransformerEngine's when both CUDA and TE are present (TE is
 imported only inside that branch), megatron's local (pure torch) spec
 otherwise. Requires megatron parallel_state to be initialized
-(megarl.trainer.parallel.init_parallel).
+(megarl.trainer.parallel.init_parallel), which also runs prepare_megatron():
+megatron is imported inside the functions, after that.
 """
 from __future__ import annotations
 
 import torch
 
 from megarl.models.hf_config import gpt_model_kwargs_from_hf
+from megarl.models.sp_norm import allow_sequence_parallel
 from megarl.platform import have_transformer_engine
 
 
@@ -20,16 +22,14 @@ def use_transformer_engine() -> bool:
 
 def layer_spec(config, *, vp_stage: int | None = None):
     """Decoder block spec for this pipeline stage (only its layers), local or TE."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # megatron: module doc
 
     if use_transformer_engine():
-        import transformer_engine  # noqa: F401  (fails loudly here, not inside megatron)
+        import transformer_engine  # noqa: F401  (GPU-only; fails loudly here, not inside megatron)
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
     if config.sequence_parallel:
-        from megarl.models.sp_norm import allow_sequence_parallel
-
         spec = allow_sequence_parallel(spec)
     return spec
 
@@ -42,7 +42,7 @@ def build_gpt_model(hf: dict, config, temperature: float = 1.0):
     With ``temperature`` != 1 the per-token cross entropy the model returns for
     ``labels`` is that of softmax(logits / temperature) (:func:`divide_logits`).
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel  # megatron: module doc
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
@@ -56,8 +56,6 @@ def build_gpt_model(hf: dict, config, temperature: float = 1.0):
         **gpt_model_kwargs_from_hf(hf),
     )
     # megatron's optimizer expects every parameter to carry TP attributes
-    from megatron.core import tensor_parallel
-
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     if temperature != 1.0:

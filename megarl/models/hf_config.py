@@ -105,7 +105,7 @@ def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 
     ``SequentialMLP`` per layer (``moe_grouped_gemm=False``: grouped GEMM needs
     TransformerEngine / CUDA). No load-balancing loss (RL fine-tuning).
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # megatron: after prepare_megatron()
 
     _check_supported(hf)
     moe: dict[str, Any] = {}

@@ -43,6 +43,7 @@ def allow_sequence_parallel(spec):
 
     Walks ModuleSpecs, submodule dataclasses and lists; returns new objects where something changed.
     """
+    # megatron: imported after prepare_megatron(), by the trainer building its model
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from megarl.errors import ConfigError
+from megarl.models.tiny_tokenizer import TinyTokenizer
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -35,7 +36,7 @@ def load_model_yaml(path: str | Path) -> dict:
 
 def write_tiny_checkpoint(model_yaml: str | Path, output_dir: str | Path, seed: int = 0) -> Path:
     """Write a random-initialized fp32 HF checkpoint (config.json + model.safetensors) to ``output_dir``."""
-    import torch
+    import torch  # lazy: heavy, this module also serves light callers (load_model_yaml)
     import transformers
 
     fields = load_model_yaml(model_yaml)
@@ -47,8 +48,6 @@ def write_tiny_checkpoint(model_yaml: str | Path, output_dir: str | Path, seed: 
     out = Path(output_dir)
     tokenizer = None
     if tokenizer_section is not None:  # the tokenizer decides the special ids config.json names
-        from megarl.models.tiny_tokenizer import TinyTokenizer
-
         tokenizer = TinyTokenizer(tokenizer_section, cfg_fields, where=str(model_yaml))
         cfg_fields.update(tokenizer.config_ids())
     config = config_cls(**cfg_fields)

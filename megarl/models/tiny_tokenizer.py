@@ -96,6 +96,7 @@ def _spec(section: Any, where: str) -> dict[str, Any]:
 
 def build_tokenizer(section: dict[str, Any], where: str = "model YAML"):
     """A ``transformers`` fast tokenizer for ``section`` (module docstring)."""
+    # lazy: transformers is heavy, and the YAML checks above need neither package
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

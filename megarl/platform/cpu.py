@@ -72,7 +72,7 @@ def block_broken_transformer_engine() -> None:
     if "transformer_engine" in sys.modules:
         return
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  (GPU-only package: probed, never required)
     except ImportError:
         pass
     except (RuntimeError, OSError):
@@ -111,7 +111,7 @@ def _patch_device_strings() -> None:
     # called function up in that cached set. Computed after wrapping, the set
     # holds our wrappers, torch.arange is no longer recognized, and HF's RoPE
     # inv_freq comes out wrong (logits off by 0.2-0.3).
-    from torch.utils._device import _device_constructors
+    from torch.utils._device import _device_constructors  # private torch API: touched only on the CPU path
 
     _device_constructors()
     for name in _FACTORIES:
@@ -145,7 +145,7 @@ def seed_model_parallel_rng(seed: int) -> None:
     The inference tracker's ``fork()`` is a no-op: with dropout 0 and weights
     loaded from a checkpoint, megarl draws nothing from the per-group streams.
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # megatron: imported after the patches are applied
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
@@ -181,7 +181,7 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
 
 
 def _patch_type_asserts() -> None:
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer  # megatron: patched here
 
     for mod in (clip_grads, optimizer):  # optimizer.py imported the function by name
         ORIGINALS[f"{mod.__name__}.clip_grad_by_total_norm_fp32"] = mod.clip_grad_by_total_norm_fp32
@@ -263,7 +263,7 @@ def _patch_moe() -> None:
         ORIGINALS[f"torch.cuda.{name}"] = getattr(torch.cuda, name)
         setattr(torch.cuda, name, value)
 
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # megatron: patched here
 
     for mod in (moe_utils, token_dispatcher):
         ORIGINALS[f"{mod.__name__}.maybe_move_tensor_to_cpu"] = mod.maybe_move_tensor_to_cpu

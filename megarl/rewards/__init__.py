@@ -93,12 +93,3 @@ def reward_kwargs(fn: Callable[..., Any], name: str) -> tuple[str, ...] | None:
                           f"**info) -> float, where info keys are {list(REWARD_INFO_KEYS)} "
                           f"(megarl.rewards docstring)") from None
     return takes
-
-
-def __getattr__(name: str) -> Any:
-    # the service pulls in asyncio/multiprocessing; reward workers do not need it
-    if name in ("RewardService", "RewardOutcome"):
-        from megarl.rewards import service
-
-        return getattr(service, name)
-    raise AttributeError(f"module 'megarl.rewards' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""The rollout engine interface, shared by the vLLM and HF backends, the HTTP client and the router.
+"""The rollout engine interface, shared by the vLLM and HF backends, the HTTP client and the router
+(:class:`Engine`), and the router interface the loop drives (:class:`RouterProtocol`).
 
 Semantics every implementation keeps:
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from megarl.errors import ConfigError, InputError
+from megarl.errors import ConfigError, EngineError, InputError
 from megarl.types import GenerateRequest, GenerateResult
 
 BACKENDS = ("vllm", "hf")
@@ -76,6 +77,24 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release the engine (processes, memory)."""
+
+
+@runtime_checkable
+class RouterProtocol(Engine, Protocol):
+    """Several engines behind one :class:`Engine`, as the loop drives them (EngineSupervisor, EngineRouter).
+
+    A request whose engine died raises :class:`~megarl.rollout.supervisor.EngineLost`; the caller waits
+    with :meth:`wait_available` and sends it again.
+    """
+
+    #: set when no engine is left and none will come back (the run cannot go on); None otherwise
+    failure: EngineError | None
+
+    async def wait_available(self) -> None:
+        """Return once an engine can take a request; raise ``failure`` when none will."""
+
+    def stats(self) -> dict[str, int]:
+        """Per-run totals for the step record (engine failures, restarts, live engines)."""
 
 
 def effective_max_new_tokens(req: GenerateRequest, max_model_len: int) -> int:
@@ -138,15 +157,3 @@ def resources_note(health: dict) -> str:
         parts.append(f"{health['cpu_threads']} CPU thread(s)")
     return "".join(f", {p}" for p in parts)
 
-
-async def make_engine(backend: str, checkpoint: str, **options) -> Engine:
-    """Build an in-process engine; ``options`` go to the backend's ``create``."""
-    if backend == "vllm":
-        from megarl.rollout.vllm_engine import VLLMEngine
-
-        return await VLLMEngine.create(checkpoint, **options)
-    if backend == "hf":
-        from megarl.rollout.hf_engine import HFEngine
-
-        return await HFEngine.create(checkpoint, **options)
-    raise ConfigError(f"unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -20,11 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from megarl.errors import EngineError, InputError
 from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
                                         safetensors_files, tied_optional_names)
+from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -63,7 +65,7 @@ def resolve_device(device: str) -> str:
 
 def _load_model(checkpoint: str | Path, device: str, dtype: str = "float32"):
     """The checkpoint as a transformers model in ``dtype`` (the loader casts whatever dtype is stored)."""
-    import transformers
+    import transformers  # lazy: heavy, loaded only when an HF engine is built
 
     with _LOAD_LOCK:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype))
@@ -207,10 +209,6 @@ class HFEngine:
             await self._paused_update(self._load_from_dir, str(path), version=version)
 
     def _receive(self, group_info: dict, keep: bool) -> None:
-        from safetensors.torch import save_file
-
-        from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
-
         key = tuple(group_info.get(k) for k in ("host", "port", "rank", "world_size", "backend", "group_id"))
         if self._group is None or self._group[0] != key:
             self._group = (key, *join_weight_group(group_info))

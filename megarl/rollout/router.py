@@ -1,4 +1,8 @@
-"""Several engines behind one :class:`~megarl.rollout.base.Engine`: least-loaded routing and fan-out."""
+"""Several engines behind one :class:`~megarl.rollout.base.Engine`: least-loaded routing and fan-out.
+
+:class:`EngineRouter` is the unsupervised :class:`~megarl.rollout.base.RouterProtocol`; the loop runs
+with its supervised counterpart, :class:`~megarl.rollout.supervisor.EngineSupervisor`.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +35,14 @@ class EngineRouter:
             raise EngineError("EngineRouter needs at least one engine")
         self.engines = list(engines)
         self.in_flight = [0] * len(self.engines)
+        #: never set: without supervision an engine's error reaches the caller as it is
+        self.failure: EngineError | None = None
+
+    async def wait_available(self) -> None:
+        """Every engine counts as available: nothing here restarts or drops one."""
+
+    def stats(self) -> dict[str, int]:
+        return {"n_engines_live": len(self.engines)}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         i = min(range(len(self.engines)), key=lambda j: self.in_flight[j])

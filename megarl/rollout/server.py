@@ -32,7 +32,8 @@ import time
 from aiohttp import web
 
 from megarl.errors import EngineError, InputError, MegarlError
-from megarl.rollout.base import make_engine, resources_note
+from megarl.rollout.backends import make_engine
+from megarl.rollout.base import resources_note
 from megarl.types import GenerateRequest
 
 
@@ -86,10 +87,10 @@ def build_app(engine) -> web.Application:
         except Exception as e:
             return _error(e)
 
-    def simple(method):
+    def simple(call):
         async def handler(request: web.Request) -> web.Response:
             try:
-                await getattr(engine, method)()
+                await call()
                 return web.json_response({"ok": True})
             except Exception as e:
                 return _error(e)
@@ -106,8 +107,8 @@ def build_app(engine) -> web.Application:
 
     app = web.Application(client_max_size=64 << 20)
     app.add_routes([web.post("/generate", generate), web.post("/update_weights", update_weights),
-                    web.post("/abort_all", simple("abort_all")), web.post("/pause", simple("pause")),
-                    web.post("/resume", simple("resume")), web.get("/version", version),
+                    web.post("/abort_all", simple(engine.abort_all)), web.post("/pause", simple(engine.pause)),
+                    web.post("/resume", simple(engine.resume)), web.get("/version", version),
                     web.get("/health", health)])
     return app
 
@@ -164,8 +165,9 @@ async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: in
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()
-        resources = resources_note(await engine.health())  # the KV cache and threads it was given
-        print(f"megarl engine ({backend}, {getattr(engine, 'dtype', '?')}) serving {checkpoint} on "
+        health = await engine.health()
+        resources = resources_note(health)  # the KV cache and threads it was given
+        print(f"megarl engine ({backend}, {health.get('dtype', '?')}) serving {checkpoint} on "
               f"http://{host}:{port} (started in {time.perf_counter() - t0:.1f} s{resources})", file=sys.stderr,
               flush=True)
         stop = asyncio.Event()

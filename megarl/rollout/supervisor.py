@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megarl.errors import EngineError
+from megarl.rollout.client import stop_engine_process
 from megarl.rollout.router import group_ranks
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -82,10 +83,8 @@ class EngineSupervisor:
         self.health_timeout_s = health_timeout_s
         self.max_restarts = max_restarts
         self.work_dir = Path(work_dir) if work_dir else None
-        if stop is None:
-            from megarl.rollout.client import stop_engine_process as stop
         #: stop(proc, timeout_s): ends an engine process and its children
-        self.stop = stop
+        self.stop = stop or stop_engine_process
         #: set when no engine is left; wait_available raises it
         self.failure: EngineError | None = None
         self.n_failures = 0

@@ -28,6 +28,7 @@ Choices that matter for RL, and why:
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -39,6 +40,9 @@ from megarl.rollout.base import check_request, effective_max_new_tokens, resolve
 from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
                                         tied_optional_names)
 from megarl.types import GenerateRequest, GenerateResult
+
+# vLLM is imported inside the methods that use it: this module is named by `megarl engine --backend vllm`
+# and must import (and fail with a clear message) where vLLM is not installed.
 
 #: tokens one scheduler step may process on a CPU engine (vLLM's default budget)
 _CPU_STEP_TOKENS = 2048
@@ -89,6 +93,12 @@ class VLLMEngine:
         self._update_lock = None  # created on first use, inside the serving event loop
         self.last_update_s: float | None = None
         self.n_workers = 1  # vLLM workers (tensor-parallel ranks); each joins a broadcast group
+        #: the weight dtype vLLM resolved ("float32", "bfloat16", ...); set by create
+        self.dtype: str | None = None
+        #: the KV cache vLLM was configured with (GiB; None when vLLM sizes it from a memory fraction)
+        self.kv_cache_gb: float | None = None
+        #: OMP_NUM_THREADS of vLLM's processes (None: inherited)
+        self.cpu_threads: int | None = None
 
     @classmethod
     async def create(cls, checkpoint: str, *, seed: int = 0, initial_version: int = 0, dtype: str | None = None,
@@ -144,13 +154,10 @@ class VLLMEngine:
         except Exception as e:
             raise EngineError(f"vLLM engine for {checkpoint} failed to start: {type(e).__name__}: {e}") from e
         engine = cls(llm, str(checkpoint), config, initial_version)
-        #: the weight dtype vLLM resolved ("float32", "bfloat16", ...)
         engine.dtype = str(getattr(getattr(llm, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
         engine.n_workers = tensor_parallel_size
         kv_bytes = llm.vllm_config.cache_config.kv_cache_memory_bytes
-        #: the KV cache vLLM was configured with (GiB; None when vLLM sizes it from a memory fraction)
         engine.kv_cache_gb = kv_bytes / 2**30 if kv_bytes else None
-        #: OMP_NUM_THREADS of vLLM's processes (None: inherited)
         engine.cpu_threads = int(child_env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in child_env else None
         await llm.update_weight_version(str(initial_version))
         return engine
@@ -216,8 +223,6 @@ class VLLMEngine:
 
     # -- weight updates ------------------------------------------------------------------------
     def _lock(self):
-        import asyncio
-
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         return self._update_lock
@@ -267,12 +272,12 @@ class VLLMEngine:
         return self._version
 
     async def health(self) -> dict:
-        return {"ok": not self.llm.errored, "backend": self.backend, "dtype": getattr(self, "dtype", None),
+        return {"ok": not self.llm.errored, "backend": self.backend, "dtype": self.dtype,
                 "version": self._version,
                 "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
                 "max_model_len": self.max_model_len, "paused": self._user_paused,
                 "last_update_s": self.last_update_s, "n_workers": self.n_workers,
-                "kv_cache_gb": getattr(self, "kv_cache_gb", None), "cpu_threads": getattr(self, "cpu_threads", None)}
+                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads}
 
     async def pause(self) -> None:
         self._user_paused = True

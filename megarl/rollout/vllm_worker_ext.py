@@ -10,20 +10,25 @@ Why not ``model.load_weights`` directly: on CPU the linear layers repack
 their weights after loading and leave ``weight`` empty, so a direct load
 fails half-way. ``model_runner.reload_weights`` restores the checkpoint
 layout, loads, and re-runs each layer's post-load processing.
+
+vLLM is imported inside the methods: this module is loaded by vLLM's workers,
+which have it, but it must stay importable without vLLM (a GPU machine may
+lack the wheel, and the module is named in megarl's own code).
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+from safetensors import safe_open
+
+from megarl.rollout.weight_spec import safetensors_files
+from megarl.rollout.weight_sync import receive_named_tensors
 
 
 def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    from megarl.rollout.weight_spec import safetensors_files
-
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -32,7 +37,7 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _tp_rank() -> int:
     """This worker's rank in the engine's vLLM tensor-parallel group (0 without TP)."""
-    from vllm.distributed import parallel_state
+    from vllm.distributed import parallel_state  # vLLM: module doc
 
     if not parallel_state.model_parallel_is_initialized():
         return 0
@@ -42,6 +47,9 @@ def _tp_rank() -> int:
 class MegarlWorkerExtension:
     """Weight updates from disk or from a trainer broadcast (see megarl.rollout.weight_sync)."""
 
+    #: (key, group, device) of the trainer's broadcast group this worker joined (None: none yet)
+    _megarl_pg: tuple | None = None
+
     def megarl_load_from_disk(self, path: str) -> int:
         """Reload every tensor of the safetensors checkpoint at ``path``; returns how many."""
         if not Path(path).is_dir():
@@ -50,8 +58,6 @@ class MegarlWorkerExtension:
 
     def megarl_load_from_broadcast(self, group_info: dict, drain_only: bool = False) -> int:
         """Receive the trainer's broadcast and load it (or only drain it, when the update was refused)."""
-        from megarl.rollout.weight_sync import receive_named_tensors
-
         pg, device = self._megarl_group(group_info)
         stream = receive_named_tensors(pg, device)
         if drain_only:
@@ -66,12 +72,11 @@ class MegarlWorkerExtension:
         parallelism k has k workers, and worker t joins as that rank + t (every worker
         receives the full tensors and its own ``load_weights`` keeps its shard).
         """
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-        from datetime import timedelta
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # vLLM: module doc
 
         key = (group_info["host"], int(group_info["port"]), int(group_info["rank"]) + _tp_rank(),
                int(group_info["world_size"]), group_info.get("backend", "gloo"), group_info.get("group_id"))
-        cached = getattr(self, "_megarl_pg", None)
+        cached = self._megarl_pg
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
         backend = key[4]
@@ -83,7 +88,7 @@ class MegarlWorkerExtension:
         return pg, device
 
     def _megarl_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # vLLM: module doc
 
         count = [0]
 
@@ -112,7 +117,7 @@ class MegarlWorkerExtension:
         Both steps are idempotent and no-ops where nothing is packed (GPU).
         Guarded by tests/e2e/test_vllm_engine.py (dense tied, MoE untied).
         """
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # vLLM
 
         for module in self.model_runner.get_model().modules():
             method = getattr(module, "quant_method", None)

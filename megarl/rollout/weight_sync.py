@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+from safetensors.torch import save_file
+from torch._C._distributed_c10d import ProcessGroup
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from megarl.errors import EngineError
 from megarl.rollout.weight_spec import dtype_name
@@ -43,20 +47,15 @@ def _tcp_prefix(host: str, port: int) -> str:
 
 def _make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
     """A process group outside torch.distributed's global state (the trainer has its own)."""
-    from torch.distributed import PrefixStore, TCPStore
-    from torch._C._distributed_c10d import ProcessGroup
-
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
     prefix_store = PrefixStore(_tcp_prefix(host, port), store)
     pg = ProcessGroup(prefix_store, rank, world_size)
     if backend == "gloo":
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
-
         impl = ProcessGroupGloo(prefix_store, rank, world_size, timeout=timeout)
         backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
     elif backend == "nccl":  # GPU machines: same seam, device tensors
-        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL  # absent from CPU-only torch builds
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -191,8 +190,6 @@ def save_for_engines(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir:
     Shards are written under temporary names and renamed at the end, so an
     engine never reads a half-written update.
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -45,10 +45,18 @@ import math
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from megarl.errors import ConfigError, InputError
+from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
+from megarl.models.build import build_gpt_model
+from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
-from megarl.trainer.parallel import comm_device
+from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
+from megarl.trainer.state import load_trainer_state, save_trainer_state
+
+# megatron.core is imported inside the methods that use it: only after init_parallel() has run
+# megarl.platform.prepare_megatron() (the CPU adaptations and the TransformerEngine guard come first).
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +75,6 @@ class MegatronTrainer:
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
                  sequence_parallel: bool = False, temperature: float = 1.0):
-        from megarl.models.bridge import load_hf_weights, read_hf_config
-        from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
-        from megarl.trainer.parallel import init_distributed, init_parallel
-
         if lr_decay not in LR_DECAY_STYLES:
             raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if lr_decay in ("linear", "cosine") and not total_steps:
@@ -82,8 +86,6 @@ class MegatronTrainer:
         if not temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {temperature} (greedy sampling reports raw "
                               f"log-probs: score those with temperature 1)")
-        import torch.distributed as dist
-
         self.checkpoint_dir = str(checkpoint_dir)
         self.hf_config = read_hf_config(checkpoint_dir)
         init_distributed()  # the world size is needed to validate the layout before megatron builds groups
@@ -117,7 +119,6 @@ class MegatronTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        from megarl.models.build import build_gpt_model
 
         gpt = build_gpt_model(self.hf_config, self.config, self.temperature)
         if self.config.bf16:
@@ -207,7 +208,6 @@ class MegatronTrainer:
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:
         """log p(tokens[t+1] | tokens[..t]) as [B, L-1] fp32 on CPU, on every rank (0 past each row's end)."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         self._check_batch(batch)
@@ -241,8 +241,6 @@ class MegatronTrainer:
         loss or the gradient norm was not finite; ``skipped_nonfinite_loss`` /
         ``skipped_nonfinite_grad_norm`` and ``self.last_skip_reason`` say which).
         """
-        import torch.distributed as dist
-
         self._check_batch(batch)
         self._ensure_optimizer()
         normalizer = {"n_valid_tokens": float(batch.loss_mask.sum()), "n_seqs": float(batch.size)}
@@ -303,7 +301,6 @@ class MegatronTrainer:
 
     def _reduce_metrics(self, outputs: list) -> tuple[dict[str, float], float]:
         """Mean of each metric over all real micro-batches of all DP ranks; sum of losses."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         sums: dict[str, list[float]] = {}
@@ -340,8 +337,6 @@ class MegatronTrainer:
     def save_state(self, out_dir: str) -> str:
         """This rank's model, optimizer, scheduler, version and RNG as ``out_dir/rank{r}.pt``
         (megarl/trainer/state.py); every rank calls it (not a collective)."""
-        from megarl.trainer.state import save_trainer_state
-
         return save_trainer_state(self, out_dir)
 
     def _layout(self) -> dict:
@@ -352,8 +347,6 @@ class MegatronTrainer:
     def load_state(self, in_dir: str) -> None:
         """Inverse of :meth:`save_state` (megarl/trainer/state.py); CheckpointError names the file
         when it is missing or does not fit this trainer."""
-        from megarl.trainer.state import load_trainer_state
-
         load_trainer_state(self, in_dir)
 
     # -- weights ------------------------------------------------------------------------
@@ -400,16 +393,17 @@ class MegatronTrainer:
         finally:
             self._copy_in(saved)
 
+    def load_hf_checkpoint(self, ckpt_dir: str) -> None:
+        """Load the weights of an HF checkpoint (as :meth:`save_hf_checkpoint` writes) into this rank's shards;
+        the optimizer is left as it is (a scorer of old versions has none)."""
+        load_hf_weights(self.model, ckpt_dir, self.hf_config, self.config)
+
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (HF name, full tensor); a collective every rank must consume (see bridge.export_hf_weights)."""
-        from megarl.models.bridge import export_hf_weights
-
         return export_hf_weights(self.model, self.hf_config, self.config)
 
     def save_hf_checkpoint(self, out_dir: str):
         """Write an HF checkpoint (config.json + model.safetensors) of the current weights; rank 0 writes."""
-        from megarl.models.bridge import save_hf_checkpoint
-
         return save_hf_checkpoint(self.model, out_dir, self.exported_hf_config(), self.config)
 
     def exported_hf_config(self) -> dict:

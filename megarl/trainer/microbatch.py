@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from megarl.trainer.parallel import comm_device
 
 
 @dataclass
@@ -55,10 +58,7 @@ def plan_microbatches(batch, dp_rank: int, dp: int, budget: int,
         mbs.append(MicroBatch(rows=g, tokens=sub.tokens, batch=sub))
     count = len(mbs)
     if dp > 1:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from megarl.trainer.parallel import comm_device
+        from megatron.core import parallel_state as ps  # megatron: after prepare_megatron() (the trainer's)
 
         n = torch.tensor([count], dtype=torch.long, device=comm_device())
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())

@@ -12,8 +12,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.platform import prepare_megatron
+from megarl.platform.cpu import seed_model_parallel_rng
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,13 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def global_rank() -> int:
+    """This process's rank in the default process group; 0 when there is none (a plain process)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def init_distributed() -> None:
     """Initialize the default process group once (env:// under torchrun, else a world of one)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -56,12 +62,20 @@ def init_distributed() -> None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def init_ranks() -> tuple[int, int]:
+    """(rank, world size) of the trainer ranks; a plain process is rank 0 of 1 (no process group yet)."""
+    bootstrap_env_from_mpi()  # under mpirun: RANK/WORLD_SIZE/MASTER_* from MPI (no-op otherwise)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    init_distributed()
+    return dist.get_rank(), dist.get_world_size()
+
+
 def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> ParallelInfo:
     """Set up torch.distributed and megatron's TP/PP/EP groups; seed megatron's RNG trackers."""
-    import torch.distributed as dist
-
     prepare_megatron()
     init_distributed()
+    # megatron: imported only after prepare_megatron() made it safe here (its CPU patches, TE)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -77,8 +91,6 @@ def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Pa
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        from megarl.platform.cpu import seed_model_parallel_rng
-
         seed_model_parallel_rng(seed)
     return ParallelInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep,
@@ -88,8 +100,7 @@ def init_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Pa
 
 def shutdown() -> None:
     """Tear down megatron's groups and the default process group (end of a command)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron: after prepare_megatron()
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint import load_rank_state, save_rank_state
+from megarl.errors import CheckpointError, MegarlError
 from megarl.types import AnchorResult, Trajectory, TrainBatch
 
 #: a trajectory's per-token lists; an append extends them one after the other
@@ -56,6 +58,22 @@ def frozen_copy(traj: Trajectory) -> Trajectory:
     for k in keys:
         d[k] = d[k][:n]
     return Trajectory.from_dict(d)
+
+
+def share_go(world: int, *, run_dir: str = "", error: str = "") -> None:
+    """Rank 0: tell the other trainer ranks that the run starts in ``run_dir``, or why it does not (``error``)."""
+    if world > 1:
+        dist.broadcast_object_list([run_dir, error], src=0)
+
+
+def receive_go() -> str:
+    """A follower: rank 0's run directory once its checks passed; MegarlError with its reason when they failed."""
+    box: list[Any] = [None, None]
+    dist.broadcast_object_list(box, src=0)
+    run_dir, error = box
+    if error:
+        raise MegarlError(f"rank 0 refused the run: {error}")
+    return run_dir
 
 
 class ControlChannel:
@@ -100,7 +118,7 @@ class DrivingStrategy:
         self.channel = channel
         self.exact = inner.exact
         self.name = inner.name
-        self._uses_live = getattr(inner, "uses_live_trajectories", True)
+        self._uses_live = inner.uses_live_trajectories
         self._pending: list[tuple] = []
         self._pending_lock = threading.Lock()
 
@@ -182,7 +200,11 @@ class DrivingStrategy:
 
 
 class DrivingTrainer:
-    """Rank 0's view of the trainer: collective calls are announced to the followers first."""
+    """Rank 0's view of the trainer (a TrainerProtocol): collective calls are announced to the followers first.
+
+    Recovery strategies score with rank 0's own trainer (``trainer``), never through this view: their
+    forwards reach the followers as replayed hooks.
+    """
 
     def __init__(self, trainer, channel: ControlChannel) -> None:
         self.trainer = trainer
@@ -191,6 +213,13 @@ class DrivingTrainer:
     @property
     def version(self) -> int:
         return self.trainer.version
+
+    @property
+    def last_skip_reason(self) -> str | None:
+        return self.trainer.last_skip_reason
+
+    def exported_hf_config(self) -> dict:
+        return self.trainer.exported_hf_config()
 
     def train_step(self, batch: TrainBatch, loss_fn) -> dict:
         with self.channel.lock:
@@ -210,16 +239,12 @@ class DrivingTrainer:
 
     def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
         """Every rank writes its trainer and strategy state into ``step_dir``; returns once all have."""
-        from megarl.checkpoint import save_rank_state
-
         with self.channel.lock:
             self.channel.send(("save_state", step_dir))
             _run_on_all(self.channel, lambda: save_rank_state(step_dir, self.trainer, strategy_state))
 
     def load_rank_states(self, step_dir: str, strategy) -> None:
         """Every rank loads its trainer and strategy state from ``step_dir``."""
-        from megarl.checkpoint import load_rank_state
-
         with self.channel.lock:
             self.channel.send(("load_state", step_dir))
             _run_on_all(self.channel, lambda: load_rank_state(step_dir, self.trainer, strategy))
@@ -228,14 +253,9 @@ class DrivingTrainer:
         with self.channel.lock:
             self.channel.send(("stop",))
 
-    def __getattr__(self, name: str):
-        return getattr(self.trainer, name)
-
 
 def _run_on_all(channel: ControlChannel, fn) -> None:
     """Run ``fn`` on this rank, then compare outcomes with every rank; rank 0 raises any rank's error."""
-    from megarl.errors import CheckpointError, MegarlError
-
     error = None
     try:
         fn()
@@ -302,12 +322,8 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             for _ in trainer.export_hf_weights():
                 pass
         elif kind == "save_state":
-            from megarl.checkpoint import save_rank_state
-
             _run_on_all(channel, lambda: save_rank_state(event[1], trainer, strategy.state_dict()))
         elif kind == "load_state":
-            from megarl.checkpoint import load_rank_state
-
             _run_on_all(channel, lambda: load_rank_state(event[1], trainer, strategy))
         elif kind == "stop":
             return

@@ -30,6 +30,8 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from megarl.rewards import resolve_reward_fn, reward_kwargs
+
 
 def _address_space_bytes() -> int:
     """Current virtual memory size (what RLIMIT_AS limits); 0 where /proc is missing."""
@@ -53,8 +55,6 @@ def _die_with_parent() -> None:
 
 
 def _reward_handler(name: str) -> Callable[[tuple], float]:
-    from megarl.rewards import resolve_reward_fn, reward_kwargs
-
     fn = resolve_reward_fn(name)
     takes = reward_kwargs(fn, name)  # None: every info key
 
@@ -69,8 +69,6 @@ def _reward_handler(name: str) -> Callable[[tuple], float]:
 
 
 def _tool_handler(paths: dict[str, str]) -> Callable[[tuple], str]:
-    from megarl.rewards import resolve_reward_fn
-
     tools = {name: resolve_reward_fn(path) for name, path in paths.items()}
 
     def handle(request: tuple) -> str:

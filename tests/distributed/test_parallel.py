@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.rollout.client import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "run_parallel.py"
 TWO_RANK_MODES = {"tp2": "single_dense", "tp2_sp": "single_dense", "tp2_moe": "single_moe",
                   "pp2": "single_dense", "dp2": "single_dense", "ep2": "single_moe"}
 TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], timeout: int) -> None:
@@ -46,7 +41,7 @@ def results(tmp_path_factory) -> Path:
     out = root / "out"
     args = ["--dense", str(dense), "--moe", str(moe), "--out", str(out)]
     _run([sys.executable, str(SCRIPT), "--modes", "single_dense,single_moe", *args], timeout=180)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
           str(SCRIPT), "--modes", ",".join(TWO_RANK_MODES), *args], timeout=300)
     return out
 

@@ -9,20 +9,15 @@ compared with a forward of the exact version that sampled each token.
 """
 import json
 import secrets
-import socket
 import subprocess
 
 from conftest import ENV, MEGARL, ROOT
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megarl.rollout.client import free_port
 
 
 def test_dedicated_role_on_its_own_process_is_exact(text_ckpt, tmp_path):
-    port, key = _free_port(), secrets.token_hex(16)
+    port, key = free_port(), secrets.token_hex(16)
     env = {k: v for k, v in ENV.items() if not k.startswith("MEGARL_")}
     env["MEGARL_DEDICATED_AUTHKEY"] = key
     role = subprocess.Popen([*MEGARL, "train", "--config", "configs/verify_cpu.yaml", f"model.checkpoint={text_ckpt}",

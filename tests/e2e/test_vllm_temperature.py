@@ -8,7 +8,7 @@ one engine start (~20-45 s) is most of the test's time.
 import asyncio
 from pathlib import Path
 
-from megarl.config import load_config
+from megarl.builder import load_run_config
 from megarl.rollout.client import launch_engine_process, stop_engine_process
 from megarl.types import GenerateRequest, SamplingParams, Trajectory, TrainBatch
 
@@ -19,7 +19,7 @@ T = 0.7
 
 
 def test_vllm_logp_behav_at_temperature_equals_the_trainers(ckpt):
-    from megarl.train import build_trainer
+    from megarl.builder import build_trainer
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
     proc, client = launch_engine_process(str(ckpt), "vllm", env=ENV, startup_timeout_s=240)
@@ -41,8 +41,8 @@ def test_vllm_logp_behav_at_temperature_equals_the_trainers(ckpt):
              for p, r in zip(PROMPTS, results)]
     batch = TrainBatch.from_trajectories(trajs, version=0)
     mask = batch.loss_mask > 0
-    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"model.checkpoint={ckpt}", f"rollout.temperature={T}",
-                                                           "trainer.micro_batch_tokens=256"])
+    cfg = load_run_config(REPO / "configs" / "tiny_cpu.yaml", [f"model.checkpoint={ckpt}", f"rollout.temperature={T}",
+                                                               "trainer.micro_batch_tokens=256"])
     trainer = build_trainer(cfg, ckpt)
     gap = (trainer.logprobs(batch) - batch.logp_behav).abs()[mask]
     print(f"\n[temperature {T}] |vLLM - megatron| max {gap.max():.3g} mean {gap.mean():.3g} "

@@ -41,6 +41,8 @@ class HFScorerForTests:
         self.version = version
         #: log-probs are of softmax(logits / temperature), as the trainer's
         self.temperature = temperature
+        self.dtype = "float32"
+        self.last_skip_reason: str | None = None
         #: traj_ids of the rows of every forward, and how many times params were swapped in
         self.forward_rows: list[list[str]] = []
         self.n_swaps = 0

@@ -186,6 +186,10 @@ class StateTrainer:
     def trained(self):
         return self.inner.trained
 
+    @property
+    def last_skip_reason(self):
+        return self.inner.last_skip_reason
+
     def train_step(self, batch, loss_fn):
         return self.inner.train_step(batch, loss_fn)
 
@@ -217,14 +221,15 @@ def _tokenizer_dir():
 def make_controller(seed, steps_state=None, eta=2):
     from test_staleness_gate import Rewards, SimulatedEngineForGateTests, SingleTurn
 
-    from megarl.config import load_config
+    from megarl.buffer import PublishedVersion, ReplayBuffer
+    from megarl.builder import load_run_config
     from megarl.controller import Controller
     from megarl.data import PromptDataset
     from recovery.base import RecoveryContext
     from recovery.behav import Behav
 
     rng = random.Random(seed)
-    cfg = load_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4", "logging.save_every=3"])
+    cfg = load_run_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4", "logging.save_every=3"])
     engine = SimulatedEngineForGateTests(rng, 12)
     trainer = StateTrainer(rng)
 
@@ -240,7 +245,9 @@ def make_controller(seed, steps_state=None, eta=2):
             t.advantage = 0.0
 
     checkpointer, journal = CapturingCheckpointer(), Journal()
-    c = Controller(cfg, trainer=trainer, router=engine, rewards=Rewards(),
+    c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(cfg.trainer.batch_size, eta),
+                   published=PublishedVersion(),
+                   rewards=Rewards(),
                    dataset=PromptDataset(str(ROOT / "configs/data/reverse_digits_256.jsonl"),
                                          run_tokenizer(_tokenizer_dir()), seed=0), workflow=SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)), publisher=Publisher(),

@@ -4,15 +4,17 @@ import typing
 
 import pytest
 
+from megarl.builder import describe_config, load_run_config
 from megarl.config import schema
 from megarl.config.loader import describe, dump_yaml, field_docs, load_config, save_config
 from megarl.errors import ConfigError
+from megarl.preflight import validate
 
 
 def test_defaults_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("trainer:\n  lr: 1e-3\n  batch_size: 16\nrollout:\n  eta: 2\n")
-    cfg = load_config(f, ["trainer.lr=3e-4", "rollout.temperature=0.7", "loss.eps_clip_high=0.28"])
+    cfg = load_run_config(f, ["trainer.lr=3e-4", "rollout.temperature=0.7", "loss.eps_clip_high=0.28"])
     assert cfg.trainer.lr == pytest.approx(3e-4)  # override beats file
     assert cfg.trainer.batch_size == 16  # file beats default
     assert cfg.rollout.eta == 2
@@ -23,47 +25,67 @@ def test_defaults_and_overrides(tmp_path):
 
 def test_unknown_key_names_closest():
     with pytest.raises(ConfigError, match=r"unknown config key trainer\.lrr; did you mean trainer\.lr\?"):
-        load_config(None, ["trainer.lrr=1"])
+        load_run_config(None, ["trainer.lrr=1"])
     with pytest.raises(ConfigError, match=r"did you mean trainer\?"):
-        load_config(None, ["trainr.lr=1"])
+        load_run_config(None, ["trainr.lr=1"])
 
 
 def test_wrong_type_names_field_and_type():
     with pytest.raises(ConfigError, match=r"parallel\.tp=1\.5 has the wrong type: expected int"):
-        load_config(None, ["parallel.tp=1.5"])
+        load_run_config(None, ["parallel.tp=1.5"])
     with pytest.raises(ConfigError, match=r"trainer\.lr='abc' has the wrong type: expected float"):
-        load_config(None, ["trainer.lr=abc"])
+        load_run_config(None, ["trainer.lr=abc"])
     with pytest.raises(ConfigError, match=r"logging\.tensorboard=1 has the wrong type: expected bool"):
-        load_config(None, ["logging.tensorboard=1"])
+        load_run_config(None, ["logging.tensorboard=1"])
     with pytest.raises(ConfigError, match=r"loss\.agg='x' is not allowed; choose one of"):
-        load_config(None, ["loss.agg=x"])
+        load_run_config(None, ["loss.agg=x"])
 
 
 def test_bad_override_syntax_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="dotted.key=value"):
-        load_config(None, ["trainer.lr"])
+        load_run_config(None, ["trainer.lr"])
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "nope.yaml")
+        load_run_config(tmp_path / "nope.yaml")
 
 
 def test_recovery_name_and_options():
     with pytest.raises(ConfigError, match=r"recovery\.name='nope' is not a recovery strategy; valid: .*behav"):
-        load_config(None, ["recovery.name=nope"])
+        load_run_config(None, ["recovery.name=nope"])
     with pytest.raises(ConfigError, match=r"unknown config key recovery\.behavx"):
-        load_config(None, ["recovery.behavx.a=1"])
+        load_run_config(None, ["recovery.behavx.a=1"])
+
+
+@dataclasses.dataclass
+class ToyStrategyConfig:
+    """Options of a strategy the loader is told about."""
+
+    alpha: float = 0.5
+    """How much of it."""
+
+
+def test_recovery_sections_come_from_the_strategy_classes_given():
+    toy = {"toy": ToyStrategyConfig}
+    cfg = load_config(None, ["recovery.name=toy", "recovery.toy.alpha=2"], strategies=toy)
+    assert cfg.recovery.name == "toy" and cfg.recovery.options == {"toy": ToyStrategyConfig(alpha=2.0)}
+    assert load_config(None, ["recovery.name=toy"], strategies=toy).recovery.options == {"toy": ToyStrategyConfig()}
+    with pytest.raises(ConfigError, match=r"recovery\.toy\.alphx; did you mean recovery\.toy\.alpha\?"):
+        load_config(None, ["recovery.name=toy", "recovery.toy.alphx=2"], strategies=toy)
+    with pytest.raises(ConfigError, match=r"recovery\.name='behav' is not a recovery strategy; valid: toy"):
+        load_config(None, [], strategies=toy)  # the default strategy is not among those given
+    assert "recovery.toy.alpha = 0.5  # How much of it." in describe(toy)
 
 
 def test_round_trip_through_saved_yaml(tmp_path):
-    cfg = load_config(None, ["trainer.lr=0.01", "rollout.eta=3", "recovery.name=behav"])
+    cfg = load_run_config(None, ["trainer.lr=0.01", "rollout.eta=3", "recovery.name=behav"])
     save_config(cfg, tmp_path / "resolved.yaml")
-    again = load_config(tmp_path / "resolved.yaml")
+    again = load_run_config(tmp_path / "resolved.yaml")
     assert dump_yaml(again) == dump_yaml(cfg)
 
 
 def test_include_merges(tmp_path):
     (tmp_path / "base.yaml").write_text("trainer:\n  lr: 0.5\n  batch_size: 4\n")
     (tmp_path / "top.yaml").write_text("include: base.yaml\ntrainer:\n  batch_size: 8\n")
-    cfg = load_config(tmp_path / "top.yaml")
+    cfg = load_run_config(tmp_path / "top.yaml")
     assert (cfg.trainer.lr, cfg.trainer.batch_size) == (0.5, 8)
 
 
@@ -90,7 +112,7 @@ def test_every_field_has_a_docstring():
 
 
 def test_describe_lists_every_leaf():
-    lines = describe()
+    lines = describe_config()
     assert any(line.startswith("trainer.lr = ") for line in lines)
     assert any(line.startswith("recovery.name = ") for line in lines)
     assert all("#" in line for line in lines)
@@ -98,14 +120,12 @@ def test_describe_lists_every_leaf():
 
 def test_publish_every_beyond_the_staleness_window_is_refused():
     # with publish_every = k the engines' version trails the trainer by up to k - 1 steps, so eta >= k - 1
-    from megarl.train import validate
-
     hf = {"max_position_embeddings": 512}
-    validate(load_config(None, ["rollout.eta=2", "trainer.publish_every=3"]), hf)  # k - 1 = 2 = eta: fine
-    validate(load_config(None, ["rollout.eta=0", "trainer.publish_every=1"]), hf)
+    validate(load_run_config(None, ["rollout.eta=2", "trainer.publish_every=3"]), hf)  # k - 1 = 2 = eta: fine
+    validate(load_run_config(None, ["rollout.eta=0", "trainer.publish_every=1"]), hf)
     with pytest.raises(ConfigError, match=r"trainer\.publish_every=4 with rollout\.eta=2: .*publish_every <= 3"):
-        validate(load_config(None, ["rollout.eta=2", "trainer.publish_every=4"]), hf)
+        validate(load_run_config(None, ["rollout.eta=2", "trainer.publish_every=4"]), hf)
     with pytest.raises(ConfigError, match=r"trainer\.publish_every=2 with rollout\.eta=0: .*publish_every <= 1"):
-        validate(load_config(None, ["rollout.eta=0", "trainer.publish_every=2"]), hf)
+        validate(load_run_config(None, ["rollout.eta=0", "trainer.publish_every=2"]), hf)
     with pytest.raises(ConfigError, match=r"trainer\.publish_every=0 must be >= 1"):
-        validate(load_config(None, ["trainer.publish_every=0"]), hf)
+        validate(load_run_config(None, ["trainer.publish_every=0"]), hf)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 from test_staleness_gate import SimulatedEngineForGateTests, SingleTurn, StepCounterTrainerForGateTests
 
-from megarl.config import load_config
+from megarl.buffer import PublishedVersion, ReplayBuffer
+from megarl.builder import load_run_config
 from megarl.controller import Controller
 from megarl.errors import InputError, RewardError, TrainingError
 from recovery.base import RecoveryContext
@@ -39,7 +40,7 @@ class ScriptedRewards:
 
 def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None):
     rng = random.Random(0)
-    cfg = load_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
+    cfg = load_run_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
     trainer = StepCounterTrainerForGateTests(rng)
     counter = iter(range(10**9))
@@ -58,8 +59,10 @@ def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None):
             t.advantage = 0.0
 
     records = []
-    c = Controller(cfg, trainer=trainer, router=engine, rewards=rewards or ScriptedRewards(lambda t: 1.0),
-                   dataset=prompts, workflow=workflow or SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
+    c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(cfg.trainer.batch_size, cfg.rollout.eta),
+                   published=PublishedVersion(), rewards=rewards or ScriptedRewards(lambda t: 1.0),
+                   dataset=prompts, workflow=workflow or SingleTurn(),
+                   strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=Publisher(), loss_fn_factory=lambda b, a: None, advantages=advantages,
                    on_step=records.append)
     asyncio.run(asyncio.wait_for(c.train(steps), 60))

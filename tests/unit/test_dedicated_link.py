@@ -8,7 +8,6 @@ default Megatron scorer inside the real training loop).
 """
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ import pytest
 from recovery_scorer import HFScorerForTests, LoopState, drive_history, tiny_checkpoint
 
 from megarl.errors import ConfigError
+from megarl.rollout.client import free_port
 from recovery import _dedicated_link as link
 from recovery import verifier
 from recovery.dedicated import Dedicated, DedicatedConfig, serve_role
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(cond, timeout_s: float = 20.0) -> None:
@@ -40,7 +34,7 @@ def _wait(cond, timeout_s: float = 20.0) -> None:
 
 
 def test_link_connects_late_keeps_order_and_refuses_a_wrong_key():
-    port = _free_port()
+    port = free_port()
     addr = f"127.0.0.1:{port}"
     # the trainer side starts first: it retries until the scorer listens; what it sends meanwhile waits
     good = link.TcpLink(addr, b"right-key", connect_timeout_s=30, retry_s=0.1)
@@ -91,7 +85,7 @@ def test_missing_key_bad_address_and_nobody_listening():
     assert link.authkey_from_env({"MEGARL_DEDICATED_AUTHKEY": "k"}) == b"k"
     with pytest.raises(ConfigError, match="MEGARL_DEDICATED_ADDR='node05' is not host:port"):
         link.TcpLink("node05", b"k", connect_timeout_s=1)
-    lonely = link.TcpLink(f"127.0.0.1:{_free_port()}", b"k", connect_timeout_s=0.5, retry_s=0.1)
+    lonely = link.TcpLink(f"127.0.0.1:{free_port()}", b"k", connect_timeout_s=0.5, retry_s=0.1)
     _wait(lambda: not lonely.alive())
     assert isinstance(lonely.failure(), TimeoutError)
     assert "did not accept a connection within 0.5 s (recovery.dedicated.start_timeout_s)" in str(lonely.failure())
@@ -137,7 +131,7 @@ def _stop(proc: subprocess.Popen) -> tuple[int, str]:
 
 def _role_reached_over_tcp(ckpt, factory: str, monkeypatch) -> tuple[subprocess.Popen, HFScorerForTests]:
     """A scorer role process on a free port, and the env that makes the strategy connect to it."""
-    port, key = _free_port(), "unit-test-key"
+    port, key = free_port(), "unit-test-key"
     role = _start_role(ckpt, port, key, factory)
     monkeypatch.setenv("MEGARL_DEDICATED_ADDR", f"127.0.0.1:{port}")
     monkeypatch.setenv("MEGARL_DEDICATED_AUTHKEY", key)

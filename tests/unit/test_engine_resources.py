@@ -7,12 +7,12 @@ import pytest
 import torch
 from recovery_scorer import tiny_checkpoint
 
+from megarl.builder import load_run_config
 from megarl.cli import build_parser
-from megarl.config import load_config
 from megarl.config.schema import RolloutConfig
 from megarl.errors import ConfigError
+from megarl.preflight import validate
 from megarl.rollout.base import engine_options, resources_note
-from megarl.train import validate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def test_command_flags_default_to_the_config_defaults(command):
 
 
 def test_bad_engine_resources_fail_before_the_run():
-    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", ["rollout.kv_cache_gb=0"])
+    cfg = load_run_config(REPO / "configs" / "tiny_cpu.yaml", ["rollout.kv_cache_gb=0"])
     with pytest.raises(ConfigError, match="rollout.kv_cache_gb"):
         validate(cfg, {"vocab_size": 16, "max_position_embeddings": 128})
 

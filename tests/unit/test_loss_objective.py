@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.builder import load_run_config
 from megarl.errors import TrainingError
 from megarl.losses import PolicyLossConfig
 from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
@@ -80,7 +80,7 @@ def test_approximate_anchor_keeps_neutralizing_and_counting_nonfinite_tokens():
 
 
 def test_the_run_objective_names_the_configured_strategy():
-    cfg = load_config(None, ["recovery.name=dedicated"])
+    cfg = load_run_config(None, ["recovery.name=dedicated"])
     tb = batch()
     with pytest.raises(TrainingError, match="dedicated"):
         loss_fn_factory_for_run(cfg, trainer=None)(tb, AnchorResult(logp_anchor=anchor_with_hole(tb, 0, 0), exact=True))

@@ -3,14 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.loader import load_config
+from megarl.builder import load_run_config
 from megarl.errors import ConfigError
 from megarl.launch import cluster
 from megarl.launch.cluster import Allocation, compress_hosts, expand_nodelist, simulated
-from megarl.launch.commands import render
 from megarl.launch.mpi_bootstrap import _from_env_only, bootstrap_env_from_mpi, under_mpi
 from megarl.launch.overlays import flatten
 from megarl.launch.placement import load_hf_config, param_counts, resolve_plan
+from megarl.launch.role_commands import render
 from megarl.launch.roles import current_role
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ CFG_TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 
 def plan_for(path, overrides=(), nodes=None, gpus=8, alloc=None):
-    cfg = load_config(path, list(overrides))
+    cfg = load_run_config(path, list(overrides))
     hf, _ = load_hf_config(cfg)
     if alloc is None:
         alloc = simulated(nodes, gpus) if nodes else cluster.local()
@@ -294,7 +294,7 @@ def test_runner_lets_the_dedicated_scorer_finish_before_the_trainer():
     """The scorer exits 0 once the trainer tells it to stop; an engine that exits early fails the run."""
     import sys
 
-    from megarl.launch.commands import RoleCommand
+    from megarl.launch.role_commands import RoleCommand
     from megarl.launch.runner import run_commands
 
     def cmd(name, role, code, server):

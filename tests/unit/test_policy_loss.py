@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.losses import PolicyLossConfig, loss_normalizer, policy_loss
+from megarl.losses import PolicyLossConfig
+from megarl.losses.policy import loss_normalizer, policy_loss
 
 INF, NAN = float("inf"), float("nan")
 LN = math.log

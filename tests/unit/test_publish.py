@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from megarl.config import load_config
+from megarl.builder import load_run_config
 from megarl.publish import BroadcastPublisher, DiskPublisher, make_publisher
 from megarl.types import GenerateRequest, SamplingParams
 
@@ -20,8 +20,8 @@ REQUEST = GenerateRequest("r", PROMPT, SamplingParams(max_new_tokens=12, seed=0)
 def test_publisher_follows_weight_sync(tmp_path, monkeypatch):
     for key in ("MEGARL_WEIGHT_SYNC_ADDR", "MEGARL_ENGINE_ADDRS"):
         monkeypatch.delenv(key, raising=False)
-    assert isinstance(make_publisher(load_config(TINY), None, None, tmp_path), DiskPublisher)
-    cfg = load_config(TINY, ["rollout.weight_sync=broadcast", "rollout.bucket_mb=2"])
+    assert isinstance(make_publisher(load_run_config(TINY), None, None, tmp_path), DiskPublisher)
+    cfg = load_run_config(TINY, ["rollout.weight_sync=broadcast", "rollout.bucket_mb=2"])
     pub = make_publisher(cfg, None, None, tmp_path)
     assert isinstance(pub, BroadcastPublisher) and pub.bucket_bytes == 2 << 20
     assert (pub.host, pub.port, pub.backend) == ("127.0.0.1", 0, "gloo")

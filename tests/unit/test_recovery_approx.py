@@ -250,14 +250,14 @@ def test_loglinear_and_linear_by_hand_areal_convention():
 
 
 def test_convention_is_a_config_field():
-    from megarl.config import load_config
+    from megarl.builder import load_run_config
     from megarl.errors import ConfigError
 
-    cfg = load_config(None, ["recovery.name=linear", "recovery.linear.convention=areal"])
+    cfg = load_run_config(None, ["recovery.name=linear", "recovery.linear.convention=areal"])
     assert cfg.recovery.options["linear"].convention == "areal"
     assert LoglinearConfig().convention == "megarl" and LinearConfig().convention == "megarl"
     with pytest.raises(ConfigError, match="megarl"):
-        load_config(None, ["recovery.name=loglinear", "recovery.loglinear.convention=verl"])
+        load_run_config(None, ["recovery.name=loglinear", "recovery.loglinear.convention=verl"])
 
 
 # ---------------------------------------------------------------- the kept-token denominator

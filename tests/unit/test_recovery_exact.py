@@ -205,7 +205,7 @@ def test_interrupt_sync_state_round_trip(ckpt):
 
 def verified(strategy, trainer, loop, tol=1e-5):
     """The VerifyingStrategy report of ``strategy`` over the hand-built history (batch version 9)."""
-    from megarl.verify import VerifyingStrategy
+    from recovery.verifier import VerifyingStrategy
 
     wrapped = VerifyingStrategy(strategy)
     batch, trajs, params = drive_history(wrapped, trainer, loop, extra_step=True)
@@ -216,7 +216,7 @@ def verified(strategy, trainer, loop, tol=1e-5):
 def test_verify_report_measures_exactness(ckpt, trainer):
     from recovery_scorer import snapshot_next_version_class
 
-    from megarl.verify import failures
+    from megarl.exactness import failures
 
     loop = LoopState()
     good, _, _ = verified(Snapshot(SnapshotConfig(), loop.context(trainer)), trainer, loop)

@@ -2,7 +2,7 @@
 
 The Controller, ReplayBuffer, MultiTurnWorkflow with DigitCountEnv, the HF
 rollout engine (in this process), the disk publisher, the strategies and
-megarl.verify.VerifyingStrategy (anchor vs the true ``logp_old``: a forward of
+recovery.verifier.VerifyingStrategy (anchor vs the true ``logp_old``: a forward of
 each token's own version) are the real ones. The trainer is HFScorerForTests
 (tests/unit/recovery_scorer.py), whose ``fake_step`` stands in for the
 optimizer step, and rewards come from a small in-process stand-in, so the test
@@ -61,33 +61,29 @@ def multi_turn_spliced_rows(batch) -> int:
 
 async def run_loop(name: str, ckpt, run_dir):
     from megarl.advantages import advantage_fn
-    from megarl.config import load_config
+    from megarl.buffer import PublishedVersion, ReplayBuffer
+    from megarl.builder import load_run_config
     from megarl.controller import Controller
     from megarl.data import PromptDataset
     from megarl.publish import DiskPublisher
     from megarl.rollout.hf_engine import HFEngine
-    from megarl.verify import VerifyingStrategy
+    from megarl.rollout.router import EngineRouter
     from megarl.workflows import build_workflow
     from recovery.base import RecoveryContext
     from recovery.dedicated import Dedicated, DedicatedConfig
     from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
+    from recovery.verifier import VerifyingStrategy
 
-    cfg = load_config(None, ["rollout.eta=2", "trainer.batch_size=4", "rollout.group_size=2",
-                             "rollout.max_new_tokens=24", "rollout.max_concurrency=16"])
+    cfg = load_run_config(None, ["rollout.eta=2", "trainer.batch_size=4", "rollout.group_size=2",
+                                 "rollout.max_new_tokens=24", "rollout.max_concurrency=16"])
     trainer = SteppingScorer(ckpt)
     tokenizer = run_tokenizer(ckpt)
     engine = await HFEngine.create(str(ckpt), device="cpu")
-    holder = {}
-
-    def live_versions():
-        vs = {holder["c"].version}
-        for t in holder["c"].buffer.live_trajectories():
-            vs |= t.policy_versions()
-        return vs
-
-    ctx = RecoveryContext(trainer=trainer, live_versions=live_versions,
-                          live_trajectories=lambda: holder["c"].buffer.live_trajectories(),
-                          run_dir=str(run_dir), checkpoint_dir=str(ckpt), eta=2)
+    router = EngineRouter([engine])
+    buffer, published = ReplayBuffer(cfg.trainer.batch_size, cfg.rollout.eta), PublishedVersion()
+    ctx = RecoveryContext(trainer=trainer, live_versions=lambda: buffer.live_versions(published.value),
+                          live_trajectories=buffer.live_trajectories, run_dir=str(run_dir), checkpoint_dir=str(ckpt),
+                          eta=2)
     if name == "dedicated":
         inner = Dedicated(DedicatedConfig(scorer_factory="recovery_scorer:make_hf_scorer", start_timeout_s=300,
                                           wait_timeout_s=300), ctx)
@@ -95,11 +91,11 @@ async def run_loop(name: str, ckpt, run_dir):
         inner = InterruptSync(InterruptSyncConfig(), ctx)
     strategy = VerifyingStrategy(inner)
     records = []
-    c = holder["c"] = Controller(
-        cfg, trainer=trainer, router=engine, rewards=Rewards(),
+    c = Controller(
+        cfg, trainer=trainer, router=router, buffer=buffer, published=published, rewards=Rewards(),
         dataset=PromptDataset(str(ROOT / "configs/data/reverse_digits_256.jsonl"), tokenizer, seed=0),
         workflow=build_workflow("multi_turn", cfg, tokenizer, max_turns=4), strategy=strategy,
-        publisher=DiskPublisher(trainer, engine, run_dir / "weights"), loss_fn_factory=lambda b, a: None,
+        publisher=DiskPublisher(trainer, router, run_dir / "weights"), loss_fn_factory=lambda b, a: None,
         advantages=advantage_fn(cfg.advantage), on_step=records.append)
     try:
         await asyncio.wait_for(c.train(STEPS), 600)

@@ -3,7 +3,8 @@ import dataclasses
 
 import pytest
 
-from megarl.config.loader import field_docs, load_config
+from megarl.builder import load_run_config
+from megarl.config.loader import field_docs
 from megarl.errors import ConfigError
 from recovery import registry
 from recovery.base import RecoveryStrategy
@@ -36,19 +37,19 @@ def test_duplicate_registration_refused():
 
 
 def test_config_sections():
-    cfg = load_config(None, ["recovery.name=ewma", "recovery.ewma.tau=0.3", "recovery.snapshot.storage=disk",
-                             "recovery.ewma.window=5"])
+    cfg = load_run_config(None, ["recovery.name=ewma", "recovery.ewma.tau=0.3", "recovery.snapshot.storage=disk",
+                                 "recovery.ewma.window=5"])
     assert cfg.recovery.options["ewma"].tau == 0.3 and cfg.recovery.options["ewma"].window == 5
     assert cfg.recovery.options["snapshot"].storage == "disk"
     with pytest.raises(ConfigError,
                        match=r"unknown config key recovery\.ewma\.taux; did you mean recovery\.ewma\.tau\?"):
-        load_config(None, ["recovery.ewma.taux=0.3"])
+        load_run_config(None, ["recovery.ewma.taux=0.3"])
     with pytest.raises(ConfigError, match=r"recovery\.snapshot\.storage='ram' is not allowed"):
-        load_config(None, ["recovery.snapshot.storage=ram"])
+        load_run_config(None, ["recovery.snapshot.storage=ram"])
 
 
 def test_build_passes_own_options():
-    cfg = load_config(None, ["recovery.name=ewma", "recovery.ewma.beta=0.25", "recovery.ewma.tau=0"])
+    cfg = load_run_config(None, ["recovery.name=ewma", "recovery.ewma.beta=0.25", "recovery.ewma.tau=0"])
     strat = registry.build(cfg.recovery, ctx=type("Ctx", (), {"loss_cfg": None, "trainer": None})())
     assert strat.name == "ewma" and strat.beta == 0.25
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from recovery_scorer import LoopState, rewind, tiny_checkpoint
 
-from megarl.config import load_config
+from megarl.builder import build_trainer, load_run_config
 from megarl.errors import ConfigError
-from megarl.train import build_trainer, validate
+from megarl.preflight import validate
 from megarl.types import GenerateRequest, SamplingParams, Trajectory, TrainBatch
 from recovery.dedicated import Dedicated, DedicatedConfig
 from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
@@ -30,8 +30,8 @@ TOL = 1e-4  # fp32 engine vs fp32 trainer: different kernels, same math
 
 
 def run_cfg(ckpt, *overrides):
-    return load_config(REPO / "configs" / "tiny_cpu.yaml",
-                       [f"model.checkpoint={ckpt}", f"rollout.temperature={T}", *overrides])
+    return load_run_config(REPO / "configs" / "tiny_cpu.yaml",
+                           [f"model.checkpoint={ckpt}", f"rollout.temperature={T}", *overrides])
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config.loader import dump_yaml, load_config
+from megarl.builder import load_run_config
+from megarl.config.loader import dump_yaml
 from megarl.launch import cluster
 from megarl.launch.overlays import overlay_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.models.hf_config import validate_parallel
 from megarl.models.tiny import load_model_yaml
-from megarl.train import validate
+from megarl.preflight import validate
 from recovery import registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def _simulated_for(cfg):
 @pytest.mark.parametrize("run", RUN_YAML, ids=_id)
 def test_run_config_with_overlay_gives_a_valid_plan(run, overlay):
     overrides = overlay_overrides(overlay) if overlay else []
-    cfg = load_config(run, overrides)
+    cfg = load_run_config(run, overrides)
     if overlay:
         assert cfg.recovery.name == overlay.stem
     hf, _ = load_hf_config(cfg)
@@ -77,18 +78,18 @@ def test_overlay_as_overrides_equals_include(tmp_path):
     run, overlay = CONFIGS / "qwen3_30b_a3b_h100.yaml", CONFIGS / "recovery" / "ewma.yaml"
     combined = tmp_path / "combined.yaml"
     combined.write_text(yaml.safe_dump({"include": [str(run), str(overlay)]}))
-    assert dump_yaml(load_config(combined)) == dump_yaml(load_config(run, overlay_overrides(overlay)))
+    assert dump_yaml(load_run_config(combined)) == dump_yaml(load_run_config(run, overlay_overrides(overlay)))
 
 
 def test_gpu_configs_are_gpu_bf16_vllm_broadcast():
     for name in ("qwen3_4b_h100.yaml", "qwen3_30b_a3b_h100.yaml"):
-        cfg = load_config(CONFIGS / name)
+        cfg = load_run_config(CONFIGS / name)
         assert (cfg.placement.device, cfg.model.dtype, cfg.rollout.backend, cfg.rollout.weight_sync) == \
             ("gpu", "bfloat16", "vllm", "broadcast"), name
 
 
 def test_30b_plan_numbers():
-    cfg = load_config(CONFIGS / "qwen3_30b_a3b_h100.yaml")
+    cfg = load_run_config(CONFIGS / "qwen3_30b_a3b_h100.yaml")
     hf, source = load_hf_config(cfg)
     assert source.endswith("configs/models/qwen3_30b_a3b.yaml")
     assert (hf["num_experts"], hf["num_experts_per_tok"], hf["num_key_value_heads"], hf["num_hidden_layers"]) == \
@@ -100,13 +101,13 @@ def test_30b_plan_numbers():
         ("node03", 4, 4), ("node03", 4, 4), ("node04", 4, 4), ("node04", 4, 4)]
     assert len(plan.hosts_used) == 4 and plan.weight_sync_world == 1 + 4 * 4
     # with the dedicated scorer: a fifth node, TP like the trainer
-    cfg = load_config(CONFIGS / "qwen3_30b_a3b_h100.yaml", overlay_overrides(CONFIGS / "recovery" / "dedicated.yaml"))
+    cfg = load_run_config(CONFIGS / "qwen3_30b_a3b_h100.yaml", overlay_overrides(CONFIGS / "recovery" / "dedicated.yaml"))
     plan = resolve_plan(cfg, hf, cluster.simulated(5, 8))
     assert (plan.dedicated.host, plan.dedicated.tp) == ("node05", 1)
 
 
 def test_4b_plan_numbers():
-    cfg = load_config(CONFIGS / "qwen3_4b_h100.yaml")
+    cfg = load_run_config(CONFIGS / "qwen3_4b_h100.yaml")
     hf, _ = load_hf_config(cfg)
     plan = resolve_plan(cfg, hf, cluster.simulated(2, 8))
     t = plan.trainer

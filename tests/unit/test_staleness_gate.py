@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.config import load_config
+from megarl.buffer import PublishedVersion, ReplayBuffer
+from megarl.builder import load_run_config
 from megarl.controller import Controller
 from megarl.types import AnchorResult, GenerateResult
 from recovery.behav import Behav
@@ -23,13 +24,22 @@ from recovery.base import RecoveryContext
 
 
 class SimulatedEngineForGateTests:
-    """Emits tokens one at a time with random delays; abort ends every request with its partial output."""
+    """Emits tokens one at a time with random delays; abort ends every request with its partial output.
+
+    A router of one engine that never fails (megarl.rollout.base.RouterProtocol)."""
 
     def __init__(self, rng: random.Random, max_len: int):
         self.rng = rng
         self.max_len = max_len
         self.version = 0
         self.abort_event = asyncio.Event()
+        self.failure = None
+
+    async def wait_available(self):
+        """Its one engine is never lost."""
+
+    def stats(self):
+        return {}
 
     async def generate(self, req):
         n_target = min(req.sampling.max_new_tokens, 1 + int(self.rng.expovariate(1 / 4)))
@@ -102,8 +112,8 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
              overrides=(), rewards=None, checkpointer=None, timeout_s: float = 60.0):
     """The loop for ``steps`` steps; ``timeout_s`` bounds the wall time (a hang fails as TimeoutError)."""
     rng = random.Random(seed)
-    cfg = load_config(None, [f"rollout.eta={eta}", f"trainer.batch_size={B}", f"rollout.group_size={n}",
-                             f"rollout.interruptible={str(interruptible).lower()}", *overrides])
+    cfg = load_run_config(None, [f"rollout.eta={eta}", f"trainer.batch_size={B}", f"rollout.group_size={n}",
+                                 f"rollout.interruptible={str(interruptible).lower()}", *overrides])
     engine = SimulatedEngineForGateTests(rng, 12)
     trainer = StepCounterTrainerForGateTests(rng, skip)
     prompts = iter(lambda: SimpleNamespace(prompt_id="p", prompt_ids=[1, 5, 2], answer=None, row={}), None)
@@ -122,8 +132,8 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
             t.advantage = 0.0
 
     records = []
-    c = Controller(cfg, trainer=trainer, router=engine, rewards=rewards or Rewards(), dataset=prompts,
-                   workflow=SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
+    c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(B, eta), published=PublishedVersion(),
+                   rewards=rewards or Rewards(), dataset=prompts, workflow=SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=publisher, loss_fn_factory=lambda b, a: None, advantages=advantages,
                    on_step=records.append, checkpointer=checkpointer)
     asyncio.run(asyncio.wait_for(c.train(steps), timeout_s))

@@ -1,9 +1,9 @@
 """The GPU paths of megarl, checked on one GPU with the tiny model (driven by launch/gpu_check.sh).
 
-    python launch/gpu_check.py CHECK --workdir DIR   run one check; the last line is
+    python tests/gpu/gpu_check.py CHECK --workdir DIR   run one check; the last line is
                                                      GPU_CHECK PASS|SKIP|FAIL CHECK: detail
-    python launch/gpu_check.py --list
-    python launch/gpu_check.py --self-test           CPU: every API the checks call exists and the
+    python tests/gpu/gpu_check.py --list
+    python tests/gpu/gpu_check.py --self-test           CPU: every API the checks call exists and the
                                                      helpers line tokens up right (no GPU needed)
 
 Checks (each in its own process, so a crashed engine takes down only its own):
@@ -33,7 +33,6 @@ import asyncio
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 TINY_DENSE = ROOT / "configs" / "models" / "tiny_qwen3.yaml"
 #: model.dtype of the train_loop and verify_recovery checks (GPU_CHECK_DTYPE, default bfloat16)
@@ -62,12 +61,6 @@ class CheckFailed(AssertionError):
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise CheckFailed(message)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- shared helpers ------------------------------------------------------------------------------
@@ -281,7 +274,7 @@ def check_vllm_parity(workdir: Path) -> str:
 
 
 def _broadcast_round_trip(workdir: Path, backend: str, engine_env: dict | None, engine: str = "vllm") -> str:
-    from megarl.rollout.client import stop_engine_process
+    from megarl.rollout.client import free_port, stop_engine_process
     from megarl.rollout.router import EngineRouter
     from megarl.rollout.weight_spec import tensor_specs
     from megarl.rollout.weight_sync import WeightBroadcaster
@@ -297,7 +290,7 @@ def _broadcast_round_trip(workdir: Path, backend: str, engine_env: dict | None, 
         metrics = trainer.train_step(batch, nll_loss)
         require(metrics.get("skipped", 0.0) == 0.0, f"train step skipped: {trainer.last_skip_reason}")
         named = list(trainer.export_hf_weights())
-        sender = WeightBroadcaster("127.0.0.1", _free_port(), world_size=2, backend=backend, timeout_s=120)
+        sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=2, backend=backend, timeout_s=120)
         box: dict = {}
 
         def send():

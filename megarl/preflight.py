@@ -1,0 +1,154 @@
+"""What a run checks and reads before anything starts (trainer rank 0, in :func:`megarl.train.train`).
+
+:func:`preflight` resolves the policy checkpoint, checks the settings against
+each other and against the model, checks a resume against the checkpoint it
+continues, loads the tokenizer and the prompts, and only then makes the run
+directory (or, resuming, reuses it unchanged): bad input fails here with one
+error naming the fix, and leaves nothing half-written behind.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.checkpoint import check_run_settings, find_latest_checkpoint, read_manifest
+from megarl.config import MegaRLConfig, save_config
+from megarl.data import PromptDataset
+from megarl.errors import ConfigError
+from megarl.models.tiny import write_tiny_checkpoint
+from megarl.rewards import resolve_reward_fn, reward_kwargs
+from megarl.rollout.base import engine_options, truncates_sampling
+from megarl.tokenizer import RunTokenizer
+
+log = logging.getLogger("megarl.preflight")
+
+
+@dataclass
+class RunInputs:
+    """What a run reads before it starts: the tokenizer and the prompts (checked before anything is written)."""
+
+    tokenizer: RunTokenizer
+    dataset: PromptDataset
+    eval_dataset: PromptDataset | None
+
+
+@dataclass
+class RunSetup:
+    """A run that passed its checks: where it writes, what it trains, what it reads."""
+
+    run_dir: Path
+    #: the policy's HF checkpoint directory (the engines start from it) and its config.json
+    checkpoint: Path
+    hf_config: dict
+    inputs: RunInputs
+    #: the checkpoint a resumed run continues from (None: a new run)
+    resume_from: Path | None = None
+
+
+def preflight(cfg: MegaRLConfig, resume: str | Path | None, world_size: int) -> RunSetup:
+    """Check everything, then make the run directory; ``resume``: a run directory to continue."""
+    resume_from = None
+    if resume is not None:
+        resume_from = find_latest_checkpoint(resume)
+        cfg.logging.output_dir = str(resume)
+    ckpt = ensure_checkpoint(cfg)
+    hf = json.loads((ckpt / "config.json").read_text())
+    validate(cfg, hf)
+    refuse_unwired(cfg)
+    if resume_from is not None:
+        check_run_settings(cfg, read_manifest(resume_from), resume_from, world_size, hf)
+    reward_kwargs(resolve_reward_fn(cfg.reward.fn), cfg.reward.fn)
+    inputs = load_inputs(cfg, int(hf["vocab_size"]))
+    if resume_from is not None:
+        run_dir = Path(resume)
+    else:
+        run_dir = make_run_dir(cfg)
+        save_config(cfg, run_dir / "config.yaml")
+    return RunSetup(run_dir, ckpt, hf, inputs, resume_from)
+
+
+def make_run_dir(cfg: MegaRLConfig) -> Path:
+    if cfg.logging.output_dir:
+        run_dir = Path(cfg.logging.output_dir)
+    else:
+        run_dir = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
+        raise ConfigError(f"{run_dir} holds the checkpoints of an earlier run; continue it with "
+                          f"`megarl train --config ... --resume {run_dir}` or choose another --output-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def ensure_checkpoint(cfg: MegaRLConfig) -> Path:
+    """The policy's HF checkpoint; written from ``model.init_model`` when it does not exist yet."""
+    ckpt = Path(cfg.model.checkpoint)
+    if not cfg.model.checkpoint:
+        raise ConfigError("model.checkpoint is empty; set it to an HF checkpoint directory "
+                          "(with model.init_model to create a random tiny one)")
+    if not (ckpt / "config.json").is_file():
+        if not cfg.model.init_model:
+            raise ConfigError(f"model.checkpoint {ckpt} has no config.json; point it at an HF checkpoint "
+                              f"or set model.init_model to a model YAML to create one")
+        write_tiny_checkpoint(cfg.model.init_model, ckpt, seed=cfg.model.init_seed)
+    return ckpt
+
+
+def validate(cfg: MegaRLConfig, hf: dict) -> None:
+    """Inconsistent settings fail here, before anything starts."""
+    if cfg.trainer.batch_size % cfg.rollout.group_size:
+        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} must be a multiple of "
+                          f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
+    if cfg.rollout.eta < 0:
+        raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
+    if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
+        raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb (or set logging.wandb=false)")
+    k, eta = cfg.trainer.publish_every, cfg.rollout.eta
+    if k < 1:
+        raise ConfigError(f"trainer.publish_every={k} must be >= 1")
+    # Refused rather than accounted for in the gate: the engines keep version v for k optimizer steps, so
+    # a token sampled by v just before the next publish is trained k - 1 versions later at the earliest.
+    # With k - 1 > eta no admission rule can keep the bound; a gate on the published version (the only
+    # one that keeps it) admits (eta + 1) batches per version and then waits for a publish that needs k.
+    if k > eta + 1:
+        raise ConfigError(f"trainer.publish_every={k} with rollout.eta={eta}: the engines would trail the trainer "
+                          f"by up to {k - 1} versions, more than eta allows, and the staleness gate would stop "
+                          f"generation before the next publish; set trainer.publish_every <= {eta + 1} "
+                          f"(rollout.eta + 1) or rollout.eta >= {k - 1}")
+    max_len = int(hf.get("max_position_embeddings", 0))
+    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if max_len and need > max_len:
+        raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
+                          f"max_position_embeddings {max_len}; lower one of them")
+    ro = cfg.rollout
+    engine_options(ro.backend, ro.kv_cache_gb, ro.cpu_threads)  # the engines' resources, checked before they start
+    if truncates_sampling(ro.top_p, ro.top_k, int(hf.get("vocab_size") or 0)) and not cfg.loss.allow_truncated_sampling:
+        raise ConfigError(f"rollout.top_p={ro.top_p}, rollout.top_k={ro.top_k} truncate the sampling distribution: "
+                          f"logp_behav is then the log-prob under a renormalized truncated distribution that the "
+                          f"trainer cannot reproduce from full logits, so r_d is biased; set rollout.top_p=1 and "
+                          f"rollout.top_k=-1, or loss.allow_truncated_sampling=true to train anyway")
+
+
+def refuse_unwired(cfg: MegaRLConfig) -> None:
+    """Settings the config accepts (the GPU configs use them) but this training loop does not honour yet."""
+    if cfg.advantage.kl_coef > 0 and cfg.placement.trainer_ranks > 1:
+        raise ConfigError("advantage.kl_coef > 0 needs a single trainer rank so far; set advantage.kl_coef=0 "
+                          "or placement.trainer_ranks=1")
+
+
+def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
+    """The run's tokenizer, training prompts and evaluation prompts; bad input fails here, naming the fix."""
+    tokenizer = RunTokenizer.load(cfg.model, cfg.rollout, cfg.data, vocab_size=vocab_size)
+    dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size)
+    eval_dataset = None
+    if cfg.eval.path:
+        eval_dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size,
+                                                 path=cfg.eval.path, shuffle=False)
+    elif cfg.eval.every:
+        log.warning("eval.every=%d has no effect: eval.path is empty (no evaluation in this run)", cfg.eval.every)
+    return RunInputs(tokenizer, dataset, eval_dataset)
