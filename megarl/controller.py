@@ -49,7 +49,7 @@ from megarl.errors import RewardError, TrainingError
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.supervisor import EngineLost
 from megarl.trainer.base import TrainerProtocol
-from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory, TrainBatch, training_rows
+from megarl.types import GenerateRequest, GenerateResult, SamplingParams, TrainBatch, Trajectory, training_rows
 
 log = logging.getLogger("megarl.controller")
 

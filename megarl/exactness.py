@@ -52,7 +52,7 @@ def verify_recovery(config_path: str, strategies: list[str], steps: int, output:
                               f"(got eta={cfg.rollout.eta}, interruptible={cfg.rollout.interruptible})")
         verifiers: list[VerifyingStrategy] = []
 
-        def wrap(inner):
+        def wrap(inner, verifiers=verifiers):
             verifiers.append(VerifyingStrategy(inner))
             return verifiers[-1]
 
@@ -63,5 +63,6 @@ def verify_recovery(config_path: str, strategies: list[str], steps: int, output:
         print(f"{name:>15}: claims_exact={rep['claims_exact']} measured_exact={rep['measured_exact']} "
               f"max_abs_err={rep['max_abs_err']:.3g} mean_abs_err={rep['mean_abs_err']:.3g}{by_conv} "
               f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']}", flush=True)
-        out.write_text(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
+        out.write_text(json.dumps(report, indent=2,
+                                  default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

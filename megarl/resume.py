@@ -17,8 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.checkpoint import (link_or_copy_tree, load_file, read_manifest, remove_temp_dirs, restore_rng,
-                               rewind_run_logs)
+from megarl.checkpoint import (
+    link_or_copy_tree,
+    load_file,
+    read_manifest,
+    remove_temp_dirs,
+    restore_rng,
+    rewind_run_logs,
+)
 
 log = logging.getLogger("megarl.resume")
 

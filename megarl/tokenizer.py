@@ -105,7 +105,8 @@ class RunTokenizer:
         max_len = int(json.loads(config.read_text()).get("max_position_embeddings", 1 << 20)) if config.is_file() \
             else 1 << 20
         return cls(hf, source=str(source), stop_token_ids=stop, chat_template=data_cfg.apply_chat_template,
-                   chat_template_kwargs=data_cfg.chat_template_kwargs, generation_config=gen_path, model_max_len=max_len)
+                   chat_template_kwargs=data_cfg.chat_template_kwargs, generation_config=gen_path,
+                   model_max_len=max_len)
 
     def __len__(self) -> int:
         return len(self.hf)

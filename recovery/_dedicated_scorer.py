@@ -23,7 +23,7 @@ from megarl.errors import ConfigError
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import free_port
 from megarl.trainer.megatron_trainer import MegatronTrainer
-from megarl.types import Trajectory, TrainBatch
+from megarl.types import TrainBatch, Trajectory
 from recovery import _dedicated_link as link
 
 log = logging.getLogger("megarl.dedicated")

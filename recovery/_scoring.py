@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from megarl.types import NO_VERSION, Trajectory, TrainBatch
+from megarl.types import NO_VERSION, TrainBatch, Trajectory
 
 
 def policy_mask(batch: TrainBatch) -> torch.Tensor:

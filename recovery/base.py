@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
 from megarl.trainer.base import ScoringTrainer
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 
 @dataclass

@@ -68,10 +68,13 @@ from safetensors.torch import load_file, save_file
 
 from megarl.launch.roles import current_role
 from megarl.rollout.client import free_port
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._dedicated_link import QueueLink, TcpLink, authkey_from_env
-from recovery._dedicated_scorer import DedicatedConfig, _child_main
-from recovery._dedicated_scorer import serve_role  # noqa: F401  (the scorer role's entry, beside its strategy)
+from recovery._dedicated_scorer import (
+    DedicatedConfig,
+    _child_main,
+    serve_role,  # noqa: F401  (the scorer role's entry, beside its strategy)
+)
 from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs
 from recovery.base import RecoveryStrategy
 from recovery.registry import register

@@ -42,7 +42,7 @@ import torch
 
 from megarl.losses import PolicyLossConfig
 from megarl.losses.policy import policy_loss
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._scoring import forward, params_nbytes
 from recovery.base import RecoveryStrategy
 from recovery.registry import register

@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-from megarl.types import AnchorResult, Trajectory, TrainBatch
-from recovery._scoring import (check_rows, ensure_logp_old, forward, logp_old_from_trajs, params_nbytes,
-                               unscored)
+from megarl.types import AnchorResult, TrainBatch, Trajectory
+from recovery._scoring import check_rows, ensure_logp_old, forward, logp_old_from_trajs, params_nbytes, unscored
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
 

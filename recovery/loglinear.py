@@ -36,7 +36,7 @@ import torch
 
 from megarl.losses import PolicyLossConfig
 from megarl.losses.policy import normalizer_needs_anchor
-from megarl.types import NO_VERSION, AnchorResult, Trajectory, TrainBatch
+from megarl.types import NO_VERSION, AnchorResult, TrainBatch, Trajectory
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
 

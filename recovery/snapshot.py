@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.trainer.parallel import global_rank
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._scoring import params_nbytes, score_versions, versions_in
 from recovery.base import RecoveryStrategy
 from recovery.registry import register

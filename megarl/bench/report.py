@@ -160,7 +160,8 @@ def targets(strategies: dict[str, dict], async_vs_sync: dict) -> list[dict[str, 
 
 def build_report(runs: dict[str, dict[str, Any]], sync_runs: dict[str, list[dict]] | None,
                  meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``runs[name] = {"records", "child": {"peak_rss_mb", ...}, "weights_nbytes"}``; ``sync_runs`` = {"async", "sync"} records."""
+    """``runs[name] = {"records", "child": {"peak_rss_mb", ...}, "weights_nbytes"}``;
+    ``sync_runs`` = {"async", "sync"} records."""
     verified = bool((meta or {}).get("verify", True))
     strategies = {n: summarize(r["records"], r["weights_nbytes"], r["child"]["peak_rss_mb"], verified)
                   for n, r in runs.items()}

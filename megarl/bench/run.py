@@ -44,7 +44,7 @@ from megarl.bench import plots, report
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.errors import MegarlError
 from megarl.train import train
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 #: seconds between two samples of the process tree's resident memory
 RSS_SAMPLE_INTERVAL_S = 0.5

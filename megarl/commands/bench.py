@@ -9,7 +9,8 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark recovery strategies: step time, overheads, memory, exactness")
     p.add_argument("--config", default="configs/bench_cpu.yaml", help="run config shared by every strategy")
     p.add_argument("--strategies", default="all", help="comma-separated strategy names, or 'all'")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per strategy (default: trainer.total_steps)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per strategy (default: trainer.total_steps)")
     p.add_argument("--output", required=True,
                    help="directory for report.json, report.md, overhead.png, reward.png and one run per strategy")
     p.add_argument("--compare-sync", action="store_true",

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 
 from megarl.commands._jsonl_input import read_input_ids
-from megarl.errors import InputError
 from megarl.types import TrainBatch
 
 #: rows per trainer call: bounds the [rows, longest] padded batch held at once

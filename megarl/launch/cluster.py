@@ -154,7 +154,8 @@ def _slurm_gpus_per_node(env: dict[str, str]) -> int | None:
 # -- the sources -------------------------------------------------------------------------------
 def simulated(nodes: int, gpus_per_node: int, prefix: str = "node") -> Allocation:
     if nodes < 1 or gpus_per_node < 0:
-        raise ConfigError(f"simulated allocation needs --nodes >= 1 and --gpus-per-node >= 0, got {nodes} and {gpus_per_node}")
+        raise ConfigError(f"simulated allocation needs --nodes >= 1 and --gpus-per-node >= 0, "
+                          f"got {nodes} and {gpus_per_node}")
     width = max(2, len(str(nodes)))
     return Allocation(tuple(f"{prefix}{i:0{width}d}" for i in range(1, nodes + 1)), gpus_per_node, "simulated")
 

@@ -20,7 +20,9 @@ RECOVERY_DIR = Path(__file__).resolve().parents[2] / "configs" / "recovery"
 def _scalar(value: Any) -> str:
     if isinstance(value, str):
         # a string that YAML would read as something else (a number, bool, null) is quoted
-        return value if yaml.safe_load(value) == value and "\n" not in value else yaml.safe_dump(value).strip().removesuffix("\n...")
+        if yaml.safe_load(value) == value and "\n" not in value:
+            return value
+        return yaml.safe_dump(value).strip().removesuffix("\n...")
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip().removesuffix("...").strip()
 
 

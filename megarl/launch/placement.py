@@ -178,7 +178,8 @@ def load_hf_config(cfg) -> tuple[dict, str]:
     ckpt = Path(cfg.model.checkpoint) / "config.json" if cfg.model.checkpoint else None
     if ckpt is not None and ckpt.is_file():
         return json.loads(ckpt.read_text()), str(ckpt)
-    for key, path in (("placement.model_config", cfg.placement.model_config), ("model.init_model", cfg.model.init_model)):
+    for key, path in (("placement.model_config", cfg.placement.model_config),
+                      ("model.init_model", cfg.model.init_model)):
         if path:
             p = Path(path)
             if not p.is_file():

@@ -36,7 +36,8 @@ class RoleCommand:
     role: str
     """trainer, engine or dedicated."""
     host: str
-    """Where to run the command: the launch host for slurm/mpirun (they reach the nodes), the node itself for torchrun."""
+    """Where to run the command: the launch host for slurm/mpirun (they reach the nodes), the node itself
+    for torchrun."""
     argv: tuple[str, ...]
     server: bool
     """Engines and the scorer serve until the trainer is done; the launcher stops them then."""
@@ -142,7 +143,8 @@ def _torchrun(plan, python: str, check: bool) -> list[RoleCommand]:
                     f"--master-port={plan.master_port}"]
         argv = [*_env_prefix(env), python, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={t.ranks_per_node}",
                 *_entry(plan, python, check=check, module_flag=True)]
-        out.append(RoleCommand("trainer" if len(t.hosts) == 1 else f"trainer.node{i}", "trainer", host, tuple(argv), False))
+        name = "trainer" if len(t.hosts) == 1 else f"trainer.node{i}"
+        out.append(RoleCommand(name, "trainer", host, tuple(argv), False))
     if check:
         return out
     for s in plan.servers:
@@ -172,7 +174,8 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
             f"--nodelist={','.join(t.hosts)}", *([f"--gres=gpu:{t.ranks_per_node}"] if gpu else []),
             *_slurm_cpus(plan, t.ranks_per_node),
             "--exact", "--kill-on-bad-exit=1", "--job-name=megarl-trainer"]
-    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(t.hosts)}", f"--nproc-per-node={t.ranks_per_node}",
+    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(t.hosts)}",
+                f"--nproc-per-node={t.ranks_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}",
                 f"--rdzv-id=megarl-{job}"]
     out = [RoleCommand("trainer", "trainer", "", tuple(srun + _env_prefix(env) + torchrun
@@ -186,8 +189,8 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
                 *_slurm_cpus(plan, s.tp),
                 "--exact", f"--job-name=megarl-{s.name}"]
         prog = _entry(plan, python, check=False)
-        out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(role_env(plan, s.role, s,
-                                                                                     set_visible_devices=False)) + prog), True))
+        env = role_env(plan, s.role, s, set_visible_devices=False)
+        out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(env) + prog), True))
     return out
 
 
@@ -217,7 +220,8 @@ def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
     if plan.master_addr != t.hosts[0] or len(t.hosts) > 1:
         env["MASTER_ADDR"] = plan.master_addr
     base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts], authkey=_has_own_dedicated(plan))
-    out = [RoleCommand("trainer", "trainer", "", tuple(base + _env_prefix(env) + _entry(plan, python, check=check)), False)]
+    entry = tuple(base + _env_prefix(env) + _entry(plan, python, check=check))
+    out = [RoleCommand("trainer", "trainer", "", entry, False)]
     if check:
         return out
     for s in plan.servers:
@@ -226,7 +230,8 @@ def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
         # one process each: vLLM starts its own TP workers, the scorer is one rank (the plan refuses tp > 1)
         base = _mpirun_base(plan, 1, [(s.host, 1)], authkey=s.role == "dedicated")
         env = role_env(plan, s.role, s, set_visible_devices=True)
-        out.append(RoleCommand(s.name, s.role, "", tuple(base + _env_prefix(env) + _entry(plan, python, check=False)), True))
+        entry = tuple(base + _env_prefix(env) + _entry(plan, python, check=False))
+        out.append(RoleCommand(s.name, s.role, "", entry, True))
     return out
 
 
@@ -281,7 +286,8 @@ def describe_plan(plan) -> str:
         lines.append("weights     gloo broadcast group set up by the controller with the engines it spawns")
     elif plan.weight_sync == "broadcast":
         backend = "NCCL" if plan.device == "gpu" else "gloo"
-        lines.append(f"weights     {backend} broadcast from trainer rank 0 at {plan.master_addr}:{plan.weight_sync_port} "
+        lines.append(f"weights     {backend} broadcast from trainer rank 0 at "
+                     f"{plan.master_addr}:{plan.weight_sync_port} "
                      f"to {plan.weight_sync_world - 1} engine worker(s) (group of {plan.weight_sync_world})")
     else:
         lines.append("weights     safetensors under <run_dir>/weights, loaded by every engine")

@@ -24,8 +24,13 @@ from safetensors.torch import save_file
 
 from megarl.errors import EngineError, InputError
 from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
-from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
-                                        safetensors_files, tied_optional_names)
+from megarl.rollout.weight_spec import (
+    check_update_specs,
+    read_checkpoint_specs,
+    read_config,
+    safetensors_files,
+    tied_optional_names,
+)
 from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams
 

@@ -37,8 +37,7 @@ from pathlib import Path
 
 from megarl.errors import EngineError, InputError
 from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
-from megarl.rollout.weight_spec import (check_update_specs, read_checkpoint_specs, read_config,
-                                        tied_optional_names)
+from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.types import GenerateRequest, GenerateResult
 
 # vLLM is imported inside the methods that use it: this module is named by `megarl engine --backend vllm`

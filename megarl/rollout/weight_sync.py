@@ -137,7 +137,7 @@ class WeightBroadcaster:
             meta.append([name, list(t.shape), dtype_name(t.dtype), offset])
             offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         payload = torch.empty(offset, dtype=torch.uint8, device=self.device)
-        for (name, t), (_, _, _, off) in zip(bucket, meta):
+        for (_name, t), (_, _, _, off) in zip(bucket, meta):
             flat = t.contiguous().reshape(-1).view(torch.uint8)
             payload[off:off + flat.numel()].copy_(flat)
         meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)

@@ -116,8 +116,11 @@ class MegatronTrainer:
 
     # -- construction ------------------------------------------------------------------
     def _build_model(self, use_distributed_optimizer: bool) -> list:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
 
         gpt = build_gpt_model(self.hf_config, self.config, self.temperature)
@@ -318,9 +321,9 @@ class MegatronTrainer:
         dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
         merged: dict[str, list[float]] = {}
         total = 0.0
-        for s, l in gathered:
-            total += l
-            for k, (v, n) in s.items():
+        for sums, loss in gathered:
+            total += loss
+            for k, (v, n) in sums.items():
                 m = merged.setdefault(k, [0.0, 0.0])
                 m[0] += v
                 m[1] += n

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint import load_rank_state, save_rank_state
 from megarl.errors import CheckpointError, MegarlError
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 #: a trajectory's per-token lists; an append extends them one after the other
 _PER_TOKEN = ("response_ids", "logp_behav", "versions", "loss_mask")
@@ -322,9 +322,9 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             for _ in trainer.export_hf_weights():
                 pass
         elif kind == "save_state":
-            _run_on_all(channel, lambda: save_rank_state(event[1], trainer, strategy.state_dict()))
+            _run_on_all(channel, lambda path=event[1]: save_rank_state(path, trainer, strategy.state_dict()))
         elif kind == "load_state":
-            _run_on_all(channel, lambda: load_rank_state(event[1], trainer, strategy))
+            _run_on_all(channel, lambda path=event[1]: load_rank_state(path, trainer, strategy))
         elif kind == "stop":
             return
         else:

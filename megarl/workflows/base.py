@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Protocol, runtime_checkable
 
-from megarl.types import GenerateResult, SamplingParams, Trajectory
+from megarl.types import GenerateResult, Trajectory
 
 #: ``generate(context_ids, sampling, into=None)``: one policy turn appended to the trajectory (or to
 #: ``into``, another trajectory of the same episode: an agent's part, megarl/agents/client.py)

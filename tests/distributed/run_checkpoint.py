@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         return -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"], {}
 
     for mode, (tp, pp, dist_opt, dtype) in MODES.items():
-        def build():
+        def build(tp=tp, pp=pp, dist_opt=dist_opt, dtype=dtype):
             return MegatronTrainer(args.checkpoint, tp=tp, pp=pp, lr=1e-2, micro_batch_tokens=64, seed=0,
                                    use_distributed_optimizer=dist_opt, dtype=dtype)
 

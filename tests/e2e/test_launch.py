@@ -61,7 +61,8 @@ def test_launch_dry_run_json_and_errors():
     p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", "configs/qwen3_4b_h100.yaml", "--recovery",
              "dedicated", "placement.dedicated_tp=2", "--nodes", "3", "--gpus-per-node", "8"])
     assert p.returncode == 2 and "set placement.dedicated_tp=1" in p.stderr, p.stderr
-    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", CFG_30B, "--nodes", "2", "--gpus-per-node", "8"])
+    p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--config", CFG_30B, "--nodes", "2",
+             "--gpus-per-node", "8"])
     assert p.returncode == 2
     assert "plan needs 32 GPUs on 4 nodes (trainer 16 + engines 16), allocation has 16 GPUs on 2 node(s)" in p.stderr
     p = run([PY, "-m", "megarl.cli", "launch", "--config", CFG_30B, "--launcher", "slurm"])

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ENV, MEGARL, ROOT, run_megarl
+
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false",
          "logging.save_every=2", "logging.keep_last=2", "eval.path="]
 

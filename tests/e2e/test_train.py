@@ -2,7 +2,6 @@
 import json
 
 import pytest
-
 from conftest import ENGINE_VARS, run_megarl
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "eval.path="]
@@ -167,7 +166,7 @@ def test_empty_dataset_and_too_long_prompt(ckpt, tmp_path):
         (no_tok / f).write_bytes((ckpt / f).read_bytes())
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={no_tok}",
                "--output-dir", str(tmp_path / "r3"), timeout=120)
-    assert r.returncode == 2 and f"no tokenizer files" in r.stderr and str(no_tok) in r.stderr \
+    assert r.returncode == 2 and "no tokenizer files" in r.stderr and str(no_tok) in r.stderr \
         and "model.tokenizer" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "r3").exists()
 

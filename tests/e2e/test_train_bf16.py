@@ -3,9 +3,8 @@ import json
 import math
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import run_megarl
+from safetensors.torch import load_file
 
 BF16 = ["model.dtype=bfloat16", "rollout.backend=hf", "recovery.name=snapshot", "trainer.batch_size=16",
         "rollout.group_size=8", "rollout.max_new_tokens=12", "logging.progress=none", "logging.tensorboard=false",

@@ -10,7 +10,7 @@ import asyncio
 import torch
 
 from megarl.rollout.client import launch_engine_process, stop_engine_process
-from megarl.types import GenerateRequest, SamplingParams, Trajectory, TrainBatch
+from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory
 
 ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 PROMPTS = [[1, 5 + i, 6, 7] for i in range(4)]

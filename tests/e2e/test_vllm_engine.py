@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ENGINE_VARS
+from safetensors.torch import load_file
 
 from megarl.errors import EngineError, InputError
 from megarl.models.tiny import write_tiny_checkpoint

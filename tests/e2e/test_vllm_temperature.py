@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megarl.builder import load_run_config
 from megarl.rollout.client import launch_engine_process, stop_engine_process
-from megarl.types import GenerateRequest, SamplingParams, Trajectory, TrainBatch
+from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}

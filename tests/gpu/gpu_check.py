@@ -447,7 +447,8 @@ def check_te_spec(workdir: Path) -> str:
     ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.tokens[:, 1:].cuda().unsqueeze(-1)).squeeze(-1)
     batch.logp_behav = ref.cpu() * batch.loss_mask
     mean, worst, n = logp_gap(trainer.logprobs(batch), batch)
-    require(mean < 5e-3 and worst < 5e-2, f"TE model vs HF log-probs: mean {mean:.3e} max {worst:.3e} (limits 5e-3 / 5e-2)")
+    require(mean < 5e-3 and worst < 5e-2,
+            f"TE model vs HF log-probs: mean {mean:.3e} max {worst:.3e} (limits 5e-3 / 5e-2)")
     return f"TE modules from {', '.join(te_modules)}; vs HF fp32 mean {mean:.2e} max {worst:.2e} over {n} tokens"
 
 
@@ -477,7 +478,8 @@ def check_bf16_step(workdir: Path) -> str:
         require(all(v == v and abs(v) != float("inf") for v in (m["loss"], m["grad_norm"])), f"non-finite: {m}")
         losses.append(m["loss"])
     require(losses[-1] < losses[0], f"loss did not go down over 4 bf16 steps: {losses}")
-    return f"params {sorted(str(d) for d in dtypes)}; loss {losses[0]:.4f} -> {losses[-1]:.4f}, version {trainer.version}"
+    return (f"params {sorted(str(d) for d in dtypes)}; loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"version {trainer.version}")
 
 
 def _check_pass(workdir: Path) -> str:  # harness self-test
@@ -514,12 +516,14 @@ def self_test(workdir: Path) -> list[str]:
     from megarl.rollout.router import EngineRouter
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
-    missing = _has_params(client.launch_engine_process, "checkpoint", "extra_args", "env", "log_path", "startup_timeout_s")
+    missing = _has_params(client.launch_engine_process, "checkpoint", "extra_args", "env", "log_path",
+                          "startup_timeout_s")
     need(f"launch_engine_process lacks {missing}", not missing)
     need("stop_engine_process missing", callable(getattr(client, "stop_engine_process", None)))
     for m in ("generate", "update_weights_from_broadcast", "close"):
         need(f"EngineClient.{m} missing", callable(getattr(client.EngineClient, m, None)))
-    need("EngineRouter.update_weights_from_broadcast missing", callable(getattr(EngineRouter, "update_weights_from_broadcast", None)))
+    need("EngineRouter.update_weights_from_broadcast missing",
+         callable(getattr(EngineRouter, "update_weights_from_broadcast", None)))
     missing = _has_params(weight_sync.WeightBroadcaster.__init__, "host", "port", "world_size", "backend", "timeout_s")
     need(f"WeightBroadcaster lacks {missing}", not missing)
     for m in ("group_info", "broadcast", "close"):
@@ -547,7 +551,8 @@ def self_test(workdir: Path) -> list[str]:
     tensors = load_file(str(ckpt / "model.safetensors"))
     need("tiny checkpoint weights are not bf16 values",
          all(bool((t == t.bfloat16().float()).all()) for t in tensors.values()))
-    need("tiny checkpoint config is not bfloat16", json.loads((ckpt / "config.json").read_text())["torch_dtype"] == "bfloat16")
+    need("tiny checkpoint config is not bfloat16",
+         json.loads((ckpt / "config.json").read_text())["torch_dtype"] == "bfloat16")
     return problems
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.types import Trajectory, TrainBatch
+from megarl.types import TrainBatch, Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "configs" / "models" / "tiny_qwen3.yaml"

@@ -3,7 +3,7 @@
 The engine is a scripted stand-in for the controller's generate function only
 (it replays model outputs and appends them to the trajectory it is given, as
 the controller does); the tokenizer, chat template, tool service and workers
-are the real ones. tests/e2e/test_agents.py runs agents on the real vLLM engine.
+are the real ones. tests/e2e/test_agent_runs.py runs agents on the real vLLM engine.
 """
 import asyncio
 import sys
@@ -226,9 +226,8 @@ def test_agent_functions_are_checked_when_loaded():
 
 
 def test_tools_need_a_template_that_shows_them(demo_tokenizer_dir, tmp_path):
-    from transformers import AutoTokenizer
-
     from conftest import run_tokenizer
+    from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(demo_tokenizer_dir))
     hf.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tools in it

@@ -128,7 +128,7 @@ def test_bf16_logprobs_are_fp32_log_softmax_of_the_bf16_logits(ckpts):
 @pytest.mark.parametrize("model", ["x1", "x4"])
 def test_bf16_logprobs_match_fp32_trainer_and_bf16_hf_engine(ckpts, model, tmp_path):
     from megarl.rollout.hf_engine import HFEngine
-    from megarl.types import GenerateRequest, SamplingParams, Trajectory, TrainBatch
+    from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory
 
     bf16, fp32 = trainer_for(ckpts[model], dtype="bfloat16"), trainer_for(ckpts[model])
     batch = make_batch()

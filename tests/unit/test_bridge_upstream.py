@@ -13,7 +13,8 @@ import torch
 
 DENSE = dict(model_type="qwen3", vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=2, max_position_embeddings=32,
-             rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e4, "rope_type": "default"})
+             rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=True,
+             rope_parameters={"rope_theta": 1e4, "rope_type": "default"})
 MOE = dict(DENSE, model_type="qwen3_moe", num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
            norm_topk_prob=False, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
            router_aux_loss_coef=0.0)

@@ -19,10 +19,15 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_tokenizer, write_tokenizer
 
-from megarl.checkpoint import (find_latest_checkpoint, list_checkpoints, remove_temp_dirs, rewind_run_logs,
-                               verify_checkpoint, write_checkpoint)
+from megarl.checkpoint import (
+    find_latest_checkpoint,
+    list_checkpoints,
+    remove_temp_dirs,
+    rewind_run_logs,
+    verify_checkpoint,
+    write_checkpoint,
+)
 from megarl.errors import CheckpointError
-
 
 
 def fill_files(tmp: Path) -> None:
@@ -229,7 +234,8 @@ def make_controller(seed, steps_state=None, eta=2):
     from recovery.behav import Behav
 
     rng = random.Random(seed)
-    cfg = load_run_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4", "logging.save_every=3"])
+    cfg = load_run_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4",
+                                 "logging.save_every=3"])
     engine = SimulatedEngineForGateTests(rng, 12)
     trainer = StateTrainer(rng)
 
@@ -282,7 +288,8 @@ def test_loop_state_round_trip_loses_nothing(seed):
     later = set(trained) - set(accepted_before)
     accepted_after = {i for rec in j2.lines["accepted"] for i in rec["traj_ids"]}
     assert later <= accepted_after, "everything else was accepted by the resumed run"
-    gids = [rec["group_id"] for rec in j1.lines["accepted"] if rec["accepted_total"] <= state["buffer"]["accepted_total"]]
+    gids = [rec["group_id"] for rec in j1.lines["accepted"]
+            if rec["accepted_total"] <= state["buffer"]["accepted_total"]]
     gids += [rec["group_id"] for rec in j2.lines["accepted"]]
     assert len(gids) == len(set(gids)), "group ids are unique across the resume"
     resumed = [rec["group_id"] for rec in j2.lines["accepted"]]

@@ -113,8 +113,8 @@ def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from megarl.types import SamplingParams
     from megarl.agents.client import AgentLimits
+    from megarl.types import SamplingParams
     from megarl.workflows.agent import AgentWorkflow, load_agent
 
     workflow = AgentWorkflow(load_agent("agent_fixtures:raises_after_one_turn"), text_tokenizer, None,

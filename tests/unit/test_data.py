@@ -104,7 +104,9 @@ def test_overlong_prompts_are_filtered_with_a_count(tmp_path, demo_tokenizer, ca
 
 
 def test_shuffle_is_seeded(three, demo_tokenizer):
-    order = lambda seed: [p.prompt_id for p in take(PromptDataset(str(three), demo_tokenizer, seed=seed), 30)]
+    def order(seed):
+        return [p.prompt_id for p in take(PromptDataset(str(three), demo_tokenizer, seed=seed), 30)]
+
     assert order(1) == order(1)
     assert order(1) != order(2)
     plain = [p.prompt_id for p in take(PromptDataset(str(three), demo_tokenizer, shuffle=False), 6)]

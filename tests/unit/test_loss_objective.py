@@ -8,13 +8,12 @@ for approximate anchors).
 import math
 
 import pytest
-import torch
 
 from megarl.builder import load_run_config
 from megarl.errors import TrainingError
 from megarl.losses import PolicyLossConfig
 from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
-from megarl.types import AnchorResult, Trajectory, TrainBatch
+from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 NAN = float("nan")
 

@@ -205,9 +205,11 @@ def test_commands_per_launcher():
     (["recovery.name=dedicated"], 4, "plan needs 40 GPUs on 5 nodes \\(trainer 16 \\+ engines 16 \\+ dedicated 8\\)"),
     (["placement.engine_tp=3"], 4, "engines: placement.engine_tp=3 does not divide num_attention_heads=32"),
     (["placement.engine_tp=16"], 4, "placement.engine_tp=16 does not divide placement.gpus_per_node=8"),
-    (["rollout.n_engines=5"], 4, "rollout.n_engines=5 x placement.engine_tp=4 need 20 GPUs; the 2 engine node\\(s\\) have 16"),
+    (["rollout.n_engines=5"], 4,
+     "rollout.n_engines=5 x placement.engine_tp=4 need 20 GPUs; the 2 engine node\\(s\\) have 16"),
     (["placement.trainer_ranks=12"], 4, "trainer: world size 12 / pp 1 = 12 ranks per stage is not divisible by ep"),
-    (["placement.trainer_ranks=32"], 4, "32 ranks on 2 node\\(s\\) is 16 per node, more than placement.gpus_per_node=8"),
+    (["placement.trainer_ranks=32"], 4,
+     "32 ranks on 2 node\\(s\\) is 16 per node, more than placement.gpus_per_node=8"),
     (["placement.trainer_ranks=15"], 4, "placement.trainer_ranks=15 is not divisible by placement.trainer_nodes=2"),
     (["placement.engine_tp=0"], 4, "placement.engine_tp=0 must be >= 1"),
 ])
@@ -221,7 +223,8 @@ def test_more_misfits():
         plan_for(CFG_30B, nodes=4, gpus=4)
     with pytest.raises(ConfigError, match="trainer nodes leave only 0 free \\(8 of 8 per node are trainer ranks\\)"):
         plan_for(CFG_4B, ["placement.engine_nodes=0"], nodes=2)
-    with pytest.raises(ConfigError, match="dedicated scorer: needs 1 GPU\\(s\\) \\(tp=1\\) but no node of the plan has 1 free"):
+    with pytest.raises(ConfigError,
+                       match="dedicated scorer: needs 1 GPU\\(s\\) \\(tp=1\\) but no node of the plan has 1 free"):
         plan_for(CFG_4B, ["recovery.name=dedicated", "placement.dedicated_nodes=0", "placement.dedicated_tp=1"],
                  nodes=3)
     # the scorer is one process: a tensor-parallel one is refused, naming the key to set
@@ -282,7 +285,8 @@ def test_mpi_bootstrap_env_handling():
     env = {"OMPI_COMM_WORLD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "2"}
     assert bootstrap_env_from_mpi(env) is None  # torchrun (or a second call) already set it
     assert under_mpi({"PMI_SIZE": "4"}) and not under_mpi({})
-    values = _from_env_only({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    values = _from_env_only({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                              "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
     assert values == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                       "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}

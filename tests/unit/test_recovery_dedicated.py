@@ -9,7 +9,7 @@ import pytest
 import torch
 from recovery_scorer import HFScorerForTests, LoopState, drive_history, extend, tiny_checkpoint
 
-from megarl.types import Trajectory, TrainBatch
+from megarl.types import TrainBatch, Trajectory
 from recovery import verifier
 from recovery.dedicated import Dedicated, DedicatedConfig
 
@@ -52,7 +52,7 @@ def test_dedicated_exact_and_state_round_trip(ckpt, tmp_path):
         assert fresh.version == 8
         # both continue identically: a new segment of v8 is scored with the restored v8 weights
         outs = []
-        for i, s in enumerate((strat, fresh)):
+        for s in (strat, fresh):
             t4 = extend(Trajectory("t4", "g3", [1, 5], logp_old=[]), "policy", 4, 8, seed=8)
             s.on_segment_finished(t4)
             t3c = Trajectory.from_dict(t3.to_dict())

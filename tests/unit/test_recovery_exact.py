@@ -9,7 +9,7 @@ import pytest
 import torch
 from recovery_scorer import HFScorerForTests, LoopState, drive_history, extend, tiny_checkpoint
 
-from megarl.types import Trajectory, TrainBatch
+from megarl.types import TrainBatch, Trajectory
 from recovery import verifier
 from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
 from recovery.snapshot import Snapshot, SnapshotConfig

@@ -19,7 +19,7 @@ from recovery_scorer import LoopState, rewind, tiny_checkpoint
 from megarl.builder import build_trainer, load_run_config
 from megarl.errors import ConfigError
 from megarl.preflight import validate
-from megarl.types import GenerateRequest, SamplingParams, Trajectory, TrainBatch
+from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory
 from recovery.dedicated import Dedicated, DedicatedConfig
 from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
 from recovery.snapshot import Snapshot, SnapshotConfig

@@ -101,7 +101,8 @@ def test_30b_plan_numbers():
         ("node03", 4, 4), ("node03", 4, 4), ("node04", 4, 4), ("node04", 4, 4)]
     assert len(plan.hosts_used) == 4 and plan.weight_sync_world == 1 + 4 * 4
     # with the dedicated scorer: a fifth node, TP like the trainer
-    cfg = load_run_config(CONFIGS / "qwen3_30b_a3b_h100.yaml", overlay_overrides(CONFIGS / "recovery" / "dedicated.yaml"))
+    cfg = load_run_config(CONFIGS / "qwen3_30b_a3b_h100.yaml",
+                          overlay_overrides(CONFIGS / "recovery" / "dedicated.yaml"))
     plan = resolve_plan(cfg, hf, cluster.simulated(5, 8))
     assert (plan.dedicated.host, plan.dedicated.tp) == ("node05", 1)
 

@@ -11,16 +11,15 @@ import random
 from types import SimpleNamespace
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.builder import load_run_config
 from megarl.controller import Controller
-from megarl.types import AnchorResult, GenerateResult
-from recovery.behav import Behav
+from megarl.types import GenerateResult
 from recovery.base import RecoveryContext
+from recovery.behav import Behav
 
 
 class SimulatedEngineForGateTests:
@@ -133,7 +132,8 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
 
     records = []
     c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(B, eta), published=PublishedVersion(),
-                   rewards=rewards or Rewards(), dataset=prompts, workflow=SingleTurn(), strategy=Behav(None, RecoveryContext(trainer=trainer)),
+                   rewards=rewards or Rewards(), dataset=prompts, workflow=SingleTurn(),
+                   strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=publisher, loss_fn_factory=lambda b, a: None, advantages=advantages,
                    on_step=records.append, checkpointer=checkpointer)
     asyncio.run(asyncio.wait_for(c.train(steps), timeout_s))

@@ -59,7 +59,8 @@ def test_template_required_but_missing(tmp_path, demo_tokenizer_dir):
 def test_decoding_for_rewards_skips_special_tokens(demo_tokenizer):
     response = digits("321") + [DEMO.IM_END]
     assert demo_tokenizer.decode_response(response) == "321"
-    assert demo_tokenizer.decode_prompt(chat_prompt("123")) == "<|im_start|>user\n123<|im_end|>\n<|im_start|>assistant\n"
+    assert demo_tokenizer.decode_prompt(chat_prompt("123")) == \
+        "<|im_start|>user\n123<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_save_makes_a_loadable_model_directory(demo_tokenizer, tmp_path):

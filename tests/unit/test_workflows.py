@@ -6,15 +6,12 @@ only: it replays GenerateResults in order and records what it was asked.
 import asyncio
 
 import pytest
-
 from conftest import DEMO, chat_prompt, digits
 
-from megarl.types import NO_VERSION, GenerateResult, SamplingParams, Segment, Trajectory
 from megarl.config.schema import MegaRLConfig
 from megarl.errors import ConfigError
-from megarl.workflows import (DigitCountEnv, MultiTurnWorkflow, SingleTurnWorkflow, ToolEnv, Workflow,
-                              build_workflow)
-
+from megarl.types import NO_VERSION, GenerateResult, SamplingParams, Segment, Trajectory
+from megarl.workflows import DigitCountEnv, MultiTurnWorkflow, SingleTurnWorkflow, ToolEnv, Workflow, build_workflow
 
 D = digits
 EOS = DEMO.IM_END  # the demo tokenizer's eos_token
@@ -97,7 +94,8 @@ def test_multi_turn_tool_tokens(generate_appends, demo_tokenizer):
 
 def test_multi_turn_stops_after_max_turns_without_answering_the_last_call(demo_tokenizer):
     gen = scripted_generate(([SEP], [1], "stop"), ([SEP], [1], "stop"), ([EOS], [1], "stop"))
-    traj = asyncio.run(MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer), max_turns=2).run(new_traj(PROMPT), gen))
+    workflow = MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer), max_turns=2)
+    traj = asyncio.run(workflow.run(new_traj(PROMPT), gen))
     assert len(gen.calls) == 2
     assert traj.response_ids == [SEP, *D("2"), SEP]
     assert traj.loss_mask == [1, 0, 1]
