@@ -23,6 +23,7 @@ from megarl.models.tiny import write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rollout.base import engine_options, truncates_sampling
 from megarl.tokenizer import RunTokenizer
+from megarl.workflows.agent import check_agent_config
 
 log = logging.getLogger("megarl.preflight")
 
@@ -151,4 +152,6 @@ def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
                                                  path=cfg.eval.path, shuffle=False)
     elif cfg.eval.every:
         log.warning("eval.every=%d has no effect: eval.path is empty (no evaluation in this run)", cfg.eval.every)
+    if cfg.rollout.workflow == "agent":  # the agent, its tools and the template, before anything starts
+        check_agent_config(cfg.agent, tokenizer)
     return RunInputs(tokenizer, dataset, eval_dataset)

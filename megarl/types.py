@@ -197,6 +197,22 @@ def training_rows(trajs: list[Trajectory]) -> list[Trajectory]:
     return [r for t in trajs for r in t.rows()]
 
 
+def append_turn(traj: Trajectory, n_before: int, result: GenerateResult) -> None:
+    """Record one policy turn that started when ``traj`` had ``n_before`` response tokens.
+
+    A ``generate`` may already have appended the turn's tokens itself (the
+    controller does, chunk by chunk, so recovery hooks see partial segments of
+    an interrupted turn); then they are checked, not appended twice.
+    """
+    n_new = len(traj.response_ids) - n_before
+    if n_new == 0:
+        traj.append_policy(result.output_ids, result.logp_behav, result.versions)
+    elif (traj.response_ids[n_before:] != result.output_ids
+          or traj.versions[n_before:] != result.versions):
+        raise RuntimeError(f"trajectory {traj.traj_id}: generate appended {n_new} tokens that differ from "
+                           f"the {len(result.output_ids)} it returned")
+
+
 @dataclass
 class RewardInput:
     """What a reward function sees of one finished trajectory (megarl/rewards/__init__.py)."""

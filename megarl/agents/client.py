@@ -35,8 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from megarl.agents.tool_calls import ParsedCall, parse_tool_calls
-from megarl.types import GenerateResult, SamplingParams, Trajectory
-from megarl.workflows.base import append_turn
+from megarl.types import GenerateResult, SamplingParams, Trajectory, append_turn
 
 #: the tool name a malformed call gets, so that calling it hands the model its error
 INVALID_TOOL = "invalid_tool_call"

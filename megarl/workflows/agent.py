@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from megarl.agents.client import AgentClient, AgentLimits
-from megarl.agents.tools import ToolService
+from megarl.agents.tools import BUILTIN_TOOLS, ToolService, tool_schema
 from megarl.errors import ConfigError
 from megarl.rewards import resolve_reward_fn
 from megarl.types import Trajectory
@@ -42,6 +42,23 @@ def load_agent(name: str):
         raise ConfigError(f"agent.fn={name!r} has signature {inspect.signature(fn)}; it must take "
                           f"(client, row)") from None
     return fn
+
+
+def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
+    """What ``build_workflow("agent", ...)`` would refuse, checked before the run starts anything: the agent
+    function, every tool (importable, with a describable signature) and the template's tool support."""
+    load_agent(agent_cfg.fn)
+    if agent_cfg.max_turns < 1:
+        raise ConfigError(f"agent.max_turns={agent_cfg.max_turns} must be >= 1")
+    for entry in agent_cfg.tools:
+        path = BUILTIN_TOOLS.get(entry, entry)
+        tool_schema(entry, resolve_reward_fn(path))
+    if agent_cfg.tools and not tokenizer.supports_tools():
+        raise ConfigError(f"agent.tools={list(agent_cfg.tools)} but the chat template of {tokenizer.source} does not "
+                          f"show tools to the model; use a tokenizer whose template supports tools, or no tools")
+    if agent_cfg.max_tokens > tokenizer.model_max_len:
+        raise ConfigError(f"agent.max_tokens={agent_cfg.max_tokens} is more than the model's max_position_embeddings "
+                          f"{tokenizer.model_max_len}")
 
 
 class AgentWorkflow:

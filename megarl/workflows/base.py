@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Protocol, runtime_checkable
 
-from megarl.types import GenerateResult, Trajectory
+from megarl.types import GenerateResult, Trajectory, append_turn  # noqa: F401 (append_turn is re-exported here)
 
 #: ``generate(context_ids, sampling, into=None)``: one policy turn appended to the trajectory (or to
 #: ``into``, another trajectory of the same episode: an agent's part, megarl/agents/client.py)
@@ -48,19 +48,3 @@ class ToolEnv(Protocol):
     async def respond(self, traj: Trajectory) -> list[int]:
         """The tokens the environment answers with, given the trajectory so far."""
         ...
-
-
-def append_turn(traj: Trajectory, n_before: int, result: GenerateResult) -> None:
-    """Record one policy turn that started when ``traj`` had ``n_before`` response tokens.
-
-    A ``generate`` may already have appended the turn's tokens itself (the
-    controller does, chunk by chunk, so recovery hooks see partial segments of
-    an interrupted turn); then they are checked, not appended twice.
-    """
-    n_new = len(traj.response_ids) - n_before
-    if n_new == 0:
-        traj.append_policy(result.output_ids, result.logp_behav, result.versions)
-    elif (traj.response_ids[n_before:] != result.output_ids
-          or traj.versions[n_before:] != result.versions):
-        raise RuntimeError(f"trajectory {traj.traj_id}: generate appended {n_new} tokens that differ from "
-                           f"the {len(result.output_ids)} it returned")

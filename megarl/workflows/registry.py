@@ -4,8 +4,11 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from megarl.agents.client import AgentLimits
+from megarl.agents.tools import ToolService
 from megarl.errors import ConfigError
 from megarl.types import SamplingParams
+from megarl.workflows.agent import AgentWorkflow, load_agent
 from megarl.workflows.base import ToolEnv, Workflow
 from megarl.workflows.multi_turn import MultiTurnWorkflow
 from megarl.workflows.single_turn import SingleTurnWorkflow
@@ -37,10 +40,6 @@ def _multi_turn(cfg: Any, tokenizer: Any, env: str | ToolEnv = "digit_count", ma
 
 
 def _agent(cfg: Any, tokenizer: Any) -> Workflow:
-    from megarl.agents.client import AgentLimits
-    from megarl.agents.tools import ToolService
-    from megarl.workflows.agent import AgentWorkflow, load_agent
-
     a = cfg.agent
     if a.max_turns < 1:
         raise ConfigError(f"agent.max_turns={a.max_turns} must be >= 1")

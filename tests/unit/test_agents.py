@@ -249,3 +249,16 @@ def test_a_failing_agent_costs_its_episode_not_the_run(text_tokenizer):
     assert traj.reward == 0.0 and traj.meta["agent_error"] == "RuntimeError: the agent broke"
     assert wf.stats()["n_agent_failed"] == 1 and wf.stats()["n_agent_turns"] == 1
     assert traj.n_policy_tokens == 3  # "ok" + EOS: what it generated stays, with reward 0
+
+
+def test_agent_configuration_is_checked_before_the_run(text_tokenizer, demo_tokenizer_dir, tmp_path):
+    from megarl.config.schema import AgentConfig
+    from megarl.workflows.agent import check_agent_config
+
+    check_agent_config(AgentConfig(fn="math_python", tools=["python", "agent_fixtures:add"]), text_tokenizer)
+    with pytest.raises(ConfigError, match="is not an async function"):
+        check_agent_config(AgentConfig(fn="agent_fixtures:not_async"), text_tokenizer)
+    with pytest.raises(ConfigError, match="needs an int, float, str or bool annotation"):
+        check_agent_config(AgentConfig(tools=["agent_fixtures:untyped"]), text_tokenizer)
+    with pytest.raises(ConfigError, match="more than the model's max_position_embeddings"):
+        check_agent_config(AgentConfig(max_tokens=10**6), text_tokenizer)
