@@ -261,4 +261,4 @@ def test_agent_configuration_is_checked_before_the_run(text_tokenizer, demo_toke
     with pytest.raises(ConfigError, match="needs an int, float, str or bool annotation"):
         check_agent_config(AgentConfig(tools=["agent_fixtures:untyped"]), text_tokenizer)
     with pytest.raises(ConfigError, match="more than the model's max_position_embeddings"):
-        check_agent_config(AgentConfig(max_tokens=10**6), text_tokenizer)
+        check_agent_config(AgentConfig(max_tokens=text_tokenizer.model_max_len + 1), text_tokenizer)
