@@ -73,14 +73,15 @@ class EngineClient:
     async def abort_all(self) -> None:
         await self._call("POST", "/abort_all", {})
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
-        await self._call("POST", "/update_weights", {"path": str(path), "version": version}, timeout_s=None)
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
+        body = {"path": str(path), "version": version}
+        return (await self._call("POST", "/update_weights", body, timeout_s=None)).get("phases")
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
+                                            version: int) -> dict[str, float] | None:
         body = {"group_info": group_info, "version": version,
                 "names_shapes_dtypes": [[n, list(s), d] for n, s, d in names_shapes_dtypes]}
-        await self._call("POST", "/update_weights", body, timeout_s=None)
+        return (await self._call("POST", "/update_weights", body, timeout_s=None)).get("phases")
 
     async def version(self) -> int:
         return int((await self._call("GET", "/version"))["version"])
