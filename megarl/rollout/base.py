@@ -28,6 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
+from megarl.cpu_affinity import format_cores
 from megarl.errors import ConfigError, EngineError, InputError
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -175,26 +176,34 @@ def check_request(req: GenerateRequest, vocab_size: int) -> None:
                          f"(got {s.temperature}, {s.top_p}, {s.top_k})")
 
 
-def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int) -> dict:
-    """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``
-    or the same-named command flags), so that no engine megarl starts depends on VLLM_CPU_KVCACHE_SPACE or
-    OMP_NUM_THREADS being set; both apply on CPU only (``cpu_threads`` 0: left to the environment)."""
+def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: list[int] | tuple = ()) -> dict:
+    """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``,
+    ``placement.cpu_affinity.engines`` or the same-named command flags), so that no engine megarl starts depends
+    on VLLM_CPU_KVCACHE_SPACE or OMP_NUM_THREADS being set; all apply on CPU only (``cpu_threads`` 0: left to
+    the environment). With ``cpu_cores`` the engine pins itself to them and runs one thread per core."""
     if kv_cache_gb < 1:
         raise ConfigError(f"rollout.kv_cache_gb (--kv-cache-gb) must be >= 1 GiB, got {kv_cache_gb}")
     if cpu_threads < 0:
         raise ConfigError(f"rollout.cpu_threads (--cpu-threads) must be >= 0 (0: the environment's), got {cpu_threads}")
+    if cpu_cores:
+        cpu_threads = len(cpu_cores)
     options: dict = {"cpu_threads": cpu_threads} if cpu_threads else {}
+    if cpu_cores:
+        options["cpu_cores"] = list(cpu_cores)
     if backend == "vllm":
         options["kv_cache_gib"] = kv_cache_gb
     return options
 
 
 def resources_note(health: dict) -> str:
-    """", kv cache N GiB, T CPU thread(s)" from an engine's health, the parts that apply ("" for none)."""
+    """", kv cache N GiB, T CPU thread(s), on core(s) C" from an engine's health, the parts that apply
+    ("" for none)."""
     parts = []
     if health.get("kv_cache_gb") is not None:
         parts.append(f"kv cache {health['kv_cache_gb']:g} GiB")
     if health.get("cpu_threads") is not None:
         parts.append(f"{health['cpu_threads']} CPU thread(s)")
+    if health.get("cpu_cores"):
+        parts.append(f"on core(s) {format_cores(health['cpu_cores'])}")
     return "".join(f", {p}" for p in parts)
 

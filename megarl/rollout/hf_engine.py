@@ -105,6 +105,8 @@ class HFEngine:
         self.last_update_s: float | None = None
         #: seconds of each phase of the last weight update (engine_abort_s, engine_pause_s, ...)
         self.last_update_phases: dict[str, float] = {}
+        #: the cores this engine's process is pinned to (None: not pinned by megarl)
+        self.cpu_cores: list[int] | None = None
 
     @classmethod
     async def create(cls, checkpoint: str, *, initial_version: int = 0, device: str = "auto",
@@ -267,7 +269,7 @@ class HFEngine:
                 "in_flight": self._in_flight,
                 "checkpoint": self.checkpoint, "max_model_len": self.max_model_len,
                 "paused": self._user_paused, "last_update_s": self.last_update_s,
-                "cpu_threads": torch.get_num_threads() if self.device == "cpu" else None}
+                "cpu_threads": torch.get_num_threads() if self.device == "cpu" else None, "cpu_cores": self.cpu_cores}
 
     async def pause(self) -> None:
         gate, _ = self._events()

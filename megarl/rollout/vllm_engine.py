@@ -26,7 +26,8 @@ Choices that matter for RL, and why:
   log-probs of the old weights (the pause does not clear the cache; the one
   reset after the reload is the one that matters).
 - On CPU: fp32, eager mode, no thread pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``
-  unless set), and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
+  unless set; with ``cpu_cores`` the workers' threads are bound to those cores),
+  and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
   one thing left to compile is vLLM's logprob-rank helper, whose first call
   otherwise costs ~20 s of C++ compilation per engine process. The KV cache
   (``kv_cache_gib``) and the threads (``cpu_threads``) go to vLLM's processes as
@@ -41,6 +42,7 @@ import itertools
 import os
 from pathlib import Path
 
+from megarl.cpu_affinity import omp_bind
 from megarl.errors import EngineError, InputError
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
@@ -107,15 +109,19 @@ class VLLMEngine:
         self.kv_cache_gb: float | None = None
         #: OMP_NUM_THREADS of vLLM's processes (None: inherited)
         self.cpu_threads: int | None = None
+        #: the cores this engine and vLLM's processes are pinned to (None: not pinned by megarl)
+        self.cpu_cores: list[int] | None = None
 
     @classmethod
     async def create(cls, checkpoint: str, *, seed: int = 0, initial_version: int = 0, dtype: str | None = None,
                      max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
                      enforce_eager: bool | None = None, kv_cache_gib: int | None = None,
-                     cpu_threads: int | None = None, tensor_parallel_size: int = 1) -> "VLLMEngine":
+                     cpu_threads: int | None = None, tensor_parallel_size: int = 1,
+                     cpu_cores: list[int] | None = None) -> "VLLMEngine":
         """``dtype``: "float32", "bfloat16", "auto" (the checkpoint's recorded dtype, see
         megarl.rollout.base.resolve_dtype) or None: float32 on CPU (exact log-prob parity), vLLM's own
-        choice on GPU."""
+        choice on GPU. ``cpu_cores``: the cores this process was pinned to (megarl.rollout.backends.make_engine);
+        vLLM binds its workers' OpenMP threads to them."""
         config = read_config(checkpoint)  # fail on a bad checkpoint before paying for the vLLM import
         if dtype is not None:
             dtype = resolve_dtype(dtype, config)
@@ -131,8 +137,9 @@ class VLLMEngine:
         if on_cpu:
             # vLLM's default pins each CPU engine's threads to the same cores (core 0 on a 2-core
             # box): several engines on one machine then queue on one core while the other idles
+            bind = omp_bind(cpu_cores, tensor_parallel_size) if cpu_cores else None
             child_env = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1"),
-                         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+                         "VLLM_CPU_OMP_THREADS_BIND": bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
             if kv_cache_gib is not None:
                 child_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             if cpu_threads:
@@ -313,7 +320,7 @@ class VLLMEngine:
                 "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
                 "max_model_len": self.max_model_len, "paused": self._user_paused,
                 "last_update_s": self.last_update_s, "n_workers": self.n_workers,
-                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads}
+                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads, "cpu_cores": self.cpu_cores}
 
     async def pause(self) -> None:
         self._user_paused = True

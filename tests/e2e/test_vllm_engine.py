@@ -60,18 +60,31 @@ def _serve(ckpt: str, extra_args: tuple = ()):
     return proc, client.url
 
 
-def _group_environments(pgid: int) -> list[dict[str, str]]:
-    """The environments of the processes in process group ``pgid`` (an engine and vLLM's processes)."""
-    envs = []
+def _group_read(pgid: int, read) -> list:
+    """``read(/proc/<pid> directory)`` of each process in process group ``pgid`` (an engine and vLLM's processes)."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
-            raw = (stat.parent / "environ").read_bytes()
+            out.append(read(stat.parent))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        envs.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
-    return envs
+    return out
+
+
+def _group_environments(pgid: int) -> list[dict[str, str]]:
+    def environ(proc: Path) -> dict[str, str]:
+        raw = (proc / "environ").read_bytes()
+        return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+    return _group_read(pgid, environ)
+
+
+def _group_cpus(pgid: int) -> list[set[int]]:
+    """The cores each thread of each process in group ``pgid`` may run on."""
+    def cpus(proc: Path) -> list[set[int]]:
+        return [os.sched_getaffinity(int(t.name)) for t in (proc / "task").iterdir()]
+    return [c for per_proc in _group_read(pgid, cpus) for c in per_proc]
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -140,9 +153,13 @@ async def wait_in_flight(client, n: int, timeout_s: float = 30.0) -> None:
 
 
 # -- dense ---------------------------------------------------------------------------------------
+#: the dense engine runs pinned to one core (placement.cpu_affinity.engines, `megarl engine --cpu-cores`)
+ENGINE_CORE = max(os.sched_getaffinity(0))
+
+
 @pytest.fixture(scope="class")
 def dense_url(ckpts):
-    proc, url = _serve(ckpts["dense0"])
+    proc, url = _serve(ckpts["dense0"], extra_args=("--cpu-cores", str(ENGINE_CORE)))
     yield url
     stop_engine_process(proc)
 
@@ -222,6 +239,13 @@ class TestDense:
         vllm_side = [e for e in envs if "VLLM_CPU_KVCACHE_SPACE" in e]
         assert len(envs) >= 3 and vllm_side, envs
         assert all(e["VLLM_CPU_KVCACHE_SPACE"] == "1" and e.get("OMP_NUM_THREADS") == "1" for e in vllm_side)
+
+    def test_engine_and_vllm_processes_run_on_its_cores(self, url):
+        # the server pinned itself before vLLM started its engine-core and worker processes: they inherit it
+        cpus = _group_cpus(_PROCS[url].pid)
+        assert len(cpus) >= 3 and all(c == {ENGINE_CORE} for c in cpus), cpus
+        envs = [e for e in _group_environments(_PROCS[url].pid) if "VLLM_CPU_KVCACHE_SPACE" in e]
+        assert envs and all(e["VLLM_CPU_OMP_THREADS_BIND"] == str(ENGINE_CORE) for e in envs)  # its OpenMP threads too
 
     def test_update_from_disk_and_broadcast(self, url, ckpts):
         async def go(c):
