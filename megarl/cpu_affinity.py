@@ -32,6 +32,11 @@ def available_cores() -> set[int]:
     return set(_UNPINNED) if _UNPINNED is not None else set(os.sched_getaffinity(0))
 
 
+def machine_cores() -> set[int]:
+    """Every core of the machine (whether or not this process may run on it)."""
+    return set(range(os.cpu_count() or 1))
+
+
 def parse_cores(text: str, what: str = "cores") -> list[int]:
     """``"0-3,6"`` -> [0, 1, 2, 3, 6] (Linux cpulist syntax); ConfigError naming ``what`` on bad input."""
     cores: list[int] = []
@@ -77,16 +82,22 @@ def check_affinity(affinity, available: set[int] | None = None) -> None:
 
 def pin_process(cores: list[int]) -> None:
     """Run this process, every thread it has and every thread and child it starts later, on ``cores`` only;
-    torch (if loaded) then uses one intra-op thread per core."""
+    torch (if loaded) then uses one intra-op thread per core. ConfigError when a core cannot be used. A
+    process may move itself to cores outside the set it inherited (an engine started by a pinned trainer)."""
     global _UNPINNED
+    before = frozenset(os.sched_getaffinity(0))
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:  # a core outside this machine's (or this container's) cpuset
+        raise ConfigError(f"cannot run on core(s) {format_cores(cores)}: {e}; this process may use "
+                          f"{format_cores(before)}") from e
     if _UNPINNED is None:
-        _UNPINNED = frozenset(os.sched_getaffinity(0))
-    for task in Path("/proc/self/task").iterdir():  # sched_setaffinity(0) would pin the calling thread only
+        _UNPINNED = before
+    for task in Path("/proc/self/task").iterdir():  # sched_setaffinity(0) pins the calling thread only
         try:
             os.sched_setaffinity(int(task.name), cores)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
-    os.sched_setaffinity(0, cores)
     torch = sys.modules.get("torch")  # only if loaded: an engine server pins itself before importing torch
     if torch is not None:
         torch.set_num_threads(len(cores))

@@ -4,7 +4,7 @@ rollout.cpu_threads, so that neither command depends on VLLM_CPU_KVCACHE_SPACE o
 from __future__ import annotations
 
 from megarl.config.schema import RolloutConfig
-from megarl.cpu_affinity import check_cores, parse_cores
+from megarl.cpu_affinity import check_cores, machine_cores, parse_cores
 from megarl.rollout.base import engine_options
 
 
@@ -24,5 +24,6 @@ def add_engine_resource_args(p) -> None:
 def engine_resource_options(args) -> dict:
     """``make_engine`` options from the flags of :func:`add_engine_resource_args`."""
     cores = parse_cores(args.cpu_cores, "--cpu-cores") if args.cpu_cores else []
-    check_cores(cores, "--cpu-cores")
+    # against the machine's cores, not this process's: a pinned trainer's engine inherits the trainer's cores
+    check_cores(cores, "--cpu-cores", machine_cores())
     return engine_options(args.backend, args.kv_cache_gb, args.cpu_threads, cores)

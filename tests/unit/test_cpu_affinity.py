@@ -50,6 +50,14 @@ def test_config_section_and_preflight_check():
         validate(load_run_config(None, [f"placement.cpu_affinity.trainer=[{far}]"]), HF)
 
 
+def test_pinning_to_a_core_the_machine_lacks_is_a_config_error():
+    from megarl.cpu_affinity import machine_cores, pin_process
+
+    far = max(machine_cores()) + 1000
+    with pytest.raises(ConfigError, match=rf"cannot run on core\(s\) {far}: .*; this process may use"):
+        pin_process([far])  # fails before anything changes: this process keeps its cores
+
+
 def test_engine_cores_set_its_threads():
     assert engine_options("vllm", 1, 1, [2, 3]) == {"cpu_threads": 2, "cpu_cores": [2, 3], "kv_cache_gib": 1}
     assert engine_options("hf", 1, 4) == {"cpu_threads": 4}
@@ -73,7 +81,11 @@ threads = {t.name: sorted(os.sched_getaffinity(int(t.name))) for t in Path("/pro
 child = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(2)"])
 worker = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(2)"])
 cpu_affinity.release(worker.pid)
-out = {"threads": threads, "torch_threads": torch.get_num_threads(),
+# an engine started by the pinned trainer moves itself to its own core, outside the one it inherited
+moved = subprocess.run([sys.executable, "-c", "import os; from megarl import cpu_affinity; "
+                        f"cpu_affinity.pin_process([{sys.argv[2]}]); print(sorted(os.sched_getaffinity(0)))"],
+                       capture_output=True, text=True, check=True).stdout.strip()
+out = {"moved": moved, "threads": threads, "torch_threads": torch.get_num_threads(),
        "child": sorted(os.sched_getaffinity(child.pid)), "worker": sorted(os.sched_getaffinity(worker.pid)),
        "available": sorted(cpu_affinity.available_cores())}
 child.kill(); worker.kill()
@@ -83,8 +95,8 @@ print(json.dumps(out))
 
 def test_pin_process_pins_every_thread_and_children_and_release_undoes_it():
     cores = sorted(os.sched_getaffinity(0))
-    core = cores[-1]
-    p = subprocess.run([sys.executable, "-c", _CHILD, str(core)], cwd=REPO, capture_output=True, text=True,
+    core, other = cores[-1], cores[0]
+    p = subprocess.run([sys.executable, "-c", _CHILD, str(core), str(other)], cwd=REPO, capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -92,3 +104,4 @@ def test_pin_process_pins_every_thread_and_children_and_release_undoes_it():
     assert out["torch_threads"] == 1  # one intra-op thread per core, whatever OMP_NUM_THREADS said
     assert out["child"] == [core]  # a process it starts inherits the pinning
     assert out["worker"] == cores and out["available"] == cores  # a released worker gets every core back
+    assert out["moved"] == str([other])
