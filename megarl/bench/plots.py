@@ -109,7 +109,10 @@ def scaling_plot(report: dict[str, Any], path: str | Path) -> None:
     _lines_by_strategy(a, [r for r in rows if r["eta"] == eta_hi], "params", "recovery_s_median", colors)
     a.set(xscale="log", xlabel="total parameters", ylabel="recovery seconds per step (median)",
           title=f"Recovery cost vs model size (eta={eta_hi})")
-    a.set_yscale("symlog", linthresh=1e-3)  # strategies without a forward sit at 0
+    if any(r["recovery_s_median"] <= 0 for r in rows):
+        a.set_yscale("symlog", linthresh=1e-4)  # strategies without a forward sit at 0
+    else:
+        a.set_yscale("log")
     _lines_by_strategy(b, [r for r in rows if r["model"] == biggest], "distinct_versions_mean", "recovery_s_median",
                        colors)
     b.set(xlabel="distinct policy versions per batch (mean)", ylabel="recovery seconds per step (median)",
@@ -119,10 +122,15 @@ def scaling_plot(report: dict[str, Any], path: str | Path) -> None:
           title=f"Publish stall vs model size (eta={eta_lo})")
     _lines_by_strategy(d, [r for r in rows if r["model"] == biggest], "eta", "extra_bytes_held", colors, 1e-6)
     d.set(xlabel="eta (staleness bound)", ylabel="extra MB held (max)", title=f"Memory held vs eta ({biggest})")
+    from matplotlib.ticker import NullFormatter
+
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    a.legend(fontsize=8, loc="upper left", bbox_to_anchor=(2.25, 1.0), frameon=False)
+        if ax.get_xscale() == "log":
+            ax.xaxis.set_minor_formatter(NullFormatter())  # a few decades at most: minor labels collide
     fig.tight_layout()
+    handles, labels = a.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 0.97), frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
