@@ -43,10 +43,12 @@ DEFAULT_ETAS = (1, 2, 4, 8)
 GROWTH_RATIO = 1.5
 #: ... and by more than this (seconds, or sets of weights for bytes held): below it, timer and scheduling noise
 GROWTH_FLOOR = {"recovery_s_median": 0.002, "extra_bytes_held": 0.5, "stall_per_publish_s": 0.005}
-#: run-time estimate per run (seconds): engine and trainer start-up, then a step of a + b * active parameters.
-#: From 3-step smoke runs of the tiny_qwen3 and tiny_qwen3_m cells on a 2-core machine (configs/bench_cpu.yaml).
-ESTIMATE_STARTUP_S = 45.0
-ESTIMATE_STEP_S = (0.4, 2.5e-7)
+#: run-time estimate per run (seconds): process, engine and trainer start-up, then a step of a + b * active
+#: parameters. From 4-step runs of tiny_qwen3, tiny_qwen3_m and tiny_qwen3_moe_m (snapshot, eta 2,
+#: configs/bench_cpu.yaml, vLLM engine) on a 2-core machine at load 0.3-1.5: 39 s per run, steps of 0.29 s
+#: (0.13M parameters), 1.3 s (2.4M active) and 1.6 s (3.9M). Other strategies and etas differ; an estimate.
+ESTIMATE_STARTUP_S = 36.0
+ESTIMATE_STEP_S = (0.25, 3.4e-7)
 
 
 def resolve_model(name: str) -> Path:
@@ -101,6 +103,7 @@ def sweep_row(records: list[dict[str, Any]], weights_nbytes: int) -> dict[str, A
             "extra_bytes_held": held, "bytes_moved_per_step": s["bytes_moved"] / len(records),
             "stall_per_publish_s": stall["stall"] if stall else None, "stall_parts_s": stall,
             "distinct_versions_mean": statistics.fmean(len(r.get("version_lag_hist") or {}) for r in steady),
+            "distinct_versions_max": max(len(r.get("version_lag_hist") or {}) for r in steady),
             "stale_versions_mean": statistics.fmean(
                 sum(1 for lag in (r.get("version_lag_hist") or {}) if int(lag) > 0) for r in steady),
             "seq_tokens_mean": mean("recovery/bench_seq_tokens"),

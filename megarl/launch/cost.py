@@ -7,7 +7,7 @@ bytes per trainer GPU per step, bytes over the network per publish, and the
 engine stall per publish. It models what megarl's strategies do (recovery/*.py):
 
 - every kept copy of parameters is an fp32 CPU copy of a trainer rank's shard
-  (``trainer.get_params``): snapshot keeps up to eta+1 versions, ewma its phi,
+  (``trainer.get_params``): snapshot keeps the versions a batch spans (eta+1 at most), ewma its phi,
   interrupt_sync one version; a scoring forward under other parameters swaps
   them in and back (``trainer.use_params``: one more fp32 copy in host memory,
   3 shard copies over PCIe, and the largest tensor once in fp32 on the GPU);
@@ -117,7 +117,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
         "linear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "recompute": (0, fwd, 0.0, 0, 0, 0.0, 0),
         "ewma": (1, fwd, 0.0, 1, 1, 0.0, 0),
-        "snapshot": (eta + 1, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, shard32 / pcie, 0),
+        "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, shard32 / pcie, 0),
         "interrupt_sync": (1, fwd, 0.0, 2, 1 / every,
                            shard32 / pcie + swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
         # its checkpoint is written inside the publish (on_weights_published) and read by the scorer after
@@ -231,7 +231,8 @@ def predict_cpu(row: dict[str, Any], c: CpuConstants) -> dict[str, float]:
     if row["strategy"] == "dedicated":
         stall += row["weights_nbytes"] / c.publish_bytes_per_s  # its own checkpoint, written inside the publish
     p32 = row["params"] * FP32
-    held = {"snapshot": (row["eta"] + 1) * p32, "ewma": p32, "interrupt_sync": p32,
+    # snapshot holds the versions live tokens reference: as many as the widest batch spans
+    held = {"snapshot": row["distinct_versions_max"] * p32, "ewma": p32, "interrupt_sync": p32,
             "dedicated": row["weights_nbytes"]}.get(row["strategy"], 0.0)
     return {"recovery_s_median": recovery, "stall_per_publish_s": stall, "extra_bytes_held": held}
 

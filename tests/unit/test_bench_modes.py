@@ -80,7 +80,7 @@ def test_sweep_row_hand_computed():
     rec = _records(0.01, 2 * W, [{"0": 4}, {"0": 2, "1": 2}, {"0": 1, "1": 1, "2": 2}])
     row = sweep.sweep_row(rec, W)
     assert row["recovery_s_median"] == approx(0.01) and row["extra_bytes_held"] == 2 * W
-    assert row["distinct_versions_mean"] == approx(2.5)  # steps 2..3: 2 and 3 versions
+    assert row["distinct_versions_mean"] == approx(2.5) and row["distinct_versions_max"] == 3  # steps 2..3: 2, 3
     assert row["stale_versions_mean"] == approx(1.5)  # lag > 0: 1 and 2
     assert row["seq_tokens_mean"] == approx(250.0) and row["version_seq_tokens_mean"] == approx(375.0)
     assert row["stall_per_publish_s"] == approx(0.02) and row["bytes_moved_per_step"] == approx(2 * W / 3)

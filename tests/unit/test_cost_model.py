@@ -87,7 +87,8 @@ def _sweep_rows():
                 rows.append({"model": model, "params": params, "active_params": params, "eta": eta,
                              "strategy": strategy, "seq_tokens_mean": 3000.0, "version_seq_tokens_mean": 3000.0 * (
                                  1 + 0.1 * eta), "distinct_versions_mean": 1.0 + 0.5 * eta,
-                             "stale_versions_mean": 0.5 * eta, "weights_nbytes": params * 4})
+                             "stale_versions_mean": 0.5 * eta, "distinct_versions_max": eta + 1,
+                             "weights_nbytes": params * 4})
     for r in rows:
         p = cost.predict_cpu(r, TRUE)
         r.update(recovery_s_median=p["recovery_s_median"], stall_per_publish_s=p["stall_per_publish_s"],
@@ -98,13 +99,13 @@ def _sweep_rows():
 def test_predict_cpu_hand_computed():
     row = {"model": "m", "params": 1e6, "active_params": 1e6, "eta": 2, "strategy": "snapshot",
            "seq_tokens_mean": 1000.0, "version_seq_tokens_mean": 1500.0, "distinct_versions_mean": 2.0,
-           "stale_versions_mean": 1.0, "weights_nbytes": 4e6}
+           "stale_versions_mean": 1.0, "distinct_versions_max": 3, "weights_nbytes": 4e6}
     p = cost.predict_cpu(row, TRUE)
     # 2 calls x 4 ms + 2e6 x 1500 / 2e9 + 3 x 4e6 x 1 / 1e9 = 0.008 + 1.5 + 0.012
     assert p["recovery_s_median"] == approx(1.52)
     # 0.02 + 4e6 / 5e7 + the new version's host copy 4e6 / 1e9 = 0.02 + 0.08 + 0.004
     assert p["stall_per_publish_s"] == approx(0.104)
-    assert p["extra_bytes_held"] == 3 * 4e6  # eta + 1 versions in fp32
+    assert p["extra_bytes_held"] == 3 * 4e6  # the widest batch's 3 versions in fp32
 
 
 def test_calibration_recovers_the_constants_and_compares():
