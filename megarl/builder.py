@@ -134,6 +134,7 @@ class _EngineStarts:
         return launch_engine_process(str(self.ckpt), ro.backend, ro.base_port + i if ro.base_port else None,
                                      extra_args=["--dtype", self.cfg.model.dtype],  # the trainer's precision
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
+                                     cpu_cores=self.cfg.placement.cpu_affinity.engines,
                                      log_path=str(self.run_dir / log_name))
 
     async def started(self) -> list:

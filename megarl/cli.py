@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "verify-recovery": "verify_recovery",
     "bench": "bench",
     "launch": "launch",
+    "plan": "plan",
     "prepare-data": "prepare_data",
 }
 

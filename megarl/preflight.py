@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megarl.checkpoint import check_run_settings, find_latest_checkpoint, read_manifest
 from megarl.config import MegaRLConfig, save_config
+from megarl.cpu_affinity import check_affinity
 from megarl.data import PromptDataset
 from megarl.errors import ConfigError
 from megarl.models.tiny import write_tiny_checkpoint
@@ -128,6 +129,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"max_position_embeddings {max_len}; lower one of them")
     ro = cfg.rollout
     engine_options(ro.backend, ro.kv_cache_gb, ro.cpu_threads)  # the engines' resources, checked before they start
+    check_affinity(cfg.placement.cpu_affinity)
     if truncates_sampling(ro.top_p, ro.top_k, int(hf.get("vocab_size") or 0)) and not cfg.loss.allow_truncated_sampling:
         raise ConfigError(f"rollout.top_p={ro.top_p}, rollout.top_k={ro.top_k} truncate the sampling distribution: "
                           f"logp_behav is then the log-prob under a renormalized truncated distribution that the "

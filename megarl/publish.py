@@ -3,7 +3,10 @@
 The controller calls ``await publisher.prepare(v)`` while the engines still
 generate, then stops generation and calls ``await publisher.apply(v)``; only
 ``apply`` stalls generation (``publish_stall_s`` in the step record,
-``weight_export_s`` is ``prepare``).
+``weight_export_s`` is ``prepare``). ``apply`` returns the step record's
+weight-sync numbers, and the engines' own stall phases (``engine_abort_s``,
+``engine_pause_s``, ``engine_reload_s``, ``engine_cache_reset_s``,
+``engine_resume_s``: the slowest engine's seconds in each).
 
 * :class:`DiskPublisher` (``rollout.weight_sync=disk``): ``prepare`` writes an
   HF checkpoint to ``weights/v{v}``, ``apply`` has every engine load it.
@@ -54,11 +57,11 @@ class DiskPublisher:
         await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(self.weights_dir / f"v{version}"))
 
     async def apply(self, version: int) -> dict:
-        """Every engine loads ``version``; returns the step record's ``weight_sync_bytes``."""
+        """Every engine loads ``version``; returns the step record's ``weight_sync_bytes`` and engine phases."""
         current = self.weights_dir / f"v{version}"
-        await self.router.update_weights_from_disk(str(current), version)
+        phases = await self.router.update_weights_from_disk(str(current), version)
         _remove_other_versions(self.weights_dir, current)
-        return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors"))}
+        return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors")), **(phases or {})}
 
     def close(self) -> None:
         pass
@@ -117,7 +120,8 @@ class BroadcastPublisher:
 
     async def apply(self, version: int) -> dict:
         """Send ``version``; returns the step record's ``weight_sync_bytes`` (0: no engine took the stream),
-        ``weight_sync_groups`` (groups made so far) and ``weight_sync_fallbacks`` (publishes that went by disk)."""
+        ``weight_sync_groups`` (groups made so far), ``weight_sync_fallbacks`` (publishes that went by disk)
+        and the engines' stall phases."""
         tensors, self._tensors = self._tensors, None
         if tensors is None:
             raise RuntimeError(f"BroadcastPublisher.apply({version}) without prepare({version})")
@@ -125,22 +129,22 @@ class BroadcastPublisher:
         t0 = time.perf_counter()
         self._sender = None
         try:
-            await self.router.update_weights_from_broadcast(lambda members: self._open(members, tensors),
-                                                            tensor_specs(tensors), version,
-                                                            weights=(str(current), version))
+            phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, tensors),
+                                                                     tensor_specs(tensors), version,
+                                                                     weights=(str(current), version))
             stats = await self._sent()
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
             self._drop_group()
             self.n_fallbacks += 1
-            await self.router.update_weights_from_disk(str(current), version)
+            phases = await self.router.update_weights_from_disk(str(current), version)
             stats = None
         if stats:
             log.info("version %d: broadcast %d tensors, %.2f MB to %d engine(s) in %.3f s", version,
                      stats["tensors"], stats["bytes"] / 1e6, len(self._members or ()), time.perf_counter() - t0)
         _remove_other_versions(self.weights_dir, current)
         return {"weight_sync_bytes": stats["bytes"] if stats else 0, "weight_sync_groups": self.n_groups,
-                "weight_sync_fallbacks": self.n_fallbacks}
+                "weight_sync_fallbacks": self.n_fallbacks, **(phases or {})}
 
     def _open(self, members: list, tensors: list) -> dict | None:
         """Called by the router under its publish lock with the live engines; starts sending.

@@ -20,6 +20,7 @@ from pathlib import Path
 from megarl.builder import StrategyWrapper, build_run, run_follower
 from megarl.cli import main as cli_main
 from megarl.config import MegaRLConfig
+from megarl.cpu_affinity import pin_process
 from megarl.errors import MegarlError
 from megarl.preflight import RunSetup, preflight
 from megarl.resume import ResumePoint, prepare_resume
@@ -39,6 +40,7 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     rank, world = init_ranks()
     if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
         run_dir = Path(receive_go())
+        _pin_trainer(cfg)
         run_follower(cfg, run_dir)
         return run_dir
     try:
@@ -47,6 +49,7 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
         share_go(world, error=f"{type(e).__name__}: {e}")
         raise
     share_go(world, run_dir=str(setup.run_dir))
+    _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
     point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
     summary = asyncio.run(_train(cfg, setup, point, wrap_strategy))
     (setup.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
@@ -61,6 +64,11 @@ async def _train(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None,
         await run.controller.train(cfg.trainer.total_steps)
         run.save_final()
     return {"steps": run.controller.step, "version": run.trainer.version}
+
+
+def _pin_trainer(cfg: MegaRLConfig) -> None:
+    if cfg.placement.cpu_affinity.trainer:
+        pin_process(cfg.placement.cpu_affinity.trainer)
 
 
 def main(argv: list[str] | None = None) -> int:

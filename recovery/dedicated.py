@@ -30,7 +30,9 @@ process scores each one with the version that generated it before it moves on.
 Results ``(traj_id, start, end, logps)`` come back on a result queue and are
 joined into ``traj.logp_old`` by trajectory id and segment. ``anchor`` waits
 only if the batch needs a segment that is not scored yet (overhead keys
-``dedicated_wait_s``, ``n_waits``; also ``dedicated_save_s``, ``bytes_moved``).
+``dedicated_wait_s``, ``n_waits``; also ``dedicated_save_s``, ``bytes_moved``,
+and the scorer's lag at each step: ``pending_segments`` sent and not scored
+yet, ``lag_s`` the age of the oldest of them).
 The process starts at the first publish and builds its model while the loop
 goes on; only ``anchor`` and ``state_dict`` wait for it.
 
@@ -100,7 +102,8 @@ class Dedicated(RecoveryStrategy):
         # hooks run on the event-loop thread, anchor on the train worker thread
         self._lock = threading.RLock()
         self._sent: set[SegKey] = set()
-        self._pending: set[SegKey] = set()
+        #: segments sent to the scoring process and not scored yet -> when they were sent (perf_counter)
+        self._pending: dict[SegKey, float] = {}
         self._results: dict[SegKey, list[float]] = {}
         self._lost: dict[SegKey, str] = {}
         #: the last version sent to the scoring process (the one it scores new segments with)
@@ -140,11 +143,11 @@ class Dedicated(RecoveryStrategy):
         elif kind == "scored":
             for traj_id, start, end, logps in payload:
                 key = (traj_id, start, end)
-                self._pending.discard(key)
+                self._pending.pop(key, None)
                 self._results[key] = logps
         elif kind == "lost":
             for key, seg_version, scorer_version in payload:
-                self._pending.discard(tuple(key))
+                self._pending.pop(tuple(key), None)
                 self._lost[tuple(key)] = (f"segment {key} of version {seg_version} reached the scoring process "
                                           f"at version {scorer_version}")
         elif kind == "state":
@@ -189,7 +192,7 @@ class Dedicated(RecoveryStrategy):
                         self._lost[key] = (f"segment {key} of version {seg.version} was reported after version "
                                            f"{self.version} was sent to the scoring process")
                         continue
-                    self._pending.add(key)
+                    self._pending[key] = time.perf_counter()
                     jobs.append({"traj_id": t.traj_id, "start": seg.start, "end": seg.end, "version": seg.version,
                                  "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids[:seg.end])})
             if jobs:  # under the lock: no version message can slip in between the check and the put
@@ -265,7 +268,11 @@ class Dedicated(RecoveryStrategy):
                     del store[key]
 
     def overhead(self) -> dict[str, float]:
-        self.meter.set("pending_segments", float(len(self._pending)))
+        with self._lock:
+            waiting = list(self._pending.values())
+        self.meter.set("pending_segments", float(len(waiting)))
+        # how far the scorer is behind: the age of the oldest segment it has not scored yet
+        self.meter.set("lag_s", time.perf_counter() - min(waiting) if waiting else 0.0)
         return super().overhead()
 
     # -- state -------------------------------------------------------------------------

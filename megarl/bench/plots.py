@@ -52,7 +52,7 @@ def overhead_plot(report: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-def _moving_average(xs: list[float], window: int) -> list[float]:
+def moving_average(xs: list[float], window: int) -> list[float]:
     out = []
     for i in range(len(xs)):
         chunk = xs[max(0, i - window + 1):i + 1]
@@ -75,7 +75,7 @@ def reward_plot(records_by_name: dict[str, list[dict[str, Any]]], path: str | Pa
         reward = [float(r.get("reward_mean") or 0.0) for r in records]
         color = colors[i % len(colors)]
         ax.scatter(wall, reward, s=8, color=color, alpha=0.35, linewidths=0)
-        ax.plot(wall, _moving_average(reward, window), linestyle=styles[(i // len(colors)) % len(styles)],
+        ax.plot(wall, moving_average(reward, window), linestyle=styles[(i // len(colors)) % len(styles)],
                 color=color, linewidth=2, label=name)
     ax.set_xlabel("wall time since the training loop started (s)")
     ax.set_ylabel("mean batch reward")
@@ -84,4 +84,79 @@ def reward_plot(records_by_name: dict[str, list[dict[str, Any]]], path: str | Pa
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _lines_by_strategy(ax, rows, x_key, y_key, colors, scale=1.0):
+    for i, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+        pts = sorted((r for r in rows if r["strategy"] == strategy and r[y_key] is not None), key=lambda r: r[x_key])
+        if pts:
+            ax.plot([r[x_key] for r in pts], [scale * r[y_key] for r in pts], marker="o", color=colors[i % len(colors)],
+                    label=strategy)
+
+
+def scaling_plot(report: dict[str, Any], path: str | Path) -> None:
+    """Four panels of the sweep (megarl/bench/sweep.py): recovery seconds vs parameters (largest eta) and vs
+    distinct versions per batch (largest model), publish stall vs parameters (smallest eta), extra bytes
+    held vs eta (largest model). Log-log where the fits are power laws."""
+    plt = _pyplot()
+    rows = report["sweep"]["rows"]
+    colors = plt.get_cmap("tab10").colors
+    eta_hi, eta_lo = max(r["eta"] for r in rows), min(r["eta"] for r in rows)
+    biggest = max(rows, key=lambda r: r["params"])["model"]
+    fig, axes = plt.subplots(2, 2, figsize=(13.0, 9.5))
+    (a, b), (c, d) = axes
+    _lines_by_strategy(a, [r for r in rows if r["eta"] == eta_hi], "params", "recovery_s_median", colors)
+    a.set(xscale="log", xlabel="total parameters", ylabel="recovery seconds per step (median)",
+          title=f"Recovery cost vs model size (eta={eta_hi})")
+    if any(r["recovery_s_median"] <= 0 for r in rows):
+        a.set_yscale("symlog", linthresh=1e-4)  # strategies without a forward sit at 0
+    else:
+        a.set_yscale("log")
+    _lines_by_strategy(b, [r for r in rows if r["model"] == biggest], "distinct_versions_mean", "recovery_s_median",
+                       colors)
+    b.set(xlabel="distinct policy versions per batch (mean)", ylabel="recovery seconds per step (median)",
+          title=f"Recovery cost vs staleness ({biggest}, one point per eta)")
+    _lines_by_strategy(c, [r for r in rows if r["eta"] == eta_lo], "params", "stall_per_publish_s", colors, 1e3)
+    c.set(xscale="log", xlabel="total parameters", ylabel="engine stall per publish (ms, median)",
+          title=f"Publish stall vs model size (eta={eta_lo})")
+    _lines_by_strategy(d, [r for r in rows if r["model"] == biggest], "eta", "extra_bytes_held", colors, 1e-6)
+    d.set(xlabel="eta (staleness bound)", ylabel="extra MB held (max)", title=f"Memory held vs eta ({biggest})")
+    from matplotlib.ticker import NullFormatter
+
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_xscale() == "log":
+            ax.xaxis.set_minor_formatter(NullFormatter())  # a few decades at most: minor labels collide
+    fig.tight_layout()
+    handles, labels = a.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 0.97), frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def quality_plot(report: dict[str, Any], path: str | Path) -> None:
+    """Reward vs step and vs wall time per (strategy, eta): the mean over seeds, shaded from the lowest to
+    the highest seed (megarl/bench/quality.py)."""
+    plt = _pyplot()
+    curves = report["quality"]["curves"]
+    colors = plt.get_cmap("tab10").colors
+    styles = {}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14.0, 5.5), sharey=True)
+    strategies = list(dict.fromkeys(c["strategy"] for c in curves))
+    etas = sorted({c["eta"] for c in curves})
+    for c in curves:
+        color = colors[strategies.index(c["strategy"]) % len(colors)]
+        style = styles.setdefault(c["eta"], ["-", "--", ":", "-."][etas.index(c["eta"]) % 4])
+        label = f"{c['strategy']} eta={c['eta']}"
+        for ax, x in ((left, c["step"]), (right, c["wall_s"])):
+            ax.plot(x, c["mean"], linestyle=style, color=color, linewidth=1.8, label=label)
+            ax.fill_between(x, c["low"], c["high"], color=color, alpha=0.12, linewidth=0)
+    left.set(xlabel="optimizer step", ylabel=f"mean batch reward ({report['quality']['smooth']}-step moving average)",
+             title="Reward vs step (line: mean over seeds; band: lowest to highest seed)")
+    right.set(xlabel="wall time of the training loop (s)", title="Reward vs wall time (same runs)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

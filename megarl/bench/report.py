@@ -30,7 +30,22 @@ start-up: the first batch's generation, the dedicated scorer's model build):
   not verified or not finite).
 
 ``throughput_ratio`` = tokens/s of the async run / tokens/s of the sync run,
-each = policy tokens trained in steps 2..N / (wall at step N - wall at step 1).
+each = policy tokens trained in steps 2..N / (wall at step N - wall at step 1);
+``throughput_ratio_disjoint_cores`` the same with the trainer and the engines
+on disjoint cores (``placement.cpu_affinity``; megarl/bench/compare_sync.py).
+
+Publish stall per publish (:func:`publish_stall`), medians over the steps
+that published, verifier time removed: ``drain`` (abort, wait for every
+request to return), ``recovery`` (the strategy's ``before_publish``), the
+engines' own phases (``engine_abort`` ... ``engine_resume``, the slowest
+engine's), ``sync_other`` (weight sync time outside the engines' phases:
+HTTP, the broadcast wire), ``hooks`` (``on_weights_published``) and
+``stall`` (all of it).
+
+The dedicated scorer on fewer than 3 cores has no core of its own: its
+critical-path share would measure core contention, so it is not reported
+(``null``); its lag is (``scorer_pending_segments_median``: segments sent and
+not scored at a step; ``scorer_lag_s_median`` / ``_max``: age of the oldest).
 """
 from __future__ import annotations
 
@@ -46,6 +61,12 @@ from rich.table import Table
 #: the stacked phases of overhead.png, in order; each a per-step key of step_phases()
 PHASES = ("wait_batch", "recovery", "train_step", "publish_drain", "publish_recovery", "weight_sync",
           "recovery_hooks", "other")
+#: the engines' phases of a weight update (megarl.rollout.base.UPDATE_PHASES) as step-record keys
+ENGINE_STALL = ("engine_abort", "engine_pause", "engine_reload", "engine_cache_reset", "engine_resume")
+#: the parts of one publish stall, in order (publish_stall)
+STALL_PARTS = ("drain", "recovery", *ENGINE_STALL, "sync_other", "hooks")
+#: fewer cores than this: the dedicated scorer cannot have one of its own
+SCORER_OWN_CORE_MIN_CPUS = 3
 
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -110,6 +131,34 @@ def summarize(records: list[dict[str, Any]], weights_nbytes: int, peak_rss_mb: f
     }
 
 
+def publish_stall(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Median seconds per publish of each of :data:`STALL_PARTS` and of the whole ``stall`` (module doc);
+    None when the run never published."""
+    rows = []
+    for r in records:
+        if "publish_stall_s" not in r:
+            continue
+        engine = {k: _num(r, f"{k}_s") for k in ENGINE_STALL}
+        row = {"drain": _num(r, "publish_drain_s"), "recovery": _num(r, "publish_recovery_s"), **engine,
+               "sync_other": _num(r, "weight_sync_s") - sum(engine.values()),
+               "hooks": _num(r, "recovery/bench_hook_publish_s"),
+               "stall": _num(r, "publish_stall_s") - _num(r, "recovery/bench_verifier_publish_s")}
+        rows.append(row)
+    if not rows:
+        return None
+    return {k: statistics.median(row[k] for row in rows) for k in (*STALL_PARTS, "stall")}
+
+
+def scorer_lag(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The dedicated scorer's lag over steps 2..N (module doc); None when the run has no scorer."""
+    steady = records[1:] or records
+    if not any("recovery/lag_s" in r for r in steady):
+        return None
+    lags = [_num(r, "recovery/lag_s") for r in steady]
+    return {"scorer_pending_segments_median": statistics.median(_num(r, "recovery/pending_segments") for r in steady),
+            "scorer_lag_s_median": statistics.median(lags), "scorer_lag_s_max": max(lags)}
+
+
 def _steady(ph: list[dict[str, float]]) -> list[dict[str, float]]:
     """Steps 2..N (all of them when there is only one)."""
     return ph[1:] or ph
@@ -140,6 +189,19 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     return a[key] / b[key]
 
 
+def throughput(sync_runs: dict[str, list[dict]] | None) -> dict[str, Any]:
+    """``async_vs_sync`` of the report from the runs of --compare-sync (keys async, sync, and optionally
+    async_disjoint, sync_disjoint: megarl/bench/compare_sync.py); ratios None when not measured."""
+    out: dict[str, Any] = {"throughput_ratio": None, "throughput_ratio_disjoint_cores": None}
+    for suffix, key in (("", "throughput_ratio"), ("_disjoint", "throughput_ratio_disjoint_cores")):
+        if sync_runs is None or f"async{suffix}" not in sync_runs:
+            continue
+        a, s = tokens_per_s(sync_runs[f"async{suffix}"]), tokens_per_s(sync_runs[f"sync{suffix}"])
+        out.update({key: _finite(a / s) if s > 0 else None, f"tokens_per_s_async{suffix}": _finite(a),
+                    f"tokens_per_s_sync{suffix}": _finite(s)})
+    return out
+
+
 def targets(strategies: dict[str, dict], async_vs_sync: dict) -> list[dict[str, Any]]:
     """The design targets with their measured values; ``passed`` is None when not measured."""
     s = strategies.get
@@ -150,6 +212,8 @@ def targets(strategies: dict[str, dict], async_vs_sync: dict) -> list[dict[str, 
          s("dedicated", {}).get("critical_path_overhead_frac"), "<=", 0.05),
         ("interrupt_sync: engine stall share of wall time", s("interrupt_sync", {}).get("gen_stall_frac"), "<=", 0.10),
         ("async / sync throughput (tokens/s)", async_vs_sync.get("throughput_ratio"), ">=", 2.0),
+        ("async / sync throughput on disjoint cores (tokens/s)",
+         async_vs_sync.get("throughput_ratio_disjoint_cores"), ">=", 2.0),
     ]
     out = []
     for name, value, op, bound in rows:
@@ -165,13 +229,17 @@ def build_report(runs: dict[str, dict[str, Any]], sync_runs: dict[str, list[dict
     verified = bool((meta or {}).get("verify", True))
     strategies = {n: summarize(r["records"], r["weights_nbytes"], r["child"]["peak_rss_mb"], verified)
                   for n, r in runs.items()}
-    async_vs_sync: dict[str, Any] = {"throughput_ratio": None}
-    if sync_runs is not None:
-        a, s = tokens_per_s(sync_runs["async"]), tokens_per_s(sync_runs["sync"])
-        async_vs_sync = {"throughput_ratio": _finite(a / s) if s > 0 else None, "tokens_per_s_async": _finite(a),
-                         "tokens_per_s_sync": _finite(s)}
+    scorer_has_core = int((meta or {}).get("cpu_count") or SCORER_OWN_CORE_MIN_CPUS) >= SCORER_OWN_CORE_MIN_CPUS
+    for n, r in runs.items():
+        lag = scorer_lag(r["records"])
+        if lag is not None:
+            strategies[n].update(lag)
+            if not scorer_has_core:  # it shares the trainer's and the engines' cores: the share measures that
+                strategies[n]["critical_path_overhead_frac"] = None
+    async_vs_sync = throughput(sync_runs)
     return {"strategies": strategies, "async_vs_sync": async_vs_sync,
             "phases_s_median": {n: phase_medians(r["records"]) for n, r in runs.items()},
+            "publish_stall_s_median": {n: publish_stall(r["records"]) for n, r in runs.items()},
             "targets": targets(strategies, async_vs_sync), "meta": meta or {}}
 
 
@@ -224,24 +292,62 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += [f"Machine: {meta['cpu_count']} CPUs, load average {meta['loadavg_start']:.2f} at the start and "
                 f"{meta['loadavg_end']:.2f} at the end (other processes share the cores: single runs are noisy).",
                 ""]
-    out += [
-           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
-    avs = report["async_vs_sync"]
-    out += ["", "## Async vs sync (behav)", ""]
-    if avs.get("throughput_ratio") is None:
-        out.append("Not measured (run with --compare-sync).")
+    strategies = report["strategies"]
+    if strategies:
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     else:
-        out.append(f"{avs['tokens_per_s_async']:.1f} tokens/s async (eta={meta.get('eta', '?')}) vs "
-                   f"{avs['tokens_per_s_sync']:.1f} tokens/s sync (eta=0): ratio {avs['throughput_ratio']:.2f}")
-    out += ["", "## Targets", "", "```", *target_lines(report), "```", "",
-            "## Median seconds per step by phase", ""]
-    phases = report.get("phases_s_median", {})
-    cols = [*PHASES, "step"]
-    out += ["| strategy | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
-    out += [f"| {n} | " + " | ".join(f"{p[c]:.4f}" for c in cols) + " |" for n, p in phases.items()]
+        out.append("No strategy runs (--strategies none).")
+    out += ["", "## Async vs sync (behav)", "", *async_sync_lines(report)]
+    if strategies:
+        out += ["", "## Publish stall per publish (median ms)", "",
+                *stall_table(report.get("publish_stall_s_median", {}))]
+    lag = {n: s for n, s in strategies.items() if "scorer_lag_s_median" in s}
+    if lag:
+        out += ["", "## Dedicated scorer lag", ""]
+        if any(s["critical_path_overhead_frac"] is None for s in lag.values()):
+            out += [f"On {meta.get('cpu_count', '?')} CPUs the dedicated scorer has no core of its own: it shares "
+                    "the trainer's and the engines' cores, so its share of the trainer's critical path would measure "
+                    "that contention, not the design. It is not reported (n/a above); its lag is.", ""]
+        out += ["| strategy | segments waiting (median) | seconds behind (median) | seconds behind (max) |",
+                "|---|---|---|---|"]
+        out += [f"| {n} | {s['scorer_pending_segments_median']:g} | {s['scorer_lag_s_median']:.3f} | "
+                f"{s['scorer_lag_s_max']:.3f} |" for n, s in lag.items()]
+    out += ["", "## Targets", "", "```", *target_lines(report), "```"]
+    if strategies:
+        out += ["", "## Median seconds per step by phase", ""]
+        phases = report.get("phases_s_median", {})
+        cols = [*PHASES, "step"]
+        out += ["| strategy | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+        out += [f"| {n} | " + " | ".join(f"{p[c]:.4f}" for c in cols) + " |" for n, p in phases.items()]
     out += ["", "## Definitions", "", *_DEFINITIONS, ""]
     return "\n".join(out)
+
+
+def async_sync_lines(report: dict[str, Any]) -> list[str]:
+    """The async-vs-sync section: shared cores, then disjoint cores (megarl/bench/compare_sync.py)."""
+    avs, cs = report["async_vs_sync"], report.get("meta", {}).get("compare_sync", {})
+    if avs.get("throughput_ratio") is None and avs.get("throughput_ratio_disjoint_cores") is None:
+        return ["Not measured (run with --compare-sync)."]
+    eta = cs.get("eta", report.get("meta", {}).get("eta", "?"))
+    lines = [f"Trained tokens per second after step 1, behav, async (eta={eta}) vs sync (eta=0):", ""]
+    for suffix, key, where in (("", "throughput_ratio", "trainer and engines on all cores"),
+                               ("_disjoint", "throughput_ratio_disjoint_cores",
+                                f"trainer on core(s) {cs.get('trainer_cores', '?')}, engines on core(s) "
+                                f"{cs.get('engine_cores', '?')}")):
+        if avs.get(key) is not None:
+            lines.append(f"- {where}: {avs[f'tokens_per_s_async{suffix}']:.1f} async vs "
+                         f"{avs[f'tokens_per_s_sync{suffix}']:.1f} sync, ratio {avs[key]:.2f}")
+    return lines
+
+
+def stall_table(stalls: dict[str, dict[str, float] | None]) -> list[str]:
+    """Markdown rows of :func:`publish_stall` per strategy, in milliseconds."""
+    cols = (*STALL_PARTS, "stall")
+    out = ["| strategy | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for name, s in stalls.items():
+        out.append(f"| {name} | " + (" | ".join(f"{1e3 * s[c]:.1f}" for c in cols) if s else "no publish") + " |")
+    return out
 
 
 _DEFINITIONS = [
@@ -258,6 +364,10 @@ _DEFINITIONS = [
     "by design).",
     "- Phase medians are taken separately, so a bar's stack need not equal the median step time "
     "(marked on the plot).",
+    "- Publish stall parts: drain = abort every request and wait for it to return; recovery = the strategy's "
+    "before_publish; engine_* = the slowest engine's abort, pause, reload, prefix-cache reset, relabel+resume; "
+    "sync_other = weight-sync time outside those (HTTP, the broadcast wire); hooks = on_weights_published; "
+    "stall = all of it (verifier copies removed). Medians per part, so the parts need not add up to the stall.",
 ]
 
 
@@ -272,8 +382,10 @@ def print_table(report: dict[str, Any]) -> None:
     if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
         console = Console(width=160)
     console.print(table)
-    avs = report["async_vs_sync"]["throughput_ratio"]
-    console.print(f"async / sync throughput: {'not measured' if avs is None else f'{avs:.2f}'}")
+    for key, label in (("throughput_ratio", "async / sync throughput"),
+                       ("throughput_ratio_disjoint_cores", "async / sync throughput on disjoint cores")):
+        avs = report["async_vs_sync"].get(key)
+        console.print(f"{label}: {'not measured' if avs is None else f'{avs:.2f}'}")
     for line in target_lines(report):
         style = "green" if line.startswith("PASS") else "red" if line.startswith("FAIL") else "yellow"
         console.print(line, style=style, markup=False, highlight=False)

@@ -41,10 +41,12 @@ except ImportError:  # without it the peak memory is taken from getrusage (_Tree
     psutil = None
 
 from megarl.bench import plots, report
+from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
+from megarl.cpu_affinity import available_cores, format_cores
 from megarl.errors import MegarlError
 from megarl.train import train
-from megarl.types import AnchorResult, TrainBatch, Trajectory
+from megarl.types import NO_VERSION, AnchorResult, TrainBatch, Trajectory
 
 #: seconds between two samples of the process tree's resident memory
 RSS_SAMPLE_INTERVAL_S = 0.5
@@ -65,6 +67,7 @@ class BenchStrategy(VerifyingStrategy):
         self._in_loop = False  # the first publish (version 0) happens before the timed loop
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        self._count_batch(batch)
         t0 = time.perf_counter()
         if self.verify:
             result = super().anchor(batch, trajs)
@@ -73,6 +76,18 @@ class BenchStrategy(VerifyingStrategy):
             self.inner_anchor_s = time.perf_counter() - t0
         self.meter.add("bench_verifier_anchor_s", time.perf_counter() - t0 - self.inner_anchor_s)
         return result
+
+    def _count_batch(self, batch: TrainBatch) -> None:
+        """What a forward over this batch processes (for the cost model, megarl/launch/cost.py):
+        ``bench_seq_tokens`` (prompt + response tokens), ``bench_version_rows`` (rows x distinct policy
+        versions in the row) and ``bench_version_seq_tokens`` (the tokens of one forward per version over
+        only the rows holding it, as snapshot scores a batch)."""
+        policy = (batch.loss_mask != 0) & (batch.versions != NO_VERSION)
+        n_versions = [len(set(batch.versions[b][policy[b]].tolist())) for b in range(batch.size)]
+        lens = [int(n) for n in batch.seq_lens]
+        self.meter.add("bench_seq_tokens", float(sum(lens)))
+        self.meter.add("bench_version_rows", float(sum(n_versions)))
+        self.meter.add("bench_version_seq_tokens", float(sum(n * s for n, s in zip(n_versions, lens))))
 
     def on_weights_published(self, version: int) -> None:
         t0 = time.perf_counter()
@@ -119,7 +134,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     summary = {"strategy": spec["strategy"], "total_s": time.perf_counter() - t0,
                "verify": wrapped[-1].report() if spec["verify"] else None,
                "ru_maxrss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib,
-               "ru_maxrss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib}
+               "ru_maxrss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib,
+               "trainer_cores": sorted(os.sched_getaffinity(0))}
     (run_dir / "bench_child.json").write_text(json.dumps(summary, default=_json_default) + "\n")
     return summary
 
@@ -218,41 +234,63 @@ def weights_nbytes(run_dir: Path) -> int:
     return sum(f.stat().st_size for f in (run_dir / "final").glob("*.safetensors"))
 
 
+def run_strategy(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_child`, then the run's records: ``{"records", "child", "weights_nbytes"}``."""
+    child = run_child(spec)
+    run_dir = Path(spec["run_dir"])
+    return {"records": report.load_metrics(run_dir / "metrics.jsonl"), "child": child,
+            "weights_nbytes": weights_nbytes(run_dir)}
+
+
+def machine_meta() -> dict[str, Any]:
+    """What the report says about the machine: CPUs this process may use, the load average now."""
+    return {"cpu_count": len(available_cores()), "loadavg_start": os.getloadavg()[0]}
+
+
 def bench(config: str, strategies: list[str], steps: int | None, output: str, overrides: list[str], *,
-          compare_sync: bool = False, verify: bool = True, log=print) -> dict[str, Any]:
-    """Run every strategy (and the sync/async pair), then write report.json, report.md and the plots."""
+          compare_sync: bool = False, verify: bool = True, eta: int | None = None,
+          disjoint_cores: str | None = None, log=print) -> dict[str, Any]:
+    """Run every strategy (and, with ``compare_sync``, async vs sync on shared and on disjoint cores), then
+    write report.json, report.md and the plots."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_run_config(config, overrides)  # fails fast on a bad config or override
     steps = steps or cfg.trainer.total_steps
-    load_start = os.getloadavg()[0]
+    eta = cfg.rollout.eta if eta is None else eta
+    planned = sync_runs(eta, *split_cores(disjoint_cores)) if compare_sync else []  # bad cores fail here
+    meta = {"config": config, "overrides": overrides, "steps": steps, "eta": cfg.rollout.eta, "verify": verify,
+            **machine_meta()}
     runs: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(strategies, 1):
         log(f"[{i}/{len(strategies)}] {name} ...")
-        child = run_child({"config": config, "overrides": overrides, "strategy": name, "steps": steps,
-                           "run_dir": str(out / name), "verify": verify})
-        runs[name] = {"records": report.load_metrics(out / name / "metrics.jsonl"), "child": child,
-                      "weights_nbytes": weights_nbytes(out / name)}
+        runs[name] = run_strategy({"config": config, "overrides": overrides, "strategy": name, "steps": steps,
+                                   "run_dir": str(out / name), "verify": verify})
+        child = runs[name]["child"]
         log(f"      done in {child['total_s']:.0f} s, peak RSS {child['peak_rss_mb']:.0f} MB")
 
-    sync_runs: dict[str, list[dict]] | None = None
-    if compare_sync:
-        sync_runs = {}
-        for label, eta in (("async", cfg.rollout.eta), ("sync", 0)):
-            run_name = f"{label}_eta{eta}"
-            log(f"[compare-sync] behav with rollout.eta={eta} ...")
-            run_child({"config": config, "overrides": [*overrides, f"rollout.eta={eta}"], "strategy": "behav",
-                       "steps": steps, "run_dir": str(out / run_name), "verify": False})
-            sync_runs[label] = report.load_metrics(out / run_name / "metrics.jsonl")
+    by_key: dict[str, list[dict]] | None = None
+    if planned:
+        by_key = {}
+        trainer_cores, engine_cores = split_cores(disjoint_cores)
+        meta["compare_sync"] = {"eta": eta, "trainer_cores": format_cores(trainer_cores),
+                                "engine_cores": format_cores(engine_cores)}
+        for key, run_name, extra in planned:
+            log(f"[compare-sync] behav, {' '.join(extra)} ...")
+            by_key[key] = run_strategy({"config": config, "overrides": [*overrides, *extra], "strategy": "behav",
+                                        "steps": steps, "run_dir": str(out / run_name), "verify": False})["records"]
 
-    meta = {"config": config, "overrides": overrides, "steps": steps, "eta": cfg.rollout.eta, "verify": verify,
-            "cpu_count": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0]}
-    rep = report.build_report(runs, sync_runs, meta=meta)
-    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
-    (out / "report.md").write_text(report.render_markdown(rep))
-    plots.overhead_plot(rep, out / "overhead.png")
-    plots.reward_plot({n: r["records"] for n, r in runs.items()}, out / "reward.png")
+    meta["loadavg_end"] = os.getloadavg()[0]
+    rep = report.build_report(runs, by_key, meta=meta)
+    write_report(out, rep, report.render_markdown(rep))
+    if runs:
+        plots.overhead_plot(rep, out / "overhead.png")
+        plots.reward_plot({n: r["records"] for n, r in runs.items()}, out / "reward.png")
     return rep
+
+
+def write_report(out: Path, rep: dict[str, Any], markdown: str) -> None:
+    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    (out / "report.md").write_text(markdown)
 
 
 if __name__ == "__main__":

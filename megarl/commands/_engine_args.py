@@ -4,6 +4,7 @@ rollout.cpu_threads, so that neither command depends on VLLM_CPU_KVCACHE_SPACE o
 from __future__ import annotations
 
 from megarl.config.schema import RolloutConfig
+from megarl.cpu_affinity import check_cores, machine_cores, parse_cores
 from megarl.rollout.base import engine_options
 
 
@@ -15,8 +16,14 @@ def add_engine_resource_args(p) -> None:
     p.add_argument("--cpu-threads", type=int, default=defaults.cpu_threads,
                    help=f"on CPU: threads of the engine, OMP_NUM_THREADS of vLLM's processes or torch threads of "
                         f"hf (default {defaults.cpu_threads}, as rollout.cpu_threads; 0: the environment's)")
+    p.add_argument("--cpu-cores", default="", metavar="LIST",
+                   help="on CPU: pin the engine (and vLLM's processes) to these cores, e.g. 1 or 2-3, with one "
+                        "thread per core (replaces --cpu-threads; as placement.cpu_affinity.engines)")
 
 
 def engine_resource_options(args) -> dict:
     """``make_engine`` options from the flags of :func:`add_engine_resource_args`."""
-    return engine_options(args.backend, args.kv_cache_gb, args.cpu_threads)
+    cores = parse_cores(args.cpu_cores, "--cpu-cores") if args.cpu_cores else []
+    # against the machine's cores, not this process's: a pinned trainer's engine inherits the trainer's cores
+    check_cores(cores, "--cpu-cores", machine_cores())
+    return engine_options(args.backend, args.kv_cache_gb, args.cpu_threads, cores)

@@ -1,5 +1,14 @@
-"""`megarl bench`: run every recovery strategy from the same config and seed; report costs and errors."""
+"""`megarl bench`: run every recovery strategy from the same config and seed; report costs and errors.
+
+Three more modes: ``--compare-sync`` (async vs sync on shared and on disjoint cores,
+megarl/bench/compare_sync.py), ``--sweep`` (model size x eta x strategy,
+megarl/bench/sweep.py) and ``--quality`` (strategy x eta x seed learning curves,
+megarl/bench/quality.py). The sweep and the quality grid print their estimated run
+time before they start (``--estimate-only`` stops there).
+"""
 from __future__ import annotations
+
+from pathlib import Path
 
 from megarl.bench.report import print_table
 from megarl.errors import ConfigError
@@ -8,29 +17,107 @@ from megarl.errors import ConfigError
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark recovery strategies: step time, overheads, memory, exactness")
     p.add_argument("--config", default="configs/bench_cpu.yaml", help="run config shared by every strategy")
-    p.add_argument("--strategies", default="all", help="comma-separated strategy names, or 'all'")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated strategy names, 'all' or 'none' (default: all; with --quality: behav, "
+                        "recompute, loglinear, ewma, snapshot, interrupt_sync; with --compare-sync alone: none)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps per strategy (default: trainer.total_steps)")
+                   help="optimizer steps per run (default: trainer.total_steps)")
     p.add_argument("--output", required=True,
-                   help="directory for report.json, report.md, overhead.png, reward.png and one run per strategy")
+                   help="directory for report.json, report.md, the plots and one run directory per run")
     p.add_argument("--compare-sync", action="store_true",
-                   help="also run behav with eta=0 and with the configured eta and report the throughput ratio")
+                   help="also run behav async (--eta) and sync (eta 0), on shared and on disjoint cores, and report "
+                        "the throughput ratios")
+    p.add_argument("--eta", type=int, default=None, help="--compare-sync: eta of the async runs (default rollout.eta)")
+    p.add_argument("--disjoint-cores", default=None, metavar="TRAINER:ENGINES",
+                   help="--compare-sync: cores of the trainer and of the engines in the disjoint runs, e.g. 0:1 or "
+                        "0-3:4-7 (default: the available cores halved)")
+    p.add_argument("--sweep", action="store_true", help="model size x eta x strategy grid (megarl/bench/sweep.py)")
+    p.add_argument("--models", default=None,
+                   help="--sweep: model YAMLs or names under configs/models/ (default tiny_qwen3, tiny_qwen3_s, "
+                        "tiny_qwen3_m, tiny_qwen3_moe_m)")
+    p.add_argument("--etas", default=None, help="--sweep / --quality: comma-separated etas (default 1,2,4,8 / 1,8)")
+    p.add_argument("--quality", action="store_true", help="strategy x eta x seed learning curves (quality.png)")
+    p.add_argument("--seeds", type=int, default=None, help="--quality: seeds per cell (default 3)")
+    p.add_argument("--final-window", type=int, default=None,
+                   help="--quality: steps of the final-window reward (default a tenth of the steps, at least 5)")
+    p.add_argument("--estimate-only", action="store_true", help="--sweep / --quality: print the estimate and stop")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the comparison with the true logp_old (max_abs_err_vs_exact becomes null)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides for every run")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
-    from megarl.bench.run import bench
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}={text!r}: give comma-separated integers, e.g. 1,2,4,8") from None
+
+
+def _strategies(spec: str | None, default: str) -> list[str]:
     from megarl.builder import strategy_names
 
-    chosen = strategy_names(args.strategies)
+    spec = default if spec is None else spec
+    return [] if spec == "none" else strategy_names(spec)
+
+
+def _hms(seconds: float) -> str:
+    h, rem = divmod(int(seconds), 3600)
+    return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
+
+
+def run(args) -> int:
+    # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
+    from megarl.bench import quality, sweep
+    from megarl.bench.run import bench, machine_meta, run_strategy, write_report
+    from megarl.builder import load_run_config
+
+    if args.sweep and args.quality:
+        raise ConfigError("--sweep and --quality are separate benchmarks; run them one after the other")
     if args.steps is not None and args.steps < 2:
         raise ConfigError(f"--steps={args.steps}: the bench needs at least 2 steps (the first one is start-up)")
-    report = bench(args.config, chosen, args.steps, args.output, list(args.overrides),
-                   compare_sync=args.compare_sync, verify=not args.no_verify)
+    overrides = list(args.overrides)
+    cfg = load_run_config(args.config, overrides)  # fails fast on a bad config or override
+    steps = args.steps or cfg.trainer.total_steps
+    meta = {"config": args.config, "overrides": overrides, "steps": steps, **machine_meta()}
+    if args.sweep or args.quality:
+        if args.sweep:
+            models = [m for m in (args.models or ",".join(sweep.DEFAULT_MODELS)).split(",") if m]
+            etas = _ints(args.etas, "--etas") if args.etas else list(sweep.DEFAULT_ETAS)
+            strategies = _strategies(args.strategies, "all")
+            grid = sweep.cells([sweep.model_info(sweep.resolve_model(m)) for m in models], etas, strategies)
+            estimate, n_runs = sweep.estimate_seconds(grid, steps), len(grid)
+        else:
+            from megarl.launch.placement import load_hf_config, param_counts
+
+            etas = _ints(args.etas, "--etas") if args.etas else list(quality.DEFAULT_ETAS)
+            strategies = _strategies(args.strategies, ",".join(quality.DEFAULT_STRATEGIES))
+            seeds = quality.DEFAULT_SEEDS if args.seeds is None else args.seeds
+            n_runs = len(strategies) * len(etas) * seeds
+            estimate = n_runs * sweep.estimate_run_seconds(param_counts(load_hf_config(cfg)[0])[1], steps)
+        print(f"{n_runs} runs of {steps} steps: about {_hms(estimate)} on an idle 2-core machine "
+              f"(megarl/bench/sweep.py ESTIMATE_*)", flush=True)
+        if args.estimate_only:
+            return 0
+        if args.sweep:
+            rep = sweep.run_sweep(args.config, models, etas, strategies, steps, args.output, overrides,
+                                  run=run_strategy, meta=meta)
+            rep["meta"]["loadavg_end"] = machine_meta()["loadavg_start"]
+            write_report(Path(args.output), rep, sweep.render_sweep_markdown(rep))
+            print(f"wrote {args.output}/report.json, report.md, scaling.png")
+        else:
+            window = args.final_window or max(5, steps // 10)
+            rep = quality.run_quality(args.config, strategies, etas, seeds, steps, args.output, overrides,
+                                      run=run_strategy, meta=meta, window=window)
+            rep["meta"]["loadavg_end"] = machine_meta()["loadavg_start"]
+            write_report(Path(args.output), rep, quality.render_quality_markdown(rep))
+            print(f"wrote {args.output}/report.json, report.md, quality.png")
+        return 0
+    chosen = _strategies(args.strategies, "none" if args.compare_sync and args.strategies is None else "all")
+    if not chosen and not args.compare_sync:
+        raise ConfigError("--strategies none runs nothing; add --compare-sync or name strategies")
+    report = bench(args.config, chosen, args.steps, args.output, overrides, compare_sync=args.compare_sync,
+                   verify=not args.no_verify, eta=args.eta, disjoint_cores=args.disjoint_cores)
     print_table(report)
-    print(f"wrote {args.output}/report.json, report.md, overhead.png, reward.png")
+    print(f"wrote {args.output}/report.json, report.md" + (", overhead.png, reward.png" if chosen else ""))
     return 0

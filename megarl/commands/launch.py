@@ -36,7 +36,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _allocation(args, cfg):
+def allocation(args, cfg):
+    """The allocation a plan is made for: given (--nodes, --gpus-per-node), detected, or simulated for a dry run."""
     if args.nodes is not None or args.gpus_per_node is not None:
         return cluster.detect(args.nodes, args.gpus_per_node)
     if args.launcher == "slurm" and not args.dry_run and cluster.from_slurm() is None:
@@ -65,7 +66,7 @@ def run(args) -> int:
     overrides = [o for path in overlays for o in overlay_overrides(path)] + list(args.overrides)
     cfg = load_run_config(args.config, overrides)
     hf, source = load_hf_config(cfg)
-    plan = resolve_plan(cfg, hf, _allocation(args, cfg), config_path=args.config or "", overrides=overrides)
+    plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)
     if args.dry_run:
         if args.json:

@@ -272,6 +272,16 @@ class LoggingConfig:
 
 
 @dataclass
+class CpuAffinityConfig:
+    """CPU cores of the roles on this machine (megarl/cpu_affinity.py); an empty list leaves a role unpinned. Reward workers and the dedicated scorer are not pinned to cores of their own."""
+
+    trainer: list[int] = field(default_factory=list)
+    """Cores of the trainer process (the controller runs in it); torch uses one thread per core, e.g. [0]."""
+    engines: list[int] = field(default_factory=list)
+    """Cores of every engine megarl starts on this machine (vLLM's processes inherit them); each engine then runs one thread per core (this replaces rollout.cpu_threads), e.g. [1]."""
+
+
+@dataclass
 class PlacementConfig:
     """Where each role runs: trainer ranks, rollout engines and the dedicated old-logit scorer.
 
@@ -306,6 +316,8 @@ class PlacementConfig:
     """First HTTP port of the engines that run as their own command (one more per engine on the same node)."""
     model_config: str = ""
     """YAML of HF config.json fields that plans are validated against when model.checkpoint has no config.json on this machine (dry runs away from the cluster's disk)."""
+    cpu_affinity: CpuAffinityConfig = field(default_factory=CpuAffinityConfig)
+    """Pin the trainer and the engines to CPU cores of their own, e.g. {trainer: [0], engines: [1]} (Linux)."""
 
 
 @dataclass

@@ -18,16 +18,24 @@ Semantics every implementation keeps:
   check the update's names and shapes against the model *before* loading
   (a mismatch raises :class:`EngineError` naming the tensor; the engine keeps
   its old weights and keeps serving), load, reset cached prefixes, set
-  ``version`` and resume.
+  ``version`` and resume. They return the seconds of each phase of that stall
+  (:data:`UPDATE_PHASES`, keys ``engine_<phase>_s``; an engine that does not
+  time them returns None).
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
+from megarl.cpu_affinity import format_cores
 from megarl.errors import ConfigError, EngineError, InputError
 from megarl.types import GenerateRequest, GenerateResult
 
 BACKENDS = ("vllm", "hf")
+#: the phases of an engine's weight update, in order: stop in-flight requests, stop scheduling, load the
+#: weights, drop cached prefixes (KV of the old weights), label the new version and schedule again
+UPDATE_PHASES = ("abort", "pause", "reload", "cache_reset", "resume")
 #: weight dtypes an engine can be asked for (`megarl engine --dtype`); see :func:`resolve_dtype`
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -56,12 +64,13 @@ class Engine(Protocol):
     async def abort_all(self) -> None:
         """End every in-flight request now; each returns its partial output with "abort"."""
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Load the safetensors checkpoint in directory ``path`` and call it ``version``."""
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
+        """Load the safetensors checkpoint in directory ``path`` and call it ``version``; the phases' seconds."""
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
-        """Join/reuse the trainer's broadcast group (``group_info`` incl. "rank") and load its stream."""
+                                            version: int) -> dict[str, float] | None:
+        """Join/reuse the trainer's broadcast group (``group_info`` incl. "rank") and load its stream; the
+        phases' seconds."""
 
     async def version(self) -> int:
         """The weight version new tokens are sampled with."""
@@ -95,6 +104,39 @@ class RouterProtocol(Engine, Protocol):
 
     def stats(self) -> dict[str, int]:
         """Per-run totals for the step record (engine failures, restarts, live engines)."""
+
+
+class PhaseClock:
+    """Seconds spent in each phase of a weight update (:data:`UPDATE_PHASES`); a phase may be entered twice."""
+
+    def __init__(self) -> None:
+        self._s = dict.fromkeys(UPDATE_PHASES, 0.0)
+
+    @contextmanager
+    def phase(self, name: str):
+        if name not in self._s:
+            raise ValueError(f"unknown update phase {name!r}; one of {UPDATE_PHASES}")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._s[name] += time.perf_counter() - t0
+
+    def total(self) -> float:
+        return sum(self._s.values())
+
+    def seconds(self) -> dict[str, float]:
+        """``{"engine_abort_s": ..., ...}``, every phase present (0 for one not entered)."""
+        return {f"engine_{k}_s": v for k, v in self._s.items()}
+
+
+def slowest_phases(results: list) -> dict[str, float] | None:
+    """Per phase, the largest seconds over several engines' update results (dicts or None): the engines
+    update concurrently, so the slowest one sets each phase of the stall. None when none timed its phases."""
+    timed = [r for r in results if isinstance(r, dict)]
+    if not timed:
+        return None
+    return {k: max(float(r.get(k, 0.0)) for r in timed) for k in timed[0]}
 
 
 def effective_max_new_tokens(req: GenerateRequest, max_model_len: int) -> int:
@@ -134,26 +176,34 @@ def check_request(req: GenerateRequest, vocab_size: int) -> None:
                          f"(got {s.temperature}, {s.top_p}, {s.top_k})")
 
 
-def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int) -> dict:
-    """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``
-    or the same-named command flags), so that no engine megarl starts depends on VLLM_CPU_KVCACHE_SPACE or
-    OMP_NUM_THREADS being set; both apply on CPU only (``cpu_threads`` 0: left to the environment)."""
+def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: list[int] | tuple = ()) -> dict:
+    """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``,
+    ``placement.cpu_affinity.engines`` or the same-named command flags), so that no engine megarl starts depends
+    on VLLM_CPU_KVCACHE_SPACE or OMP_NUM_THREADS being set; all apply on CPU only (``cpu_threads`` 0: left to
+    the environment). With ``cpu_cores`` the engine pins itself to them and runs one thread per core."""
     if kv_cache_gb < 1:
         raise ConfigError(f"rollout.kv_cache_gb (--kv-cache-gb) must be >= 1 GiB, got {kv_cache_gb}")
     if cpu_threads < 0:
         raise ConfigError(f"rollout.cpu_threads (--cpu-threads) must be >= 0 (0: the environment's), got {cpu_threads}")
+    if cpu_cores:
+        cpu_threads = len(cpu_cores)
     options: dict = {"cpu_threads": cpu_threads} if cpu_threads else {}
+    if cpu_cores:
+        options["cpu_cores"] = list(cpu_cores)
     if backend == "vllm":
         options["kv_cache_gib"] = kv_cache_gb
     return options
 
 
 def resources_note(health: dict) -> str:
-    """", kv cache N GiB, T CPU thread(s)" from an engine's health, the parts that apply ("" for none)."""
+    """", kv cache N GiB, T CPU thread(s), on core(s) C" from an engine's health, the parts that apply
+    ("" for none)."""
     parts = []
     if health.get("kv_cache_gb") is not None:
         parts.append(f"kv cache {health['kv_cache_gb']:g} GiB")
     if health.get("cpu_threads") is not None:
         parts.append(f"{health['cpu_threads']} CPU thread(s)")
+    if health.get("cpu_cores"):
+        parts.append(f"on core(s) {format_cores(health['cpu_cores'])}")
     return "".join(f", {p}" for p in parts)
 

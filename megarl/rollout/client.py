@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from megarl import errors
+from megarl.cpu_affinity import format_cores
 from megarl.errors import EngineError
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -73,14 +74,15 @@ class EngineClient:
     async def abort_all(self) -> None:
         await self._call("POST", "/abort_all", {})
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
-        await self._call("POST", "/update_weights", {"path": str(path), "version": version}, timeout_s=None)
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
+        body = {"path": str(path), "version": version}
+        return (await self._call("POST", "/update_weights", body, timeout_s=None)).get("phases")
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
+                                            version: int) -> dict[str, float] | None:
         body = {"group_info": group_info, "version": version,
                 "names_shapes_dtypes": [[n, list(s), d] for n, s, d in names_shapes_dtypes]}
-        await self._call("POST", "/update_weights", body, timeout_s=None)
+        return (await self._call("POST", "/update_weights", body, timeout_s=None)).get("phases")
 
     async def version(self) -> int:
         return int((await self._call("GET", "/version"))["version"])
@@ -120,7 +122,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
                           env: dict | None = None, log_path: str | None = None,
                           startup_timeout_s: float = 300.0, initial_version: int = 0,
                           exit_with_parent: bool = True, kv_cache_gb: int | None = None,
-                          cpu_threads: int | None = None) -> tuple[subprocess.Popen, EngineClient]:
+                          cpu_threads: int | None = None,
+                          cpu_cores: list[int] | None = None) -> tuple[subprocess.Popen, EngineClient]:
     """Start ``python -m megarl.cli engine ...`` and wait until its /health answers.
 
     The process gets its own session (process group), so :func:`stop_engine_process`
@@ -131,7 +134,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     by default, ``proc.log_path``); its tail is in the EngineError if start fails.
     ``kv_cache_gb`` and ``cpu_threads`` become the engine's ``--kv-cache-gb`` and
     ``--cpu-threads`` (rollout.kv_cache_gb, rollout.cpu_threads; None: the flags'
-    defaults). ``env`` adds to this process's environment; a variable set to None is removed.
+    defaults). ``cpu_cores`` become ``--cpu-cores`` (placement.cpu_affinity.engines): the engine pins itself
+    and vLLM's processes to them. ``env`` adds to this process's environment; a variable set to None is removed.
     """
     port = port or free_port(host)
     log = Path(log_path or tempfile.mkstemp(prefix=f"megarl-engine-{port}-", suffix=".log")[1])
@@ -143,6 +147,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
         cmd += ["--kv-cache-gb", str(kv_cache_gb)]
     if cpu_threads is not None:
         cmd += ["--cpu-threads", str(cpu_threads)]
+    if cpu_cores:
+        cmd += ["--cpu-cores", format_cores(cpu_cores)]
     child_env = {**os.environ, **(env or {})}
     if exit_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]

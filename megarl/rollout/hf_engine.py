@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.errors import EngineError, InputError
-from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
+from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import (
     check_update_specs,
     read_checkpoint_specs,
@@ -103,6 +103,10 @@ class HFEngine:
         self._user_paused = False
         self._group = None  # (key, process group, store, device) of the trainer's broadcast group
         self.last_update_s: float | None = None
+        #: seconds of each phase of the last weight update (engine_abort_s, engine_pause_s, ...)
+        self.last_update_phases: dict[str, float] = {}
+        #: the cores this engine's process is pinned to (None: not pinned by megarl)
+        self.cpu_cores: list[int] | None = None
 
     @classmethod
     async def create(cls, checkpoint: str, *, initial_version: int = 0, device: str = "auto",
@@ -177,14 +181,25 @@ class HFEngine:
         self._abort_epoch += 1
 
     # -- weight updates ------------------------------------------------------------------------
-    async def _paused_update(self, fn, *args, version: int) -> None:
+    async def _paused_update(self, fn, *args, version: int) -> dict[str, float]:
+        """Stop new requests, end the running one, load, resume; returns each phase's seconds (the pause is
+        the wait for the running request to reach its next token; there is no prefix cache to reset)."""
         gate, _ = self._events()
-        t0 = time.perf_counter()
-        gate.clear()
-        self._abort_epoch += 1
+        clock = PhaseClock()
+        with clock.phase("abort"):
+            gate.clear()
+            self._abort_epoch += 1
+        started: list[float] = []
+
+        def timed_load() -> None:
+            started.append(time.perf_counter())
+            fn(*args)
+
+        t_submit = time.perf_counter()
         try:
             # runs after the current request, which the abort ends at its next token
-            await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            with clock.phase("reload"):
+                await asyncio.get_running_loop().run_in_executor(self._pool, timed_load)
             self._version = version
         except EngineError:
             raise
@@ -192,8 +207,15 @@ class HFEngine:
             raise EngineError(f"weight update failed: {type(e).__name__}: {e}") from e
         finally:
             if not self._user_paused:
-                gate.set()
-        self.last_update_s = time.perf_counter() - t0
+                with clock.phase("resume"):
+                    gate.set()
+        phases = clock.seconds()
+        waited = started[0] - t_submit if started else 0.0  # in the executor's queue behind the running request
+        phases["engine_pause_s"] += waited
+        phases["engine_reload_s"] -= waited
+        self.last_update_s = clock.total()
+        self.last_update_phases = phases
+        return phases
 
     def _load_from_dir(self, weights_dir: str) -> None:
         """Load safetensors (without config.json) via from_pretrained, which maps checkpoint names."""
@@ -203,7 +225,7 @@ class HFEngine:
                 (Path(tmp) / f.name).symlink_to(f.resolve())
             self.model = _load_model(tmp, self.device, self.dtype)
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float]:
         _, lock = self._events()
         async with lock:
             if not Path(path).is_dir():
@@ -211,7 +233,7 @@ class HFEngine:
             specs = read_checkpoint_specs(path)
             check_update_specs(self._reference, [(n, s, d) for n, (s, d) in specs.items()], self._optional,
                                source=f"update from {path}")
-            await self._paused_update(self._load_from_dir, str(path), version=version)
+            return await self._paused_update(self._load_from_dir, str(path), version=version)
 
     def _receive(self, group_info: dict, keep: bool) -> None:
         key = tuple(group_info.get(k) for k in ("host", "port", "rank", "world_size", "backend", "group_id"))
@@ -225,7 +247,7 @@ class HFEngine:
                 self._load_from_dir(tmp)
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
+                                            version: int) -> dict[str, float]:
         if "rank" not in group_info:
             raise InputError("broadcast group_info lacks this engine's 'rank' (1..world_size-1)")
         _, lock = self._events()
@@ -236,7 +258,7 @@ class HFEngine:
                 # drain the stream so the trainer's broadcast completes, keep the old weights
                 await asyncio.get_running_loop().run_in_executor(self._pool, self._receive, group_info, False)
                 raise
-            await self._paused_update(self._receive, group_info, True, version=version)
+            return await self._paused_update(self._receive, group_info, True, version=version)
 
     # -- control -------------------------------------------------------------------------------
     async def version(self) -> int:
@@ -247,7 +269,7 @@ class HFEngine:
                 "in_flight": self._in_flight,
                 "checkpoint": self.checkpoint, "max_model_len": self.max_model_len,
                 "paused": self._user_paused, "last_update_s": self.last_update_s,
-                "cpu_threads": torch.get_num_threads() if self.device == "cpu" else None}
+                "cpu_threads": torch.get_num_threads() if self.device == "cpu" else None, "cpu_cores": self.cpu_cores}
 
     async def pause(self) -> None:
         gate, _ = self._events()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from megarl.errors import EngineError
+from megarl.rollout.base import slowest_phases
 from megarl.types import GenerateRequest, GenerateResult
 
 
@@ -66,8 +67,9 @@ class EngineRouter:
     async def abort_all(self) -> None:
         await self._all(e.abort_all() for e in self.engines)
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
-        await self._all(e.update_weights_from_disk(path, version) for e in self.engines)
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
+        """Every engine loads ``path``; per update phase, the slowest engine's seconds."""
+        return slowest_phases(await self._all(e.update_weights_from_disk(path, version) for e in self.engines))
 
     async def broadcast_layout(self) -> tuple[list[int], int]:
         """(first rank of each engine, world size) of a broadcast group: trainer rank 0, then every
@@ -76,14 +78,16 @@ class EngineRouter:
         return group_ranks([int(h.get("n_workers", 1)) for h in health])
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
-        """``group_info["world_size"]`` must be the layout's (:meth:`broadcast_layout`)."""
+                                            version: int) -> dict[str, float] | None:
+        """``group_info["world_size"]`` must be the layout's (:meth:`broadcast_layout`); returns, per update
+        phase, the slowest engine's seconds."""
         first, world = await self.broadcast_layout()
         if int(group_info.get("world_size", world)) != world:
             raise EngineError(f"broadcast group of world size {group_info['world_size']} does not fit the engines' "
                               f"{world - 1} worker(s) + the trainer = {world}")
-        await self._all(e.update_weights_from_broadcast({**group_info, "rank": r}, names_shapes_dtypes, version)
-                        for r, e in zip(first, self.engines))
+        return slowest_phases(await self._all(
+            e.update_weights_from_broadcast({**group_info, "rank": r}, names_shapes_dtypes, version)
+            for r, e in zip(first, self.engines)))
 
     async def version(self) -> int:
         """The oldest version any engine serves (they agree after a successful update)."""

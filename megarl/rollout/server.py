@@ -2,7 +2,7 @@
 
     POST /generate        GenerateRequest.to_dict()        -> GenerateResult.to_dict()
     POST /abort_all       {}                               -> {"ok": true}
-    POST /update_weights  {"version", "path"}              -> {"ok": true, "version", "seconds"}
+    POST /update_weights  {"version", "path"}              -> {"ok": true, "version", "seconds", "phases"}
                           {"version", "group_info", "names_shapes_dtypes"}
     POST /pause, /resume  {}                               -> {"ok": true}
     GET  /version                                          -> {"version"}
@@ -77,13 +77,14 @@ def build_app(engine) -> web.Application:
             version = int(body["version"])
             t0 = time.perf_counter()
             if body.get("path"):
-                await engine.update_weights_from_disk(str(body["path"]), version)
+                phases = await engine.update_weights_from_disk(str(body["path"]), version)
             elif body.get("group_info"):
-                await engine.update_weights_from_broadcast(body["group_info"], body.get("names_shapes_dtypes", []),
-                                                           version)
+                phases = await engine.update_weights_from_broadcast(body["group_info"],
+                                                                    body.get("names_shapes_dtypes", []), version)
             else:
                 raise InputError("/update_weights: give 'path' (safetensors directory) or 'group_info' (broadcast)")
-            return web.json_response({"ok": True, "version": version, "seconds": time.perf_counter() - t0})
+            return web.json_response({"ok": True, "version": version, "seconds": time.perf_counter() - t0,
+                                      "phases": phases})
         except Exception as e:
             return _error(e)
 

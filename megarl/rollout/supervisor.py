@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megarl.errors import EngineError
+from megarl.rollout.base import slowest_phases
 from megarl.rollout.client import stop_engine_process
 from megarl.rollout.router import group_ranks
 from megarl.types import GenerateRequest, GenerateResult
@@ -280,14 +281,15 @@ class EngineSupervisor:
     async def abort_all(self) -> None:
         await self._each_live(lambda s: s.client.abort_all())
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
+        """Every live engine loads ``path``; per update phase, the slowest engine's seconds."""
         async with self._publish_lock:
             self.weights = (str(path), int(version))
-            await self._each_live(lambda s: s.client.update_weights_from_disk(path, version))
+            return slowest_phases(await self._each_live(lambda s: s.client.update_weights_from_disk(path, version)))
 
     async def update_weights_from_broadcast(self, group_info: dict | Callable[[list], dict | None],
                                             names_shapes_dtypes: list, version: int, *,
-                                            weights: tuple[str, int] | None = None) -> None:
+                                            weights: tuple[str, int] | None = None) -> dict[str, float] | None:
         """Every live engine receives the trainer's broadcast: rank 0 is the trainer, then each engine's workers.
 
         Under the publish lock the live engines are asked for their worker count
@@ -298,7 +300,7 @@ class EngineSupervisor:
         ``members`` the answering engines' ``(index, incarnation, n_workers)``:
         the group's info for exactly them, ranks in that order (None: nothing to
         send). ``weights``: the same version on disk, which a restarted engine
-        loads from now on.
+        loads from now on. Returns, per update phase, the slowest engine's seconds (None: nothing sent).
         """
         async with self._publish_lock:
             if weights is not None:
@@ -309,12 +311,12 @@ class EngineSupervisor:
             if callable(group_info):
                 group_info = group_info([(s.index, s.incarnation, n) for s, n in zip(slots, workers)])
                 if group_info is None:
-                    return
+                    return None
             elif len(slots) != len(self.slots) or int(group_info.get("world_size", world)) != world:
                 raise EngineError(f"broadcast group of world size {group_info.get('world_size')} does not fit "
                                   f"{len(slots)} of {len(self.slots)} engines live with {world - 1} worker(s)")
-            await self._each_live(lambda s: s.client.update_weights_from_broadcast(
-                {**group_info, "rank": first[s.index]}, names_shapes_dtypes, version), slots)
+            return slowest_phases(await self._each_live(lambda s: s.client.update_weights_from_broadcast(
+                {**group_info, "rank": first[s.index]}, names_shapes_dtypes, version), slots))
 
     async def _worker_counts(self) -> tuple[list[_Slot], list[int]]:
         """The live engines that answer /health, and each one's worker count."""

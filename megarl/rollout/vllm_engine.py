@@ -14,12 +14,20 @@ Choices that matter for RL, and why:
   ``update_weight_version`` while generation was paused, so a token sampled
   before an update carries the old version even if the pause landed a step
   after it was requested.
-- Updates pause in "abort" mode (in-flight requests return their partial
-  output with "abort"; the caller resubmits prompt + partial), load through
-  :mod:`megarl.rollout.vllm_worker_ext`, then reset the prefix cache: cached
-  prefixes would otherwise keep producing log-probs of the old weights.
+- An update first holds back new requests (inside this class, before they
+  reach vLLM). If requests are in flight, it pauses vLLM in "abort" mode
+  (they return their partial output with "abort"; the caller resubmits
+  prompt + partial); if none are, as after the training loop's own abort,
+  it skips vLLM's pause and resume: with nothing scheduled and nothing
+  admitted, nothing can run between the reload and the relabelling, and
+  vLLM's pause costs ~20 ms of fixed sleep and a device sync. It then loads
+  through :mod:`megarl.rollout.vllm_worker_ext` and resets the prefix cache
+  once, after the reload: cached prefixes would otherwise keep producing
+  log-probs of the old weights (the pause does not clear the cache; the one
+  reset after the reload is the one that matters).
 - On CPU: fp32, eager mode, no thread pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``
-  unless set), and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
+  unless set; with ``cpu_cores`` the workers' threads are bound to those cores),
+  and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
   one thing left to compile is vLLM's logprob-rank helper, whose first call
   otherwise costs ~20 s of C++ compilation per engine process. The KV cache
   (``kv_cache_gib``) and the threads (``cpu_threads``) go to vLLM's processes as
@@ -32,11 +40,11 @@ import asyncio
 import contextlib
 import itertools
 import os
-import time
 from pathlib import Path
 
+from megarl.cpu_affinity import omp_bind
 from megarl.errors import EngineError, InputError
-from megarl.rollout.base import check_request, effective_max_new_tokens, resolve_dtype
+from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -90,7 +98,10 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._user_paused = False
         self._update_lock = None  # created on first use, inside the serving event loop
+        self._admit: asyncio.Event | None = None  # cleared while an update runs; made inside the serving loop
         self.last_update_s: float | None = None
+        #: seconds of each phase of the last weight update (engine_abort_s, engine_pause_s, ...)
+        self.last_update_phases: dict[str, float] = {}
         self.n_workers = 1  # vLLM workers (tensor-parallel ranks); each joins a broadcast group
         #: the weight dtype vLLM resolved ("float32", "bfloat16", ...); set by create
         self.dtype: str | None = None
@@ -98,15 +109,19 @@ class VLLMEngine:
         self.kv_cache_gb: float | None = None
         #: OMP_NUM_THREADS of vLLM's processes (None: inherited)
         self.cpu_threads: int | None = None
+        #: the cores this engine and vLLM's processes are pinned to (None: not pinned by megarl)
+        self.cpu_cores: list[int] | None = None
 
     @classmethod
     async def create(cls, checkpoint: str, *, seed: int = 0, initial_version: int = 0, dtype: str | None = None,
                      max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
                      enforce_eager: bool | None = None, kv_cache_gib: int | None = None,
-                     cpu_threads: int | None = None, tensor_parallel_size: int = 1) -> "VLLMEngine":
+                     cpu_threads: int | None = None, tensor_parallel_size: int = 1,
+                     cpu_cores: list[int] | None = None) -> "VLLMEngine":
         """``dtype``: "float32", "bfloat16", "auto" (the checkpoint's recorded dtype, see
         megarl.rollout.base.resolve_dtype) or None: float32 on CPU (exact log-prob parity), vLLM's own
-        choice on GPU."""
+        choice on GPU. ``cpu_cores``: the cores this process was pinned to (megarl.rollout.backends.make_engine);
+        vLLM binds its workers' OpenMP threads to them."""
         config = read_config(checkpoint)  # fail on a bad checkpoint before paying for the vLLM import
         if dtype is not None:
             dtype = resolve_dtype(dtype, config)
@@ -122,8 +137,9 @@ class VLLMEngine:
         if on_cpu:
             # vLLM's default pins each CPU engine's threads to the same cores (core 0 on a 2-core
             # box): several engines on one machine then queue on one core while the other idles
+            bind = omp_bind(cpu_cores, tensor_parallel_size) if cpu_cores else None
             child_env = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1"),
-                         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+                         "VLLM_CPU_OMP_THREADS_BIND": bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
             if kv_cache_gib is not None:
                 child_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             if cpu_threads:
@@ -181,7 +197,8 @@ class VLLMEngine:
             return GenerateResult(req.request_id, [], [], [], "length")
         # vLLM needs unique ids among live requests; callers reuse theirs when resubmitting
         rid = f"{req.request_id}#{next(self._ids)}"
-        self._inflight.add(rid)
+        await self._admitting().wait()  # no request reaches vLLM while an update runs
+        self._inflight.add(rid)  # no await between the gate and here: an update sees every admitted request
         final = None
         try:
             async for out in self.llm.generate(_token_prompt(req.prompt_ids), self._sampling_params(req, max_new),
@@ -226,34 +243,61 @@ class VLLMEngine:
             self._update_lock = asyncio.Lock()
         return self._update_lock
 
-    async def _paused_update(self, method: str, args: tuple, version: int, what: str) -> None:
-        """Pause (aborting in-flight requests), load via the worker extension, relabel, resume."""
-        t0 = time.perf_counter()
-        await self.llm.pause_generation(mode="abort", clear_cache=True)
+    def _admitting(self) -> asyncio.Event:
+        if self._admit is None:
+            self._admit = asyncio.Event()
+            self._admit.set()
+        return self._admit
+
+    async def _paused_update(self, method: str, args: tuple, version: int, what: str) -> dict[str, float]:
+        """Hold back new requests, stop in-flight ones (if any), load via the worker extension, reset the
+        prefix cache, relabel, resume (module doc).
+
+        Returns the seconds of each phase (:data:`~megarl.rollout.base.UPDATE_PHASES`).
+        """
+        clock = PhaseClock()
+        admit = self._admitting()
+        admit.clear()
+        paused = False
         try:
-            await self.llm.collective_rpc(method, args=args)
-            await self.llm.reset_prefix_cache()
-            await self.llm.update_weight_version(str(version))
+            if self._inflight:
+                with clock.phase("abort"):
+                    await self.llm.abort(list(self._inflight))
+                with clock.phase("pause"):
+                    await self.llm.pause_generation(mode="abort", clear_cache=False)
+                paused = True
+            with clock.phase("reload"):
+                await self.llm.collective_rpc(method, args=args)
+            with clock.phase("cache_reset"):
+                if not await self.llm.reset_prefix_cache():  # False: a request still holds blocks
+                    await self.llm.pause_generation(mode="abort", clear_cache=True)
+                    paused = True
+            with clock.phase("resume"):
+                await self.llm.update_weight_version(str(version))
             self._version = version
         except Exception as e:
             raise EngineError(f"weight update from {what} failed: {type(e).__name__}: {e}; the engine may hold "
                               f"partially updated weights, update again before generating") from e
         finally:
-            if not self._user_paused:
-                await self.llm.resume_generation()
-        self.last_update_s = time.perf_counter() - t0
+            with clock.phase("resume"):
+                if paused and not self._user_paused:
+                    await self.llm.resume_generation()
+                admit.set()
+        self.last_update_s = clock.total()
+        self.last_update_phases = clock.seconds()
+        return self.last_update_phases
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float]:
         async with self._lock():
             if not Path(path).is_dir():
                 raise EngineError(f"weight update directory {path} does not exist")
             specs = read_checkpoint_specs(path)
             check_update_specs(self._reference, [(n, s, d) for n, (s, d) in specs.items()], self._optional,
                                source=f"update from {path}")
-            await self._paused_update("megarl_load_from_disk", (str(path),), version, str(path))
+            return await self._paused_update("megarl_load_from_disk", (str(path),), version, str(path))
 
     async def update_weights_from_broadcast(self, group_info: dict, names_shapes_dtypes: list,
-                                            version: int) -> None:
+                                            version: int) -> dict[str, float]:
         if "rank" not in group_info:
             raise InputError("broadcast group_info lacks this engine's 'rank' (1..world_size-1)")
         async with self._lock():
@@ -263,8 +307,8 @@ class VLLMEngine:
                 # still take the stream off the wire, so the trainer's broadcast completes
                 await self.llm.collective_rpc("megarl_load_from_broadcast", args=(group_info, True))
                 raise
-            await self._paused_update("megarl_load_from_broadcast", (group_info, False), version,
-                                      f"broadcast {group_info.get('host')}:{group_info.get('port')}")
+            return await self._paused_update("megarl_load_from_broadcast", (group_info, False), version,
+                                             f"broadcast {group_info.get('host')}:{group_info.get('port')}")
 
     # -- control -------------------------------------------------------------------------------
     async def version(self) -> int:
@@ -276,7 +320,7 @@ class VLLMEngine:
                 "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
                 "max_model_len": self.max_model_len, "paused": self._user_paused,
                 "last_update_s": self.last_update_s, "n_workers": self.n_workers,
-                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads}
+                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads, "cpu_cores": self.cpu_cores}
 
     async def pause(self) -> None:
         self._user_paused = True

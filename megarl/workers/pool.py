@@ -25,6 +25,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from megarl.cpu_affinity import release
 from megarl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class _Worker:
         boot = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 f"from megarl.workers.process import main; main({fd})")
         self.proc = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[fd], stdin=subprocess.DEVNULL)
+        release(self.proc.pid)  # a pinned trainer's workers may run on any core (megarl/cpu_affinity.py)
         child_sock.close()  # so the worker's death shows here as EOF
         self.conn = Connection(parent_sock.detach())
         self.conn.send(config)

@@ -1,7 +1,9 @@
 """The real `megarl bench` console script: 2 strategies x 3 steps with the vLLM CPU engine, started
-without VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS.
+without VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS; then each further mode in its smoke setting (2 steps,
+tiny batches, the HF engine, which starts in seconds): --compare-sync, --sweep and --quality, four runs
+each. Benchmarks are commands; these tests check that they run and write what they promise, not numbers.
 
-Each strategy is a full run (engine start-up ~20-50 s), so this test takes ~2 minutes.
+Each strategy is a full run (engine start-up ~20-50 s), so each test takes ~1-2 minutes.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 from conftest import ENGINE_VARS
+
+from megarl.cpu_affinity import format_cores
 
 REPO = Path(__file__).resolve().parents[2]
 MEGARL = shutil.which("megarl", path=str(Path(sys.executable).parent)) or "megarl"
@@ -33,7 +37,7 @@ def test_bench_two_strategies(tmp_path):
     assert "PASS" in p.stdout or "SKIP" in p.stdout  # the target lines are printed
 
     report = json.loads((out / "report.json").read_text())
-    assert report["async_vs_sync"] == {"throughput_ratio": None}
+    assert report["async_vs_sync"] == {"throughput_ratio": None, "throughput_ratio_disjoint_cores": None}
     assert set(report["strategies"]) == {"snapshot", "loglinear"}
     for name, s in report["strategies"].items():
         assert set(s) == FIELDS, name
@@ -48,12 +52,82 @@ def test_bench_two_strategies(tmp_path):
     assert snap["max_abs_err_vs_exact"] < 1e-4  # exact
     assert snap["extra_param_copies"] >= 1 and logl["extra_param_copies"] == 0
     assert snap["recovery_s_median"] > logl["recovery_s_median"]  # a forward per version vs none
-    assert [t["passed"] for t in report["targets"]] == [None] * 5  # none measurable with these two
+    assert [t["passed"] for t in report["targets"]] == [None] * 6  # none measurable with these two
+    for name in ("snapshot", "loglinear"):  # two publishes: each one's stall in parts, the vLLM engine's own
+        stall = report["publish_stall_s_median"][name]
+        assert stall["engine_reload"] > 0 and stall["engine_pause"] == 0  # nothing in flight after the drain
+        assert 0 < stall["engine_reload"] < stall["stall"] < 60
 
     md = (out / "report.md").read_text()
     assert "| snapshot |" in md and "| loglinear |" in md and "SKIP" in md
+    assert "## Publish stall per publish (median ms)" in md
     for png in ("overhead.png", "reward.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("snapshot", "loglinear"):
         assert len((out / name / "metrics.jsonl").read_text().splitlines()) == 3
         assert "kv cache 1 GiB, 1 CPU thread(s)" in (out / name / "engine0.log").read_text()  # rollout.* defaults
+
+
+SMOKE = ["--steps", "2", "rollout.backend=hf", "trainer.batch_size=8", "rollout.max_new_tokens=8"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(tmp_path, *args, timeout=400):
+    cmd = [MEGARL, "bench", *args, f"model.checkpoint={tmp_path / 'ckpt'}"]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def test_compare_sync_smoke(tmp_path):
+    out = tmp_path / "cs"
+    cores = sorted(os.sched_getaffinity(0))
+    _bench(tmp_path, "--config", "configs/bench_cpu.yaml", "--compare-sync", "--eta", "2", "--output", str(out),
+           *SMOKE)
+    report = json.loads((out / "report.json").read_text())
+    avs = report["async_vs_sync"]
+    for key in ("throughput_ratio", "throughput_ratio_disjoint_cores"):
+        assert isinstance(avs[key], float) and avs[key] > 0, avs
+    half = len(cores) // 2
+    trainer, engines = cores[:half], cores[half:]
+    assert report["meta"]["compare_sync"]["eta"] == 2 and report["strategies"] == {}  # --compare-sync alone
+    for run in ("async_eta2_disjoint", "sync_eta0_disjoint"):  # the trainer and its engine each on their cores
+        assert json.loads((out / run / "bench_child.json").read_text())["trainer_cores"] == trainer
+        assert f"on core(s) {format_cores(engines)}" in (out / run / "engine0.log").read_text()
+    shared = json.loads((out / "async_eta2" / "bench_child.json").read_text())["trainer_cores"]
+    assert shared == cores and "on core(s)" not in (out / "async_eta2" / "engine0.log").read_text()
+    md = (out / "report.md").read_text()
+    assert f"trainer on core(s) {format_cores(trainer)}, engines on core(s) {format_cores(engines)}" in md
+
+
+def test_sweep_smoke(tmp_path):
+    out = tmp_path / "sweep"
+    p = _bench(tmp_path, "--sweep", "--models", "tiny_qwen3,tiny_qwen3_s", "--etas", "1,2", "--strategies",
+               "snapshot", "--output", str(out), *SMOKE)
+    assert "4 runs of 2 steps: about" in p.stdout  # the estimate comes first
+    rep = json.loads((out / "report.json").read_text())
+    rows = rep["sweep"]["rows"]
+    assert [(r["model"], r["eta"]) for r in rows] == [("tiny_qwen3", 1), ("tiny_qwen3", 2), ("tiny_qwen3_s", 1),
+                                                     ("tiny_qwen3_s", 2)]
+    for r in rows:  # snapshot holds at least the published version and scores with a forward
+        assert r["extra_bytes_held"] >= r["weights_nbytes"] > 0 and r["recovery_s_median"] > 0
+        assert r["stall_per_publish_s"] > 0 and r["seq_tokens_mean"] > 0
+    assert rows[2]["weights_nbytes"] > 5 * rows[0]["weights_nbytes"]  # 0.99M vs 0.13M parameters
+    assert set(rep["sweep"]["growth"]) == set(rep["sweep"]["fits"]) == {"snapshot"}
+    assert (out / "scaling.png").read_bytes()[:8] == PNG
+    md = (out / "report.md").read_text()
+    assert "## Which costs grow with eta" in md and "## Fitted growth of recovery seconds" in md
+
+
+def test_quality_smoke(tmp_path):
+    out = tmp_path / "quality"
+    p = _bench(tmp_path, "--quality", "--strategies", "behav", "--etas", "1,8", "--seeds", "2", "--output",
+               str(out), *SMOKE)
+    assert "4 runs of 2 steps: about" in p.stdout
+    rep = json.loads((out / "report.json").read_text())
+    final = rep["quality"]["final"]
+    assert [(r["strategy"], r["eta"]) for r in final] == [("behav", 1), ("behav", 8)]
+    assert all(len(r["per_seed"]) == 2 and 0 <= r["mean"] <= 1 for r in final)
+    assert all(c["step"] == [1, 2] for c in rep["quality"]["curves"])
+    assert (out / "quality.png").read_bytes()[:8] == PNG
+    assert "| behav | 8 |" in (out / "report.md").read_text()

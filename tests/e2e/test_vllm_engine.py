@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from megarl.errors import EngineError, InputError
 from megarl.models.tiny import write_tiny_checkpoint
+from megarl.rollout.base import UPDATE_PHASES
 from megarl.rollout.client import EngineClient, free_port, launch_engine_process, stop_engine_process
 from megarl.rollout.interrupt import continuation_request, generate_resumable
 from megarl.rollout.router import EngineRouter
@@ -59,18 +60,31 @@ def _serve(ckpt: str, extra_args: tuple = ()):
     return proc, client.url
 
 
-def _group_environments(pgid: int) -> list[dict[str, str]]:
-    """The environments of the processes in process group ``pgid`` (an engine and vLLM's processes)."""
-    envs = []
+def _group_read(pgid: int, read) -> list:
+    """``read(/proc/<pid> directory)`` of each process in process group ``pgid`` (an engine and vLLM's processes)."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
-            raw = (stat.parent / "environ").read_bytes()
+            out.append(read(stat.parent))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        envs.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
-    return envs
+    return out
+
+
+def _group_environments(pgid: int) -> list[dict[str, str]]:
+    def environ(proc: Path) -> dict[str, str]:
+        raw = (proc / "environ").read_bytes()
+        return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+    return _group_read(pgid, environ)
+
+
+def _group_cpus(pgid: int) -> list[set[int]]:
+    """The cores each thread of each process in group ``pgid`` may run on."""
+    def cpus(proc: Path) -> list[set[int]]:
+        return [os.sched_getaffinity(int(t.name)) for t in (proc / "task").iterdir()]
+    return [c for per_proc in _group_read(pgid, cpus) for c in per_proc]
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -139,9 +153,13 @@ async def wait_in_flight(client, n: int, timeout_s: float = 30.0) -> None:
 
 
 # -- dense ---------------------------------------------------------------------------------------
+#: the dense engine runs pinned to one core (placement.cpu_affinity.engines, `megarl engine --cpu-cores`)
+ENGINE_CORE = max(os.sched_getaffinity(0))
+
+
 @pytest.fixture(scope="class")
 def dense_url(ckpts):
-    proc, url = _serve(ckpts["dense0"])
+    proc, url = _serve(ckpts["dense0"], extra_args=("--cpu-cores", str(ENGINE_CORE)))
     yield url
     stop_engine_process(proc)
 
@@ -222,18 +240,29 @@ class TestDense:
         assert len(envs) >= 3 and vllm_side, envs
         assert all(e["VLLM_CPU_KVCACHE_SPACE"] == "1" and e.get("OMP_NUM_THREADS") == "1" for e in vllm_side)
 
+    def test_engine_and_vllm_processes_run_on_its_cores(self, url):
+        # the server pinned itself before vLLM started its engine-core and worker processes: they inherit it
+        cpus = _group_cpus(_PROCS[url].pid)
+        assert len(cpus) >= 3 and all(c == {ENGINE_CORE} for c in cpus), cpus
+        envs = [e for e in _group_environments(_PROCS[url].pid) if "VLLM_CPU_KVCACHE_SPACE" in e]
+        assert envs and all(e["VLLM_CPU_OMP_THREADS_BIND"] == str(ENGINE_CORE) for e in envs)  # its OpenMP threads too
+
     def test_update_from_disk_and_broadcast(self, url, ckpts):
         async def go(c):
             t0 = time.perf_counter()
-            await c.update_weights_from_disk(ckpts["dense1"], 11)
+            phases = await c.update_weights_from_disk(ckpts["dense1"], 11)
             disk_s = time.perf_counter() - t0
             on_disk = (await c.generate(request("d")), await c.version())
             bcast_s, box = await update_by_broadcast(c, ckpts["dense0"], 12)
             by_bcast = (await c.generate(request("b")), await c.version())
-            return disk_s, on_disk, bcast_s, box, by_bcast
-        disk_s, (r1, v1), bcast_s, box, (r2, v2) = with_client(url, go)
+            return disk_s, phases, on_disk, bcast_s, box, by_bcast
+        disk_s, phases, (r1, v1), bcast_s, box, (r2, v2) = with_client(url, go)
         print(f"\nMEASURE dense weight update over HTTP: disk {disk_s * 1e3:.0f} ms, "
-              f"broadcast {bcast_s * 1e3:.0f} ms ({box['stats']['bytes'] / 1e6:.2f} MB)")
+              f"broadcast {bcast_s * 1e3:.0f} ms ({box['stats']['bytes'] / 1e6:.2f} MB); "
+              f"engine phases (ms): {', '.join(f'{k} {1e3 * v:.1f}' for k, v in phases.items())}")
+        # nothing was in flight: no abort, no pause (vLLM's pause alone sleeps 20 ms); the reload is timed
+        assert set(phases) == {f"engine_{p}_s" for p in UPDATE_PHASES}
+        assert phases["engine_abort_s"] == phases["engine_pause_s"] == 0 < phases["engine_reload_s"] <= disk_s
         assert v1 == 11 and set(r1.versions) == {11}
         # guards the tied lm_head re-pack after reload (without it: ~1 nat off)
         assert maxdiff(r1.logp_behav, teacher_logps(ckpts["dense1"], PROMPT, r1.output_ids)) <= TOL
@@ -268,6 +297,7 @@ class TestDense:
                                           for r, p in zip(reqs, partial)))
             # the update itself interrupting requests, which generate_resumable resubmits
             version = 21
+            paused = []
             for delay in (0.02, 0.05, 0.1, 0.2, 0.4, 0.8):
                 tasks = [asyncio.create_task(generate_resumable(c, request(f"g{i}", max_new_tokens=n_new, seed=i)))
                          for i in range(48)]
@@ -275,12 +305,14 @@ class TestDense:
                 await asyncio.sleep(delay)
                 version += 1
                 weights[version] = ckpts["dense0"] if version % 2 == 0 else ckpts["dense1"]
-                await c.update_weights_from_disk(weights[version], version)
+                phases = await c.update_weights_from_disk(weights[version], version)
+                paused.append(phases["engine_pause_s"])
                 resumable = await asyncio.gather(*tasks)
                 if any(len(set(r.versions)) == 2 for r, _ in resumable):
                     break
-            return partial, rest, resumable
-        partial, rest, resumable = with_client(url, go)
+            return partial, rest, resumable, paused
+        partial, rest, resumable, paused = with_client(url, go)
+        assert all(s > 0 for s in paused)  # requests were in flight: the engine paused vLLM
         aborted = [i for i, p in enumerate(partial) if p.finish_reason == "abort" and p.output_ids]
         assert aborted, "no request was still running at abort_all"
         for i in aborted:
@@ -297,6 +329,28 @@ class TestDense:
             k = r.versions.index(r.versions[-1])
             assert k > 0 and r.versions[k - 1] < r.versions[k]  # old version first, then the new one
             check_segments(r.output_ids, r.logp_behav, r.versions)
+
+    def test_requests_arriving_during_an_update_wait_for_it(self, url, ckpts):
+        """With nothing in flight an update skips vLLM's pause; requests sent while it runs are held back by the
+        engine, so every token is still tagged with the weights that sampled it."""
+        weights = {40: ckpts["dense0"], 41: ckpts["dense1"], 42: ckpts["dense0"], 43: ckpts["dense1"]}
+
+        async def go(c):
+            await c.update_weights_from_disk(weights[40], 40)
+            results = []
+            for version in (41, 42, 43):
+                update = asyncio.create_task(c.update_weights_from_disk(weights[version], version))
+                await asyncio.sleep(0.005 * (version - 40))  # into the ~15 ms update, at different points
+                reqs = [generate_resumable(c, request(f"w{version}-{i}", max_new_tokens=16, seed=i)) for i in range(8)]
+                results += await asyncio.gather(*reqs)
+                await update
+            return results
+        results = with_client(url, go)
+        for r, _ in results:
+            for v in set(r.versions):
+                idx = [i for i, x in enumerate(r.versions) if x == v]
+                ref = teacher_logps(weights[v], PROMPT, r.output_ids)
+                assert maxdiff([r.logp_behav[i] for i in idx], [ref[i] for i in idx]) <= TOL, v
 
     def test_errors_leave_the_engine_serving(self, url, ckpts):
         async def go(c):

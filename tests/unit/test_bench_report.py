@@ -121,12 +121,19 @@ def test_build_report_and_throughput_ratio():
     slow = [{"wall_s": w, "tokens": t, "step_s": 2.0} for w, t in ((2.0, 50), (4.0, 100), (6.0, 100))]
     rep = R.build_report({"snapshot": _run(STEPS)}, {"async": fast, "sync": slow}, meta={"steps": 3})
     assert rep["async_vs_sync"] == {"throughput_ratio": approx(2.0), "tokens_per_s_async": approx(100.0),
-                                    "tokens_per_s_sync": approx(50.0)}
+                                    "tokens_per_s_sync": approx(50.0), "throughput_ratio_disjoint_cores": None}
     assert set(rep["strategies"]["snapshot"]) == {
         "step_time_s_median", "recovery_s_median", "critical_path_overhead_frac", "gen_stall_frac",
         "peak_rss_mb", "extra_param_copies", "bytes_moved", "max_abs_err_vs_exact"}
     json.dumps(rep, allow_nan=False)
-    assert R.build_report({"snapshot": _run(STEPS)}, None)["async_vs_sync"] == {"throughput_ratio": None}
+    assert R.build_report({"snapshot": _run(STEPS)}, None)["async_vs_sync"] == {
+        "throughput_ratio": None, "throughput_ratio_disjoint_cores": None}
+    # on disjoint cores: async 200 tokens / 1 s, sync 200 tokens / 4 s
+    pinned_async = [{"wall_s": w, "tokens": 100} for w in (1.0, 1.5, 2.0)]
+    pinned_sync = [{"wall_s": w, "tokens": 100} for w in (2.0, 4.0, 6.0)]
+    both = R.throughput({"async": fast, "sync": slow, "async_disjoint": pinned_async, "sync_disjoint": pinned_sync})
+    assert both["throughput_ratio"] == approx(2.0) and both["throughput_ratio_disjoint_cores"] == approx(4.0)
+    assert both["tokens_per_s_async_disjoint"] == approx(200.0) and both["tokens_per_s_sync_disjoint"] == approx(50.0)
 
 
 def _entry(step=1.0, crit=0.0, stall=0.0):
@@ -142,8 +149,9 @@ def test_targets_pass_fail_and_skip():
     assert got["dedicated: recovery share of the trainer critical path"] == (approx(0.08), False)
     assert got["interrupt_sync: engine stall share of wall time"] == (approx(0.05), True)
     assert got["async / sync throughput (tokens/s)"] == (None, None)
-    only_ewma = R.targets({"ewma": _entry()}, {"throughput_ratio": 2.5})
-    assert [t["passed"] for t in only_ewma] == [None, None, None, None, True]
+    only_ewma = R.targets({"ewma": _entry()}, {"throughput_ratio": 1.2, "throughput_ratio_disjoint_cores": 2.5})
+    assert [t["passed"] for t in only_ewma] == [None, None, None, None, False, True]
+    assert only_ewma[-1]["target"] == "async / sync throughput on disjoint cores (tokens/s)"
 
 
 def test_markdown_lists_targets_with_measured_values():
@@ -158,3 +166,47 @@ def test_markdown_lists_targets_with_measured_values():
     md = R.render_markdown(rep)
     assert "Config `c.yaml` with `trainer.batch_size=16`, 3 steps" in md
     assert "Machine: 2 CPUs, load average 1.50 at the start and 2.25 at the end" in md
+
+
+# -- publish stall, scorer lag ----------------------------------------------------------------------
+STALL_STEPS = [
+    {"publish_stall_s": 0.050, "publish_drain_s": 0.010, "publish_recovery_s": 0.005, "weight_sync_s": 0.030,
+     "engine_abort_s": 0.0, "engine_pause_s": 0.0, "engine_reload_s": 0.020, "engine_cache_reset_s": 0.002,
+     "engine_resume_s": 0.001, "recovery/bench_hook_publish_s": 0.004, "recovery/bench_verifier_publish_s": 0.001},
+    {"publish_stall_s": 0.070, "publish_drain_s": 0.020, "publish_recovery_s": 0.005, "weight_sync_s": 0.040,
+     "engine_abort_s": 0.0, "engine_pause_s": 0.0, "engine_reload_s": 0.030, "engine_cache_reset_s": 0.002,
+     "engine_resume_s": 0.001, "recovery/bench_hook_publish_s": 0.002},
+    {"step": 3},  # the last step does not publish
+]
+
+
+def test_publish_stall_parts_per_publish():
+    s = R.publish_stall(STALL_STEPS)
+    # per publish: sync_other = 0.030 - 0.023 = 0.007 and 0.040 - 0.033 = 0.007; stall = 0.049 and 0.070
+    assert s["drain"] == approx(0.015) and s["engine_reload"] == approx(0.025)
+    assert s["sync_other"] == approx(0.007) and s["hooks"] == approx(0.003)
+    assert s["stall"] == approx((0.049 + 0.070) / 2)
+    assert list(s) == [*R.STALL_PARTS, "stall"]
+    assert R.publish_stall([{"step": 1}]) is None
+    table = R.stall_table({"behav": s, "idle": None})
+    assert table[2] == "| behav | 15.0 | 5.0 | 0.0 | 0.0 | 25.0 | 2.0 | 1.0 | 7.0 | 3.0 | 59.5 |"
+    assert table[3] == "| idle | no publish |"
+
+
+def test_dedicated_lag_replaces_its_critical_path_share_on_two_cores():
+    lagged = [dict(r, **{"recovery/pending_segments": p, "recovery/lag_s": lag})
+              for r, p, lag in zip(STEPS, (9, 4, 2), (5.0, 0.5, 0.25))]
+    assert R.scorer_lag(lagged) == {"scorer_pending_segments_median": 3.0, "scorer_lag_s_median": approx(0.375),
+                                    "scorer_lag_s_max": 0.5}  # steps 2..3
+    assert R.scorer_lag(STEPS) is None
+    load = {"loadavg_start": 1.0, "loadavg_end": 1.0}
+    two = R.build_report({"dedicated": _run(lagged)}, None, meta={"cpu_count": 2, **load})
+    assert two["strategies"]["dedicated"]["critical_path_overhead_frac"] is None
+    assert two["strategies"]["dedicated"]["scorer_lag_s_max"] == 0.5
+    assert two["targets"][2]["passed"] is None  # the 5% target is not judged on a share that measures contention
+    md = R.render_markdown(two)
+    assert "On 2 CPUs the dedicated scorer has no core of its own" in md
+    assert "| dedicated | 3 | 0.375 | 0.500 |" in md
+    four = R.build_report({"dedicated": _run(lagged)}, None, meta={"cpu_count": 4, **load})
+    assert four["strategies"]["dedicated"]["critical_path_overhead_frac"] == approx((0.37 + 0.11) / (1.29 + 0.85))
+    assert "has no core of its own" not in R.render_markdown(four)

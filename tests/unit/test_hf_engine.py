@@ -12,6 +12,7 @@ import torch
 
 from megarl.errors import EngineError, InputError
 from megarl.models.tiny import write_tiny_checkpoint
+from megarl.rollout.base import UPDATE_PHASES
 from megarl.rollout.hf_engine import HFEngine, processed_logprobs
 from megarl.rollout.interrupt import generate_resumable
 from megarl.rollout.weight_spec import tensor_specs
@@ -189,13 +190,16 @@ def test_update_from_disk_changes_logps_and_version(ckpts, tmp_path):
     async def go():
         eng = await _engine(ckpts["v0"])
         before = await eng.generate(request())
-        await eng.update_weights_from_disk(str(tmp_path / "v1"), 1)
+        phases = await eng.update_weights_from_disk(str(tmp_path / "v1"), 1)
         after = await eng.generate(request())
         version = await eng.version()
         await eng.close()
-        return before, after, version
-    before, after, version = run(go())
+        return before, after, version, phases
+    before, after, version, phases = run(go())
     assert version == 1 and set(after.versions) == {1} and set(before.versions) == {0}
+    # every phase is reported; the HF engine has no prefix cache, and the load is the bulk of the stall
+    assert set(phases) == {f"engine_{p}_s" for p in UPDATE_PHASES} and phases["engine_cache_reset_s"] == 0
+    assert phases["engine_reload_s"] == max(phases.values()) > 0
     ref = picked(torch.log_softmax(teacher_logits(ckpts["v1"], PROMPT, after.output_ids), -1), after.output_ids)
     assert maxdiff(after.logp_behav, ref) <= TOL
     old = picked(torch.log_softmax(teacher_logits(ckpts["v0"], PROMPT, after.output_ids), -1), after.output_ids)
@@ -285,12 +289,15 @@ def test_router_routes_least_loaded_and_fans_out(ckpts):
                 return await orig(req)
             e.generate = tagged
         res = await asyncio.gather(*(router.generate(request(f"q{i}", max_new_tokens=5)) for i in range(4)))
-        await router.update_weights_from_disk(ckpts["v1"], 3)
+        phases = await router.update_weights_from_disk(ckpts["v1"], 3)
+        own = [e.last_update_phases for e in engines]
         versions = [await e.version() for e in engines]
         health = await router.health()
         await router.close()
-        return res, seen, versions, health, await router.version()
-    res, seen, versions, health, rv = run(go())
+        return res, seen, versions, health, await router.version(), phases, own
+    res, seen, versions, health, rv, phases, own = run(go())
+    # the engines update at once: each phase of the stall is the slower engine's
+    assert phases == {k: max(o[k] for o in own) for k in own[0]}
     assert sorted(seen) == [0, 0, 1, 1] and all(len(r.output_ids) == 5 for r in res)
     assert versions == [3, 3] and rv == 3 and health["ok"] and len(health["engines"]) == 2
 

@@ -89,7 +89,9 @@ def test_broadcast_failing_mid_publish_falls_back_to_the_disk_copy(tmp_path, mon
             t0 = time.perf_counter()
             first = await pub.apply(1)
             fallback_s = time.perf_counter() - t0
-            assert first == {"weight_sync_bytes": 0, "weight_sync_groups": 1, "weight_sync_fallbacks": 1}
+            sync = {k: v for k, v in first.items() if k.startswith("weight_sync")}
+            assert sync == {"weight_sync_bytes": 0, "weight_sync_groups": 1, "weight_sync_fallbacks": 1}
+            assert first["engine_reload_s"] > 0  # the stall phases of the disk load that replaced the broadcast
             res1 = await sup.generate(REQUEST)
             monkeypatch.setattr(WeightBroadcaster, "_send_bucket", send_bucket)
             pub.trainer = CheckpointExporter(Path(base))

@@ -4,6 +4,7 @@ The child here builds HFScorerForTests (``scorer_factory``) to keep the test
 fast; test_recovery_megatron.py runs the default MegatronTrainer child.
 """
 import math
+import time
 
 import pytest
 import torch
@@ -37,7 +38,13 @@ def test_dedicated_exact_and_state_round_trip(ckpt, tmp_path):
         over = strat.overhead()
         assert over["bytes_moved"] > 0 and over["dedicated_save_s"] > 0
         assert over.get("n_waits", 0) in (0, 1)  # waited only if the child had not caught up
+        assert over["pending_segments"] == 0 and over["lag_s"] == 0.0  # the batch's segments are all scored
         assert strat.version == 8
+        # the lag is the age of the oldest segment sent and not scored yet
+        strat._pending[("late", 0, 1)] = time.perf_counter() - 2.0
+        over = strat.overhead()
+        del strat._pending[("late", 0, 1)]
+        assert over["pending_segments"] == 1 and 2.0 <= over["lag_s"] < 60
 
         # the trained batch is gone; a new v8 segment is reported; restore into a fresh instance
         loop.live = []

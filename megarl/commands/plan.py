@@ -1,0 +1,83 @@
+"""`megarl plan`: the placement plan of a config, and with ``--cost`` what each recovery strategy costs on it.
+
+``--cost`` prints the cost model's table (megarl/launch/cost.py) for every strategy with
+the assumptions it uses (flags below); ``--calibrate SWEEP_REPORT`` fits the model's CPU
+constants on a `megarl bench --sweep` report and prints predicted against measured costs.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from megarl.config.loader import field_docs
+from megarl.errors import ConfigError
+from megarl.launch import cost
+from megarl.launch.overlays import overlay_overrides, recovery_overlay
+from megarl.launch.placement import load_hf_config, resolve_plan
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="placement plan of a config; --cost: what each recovery strategy costs on it")
+    p.add_argument("--config", help="run config YAML (e.g. configs/qwen3_4b_h100.yaml)")
+    p.add_argument("--nodes", type=int, help="simulate an allocation of this many nodes (with --gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node of the simulated allocation")
+    p.add_argument("--recovery", metavar="NAME", help="apply the overlay configs/recovery/NAME.yaml")
+    p.add_argument("--cost", action="store_true", help="print the cost model per recovery strategy")
+    p.add_argument("--calibrate", metavar="SWEEP_REPORT",
+                   help="fit the CPU constants on a `megarl bench --sweep` report.json; print predicted vs measured")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    docs = field_docs(cost.Assumptions)
+    for f in fields(cost.Assumptions):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None,
+                       help=f"--cost assumption (default {f.default:g}): " + docs.get(f.name, "").replace("%", "%%"))
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.eta=4")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    from megarl.builder import load_run_config  # the strategies' config classes (torch)
+    from megarl.commands.launch import allocation
+    from megarl.losses.policy import normalizer_needs_anchor
+
+    overrides = ([o for o in overlay_overrides(recovery_overlay(args.recovery))] if args.recovery else [])
+    overrides += list(args.overrides)
+    cfg = load_run_config(args.config, overrides)
+    hf, source = load_hf_config(cfg)
+    args.dry_run, args.launcher = True, None
+    plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
+    if not args.cost:
+        print(f"megarl plan: {args.config or '(defaults)'} (model fields from {source})\n{plan.describe()}")
+        return 0
+    given = {f.name: getattr(args, f.name) for f in fields(cost.Assumptions) if getattr(args, f.name) is not None}
+    a = cost.Assumptions(**given)
+    costs = cost.strategy_costs(cfg, hf, plan, a, interpolation_forward=normalizer_needs_anchor(cfg.loss))
+    lay = cost.layout(cfg, hf, plan)
+    if args.json:
+        print(json.dumps({"layout": lay, "assumptions": asdict(a), "costs": costs}, indent=1))
+    else:
+        print(cost.render_costs(costs, lay, cfg, a, f"{args.config or '(defaults)'} (model fields from {source})"))
+    return 0
+
+
+def _calibrate(args) -> int:
+    path = Path(args.calibrate)
+    if not path.is_file():
+        raise ConfigError(f"--calibrate {path}: no such file; give the report.json of `megarl bench --sweep`")
+    report = json.loads(path.read_text())
+    if "sweep" not in report:
+        raise ConfigError(f"--calibrate {path}: not a sweep report (no 'sweep' section); run `megarl bench --sweep`")
+    try:
+        constants = cost.fit_cpu_constants(report)
+    except ValueError as e:
+        raise ConfigError(f"--calibrate {path}: {e}") from None
+    cmp = cost.compare_cpu(report, constants)
+    if args.json:
+        json.dump({"constants": asdict(constants), **cmp}, sys.stdout, indent=1)
+        print()
+    else:
+        print(cost.render_calibration(constants, cmp))
+    return 0

@@ -1,0 +1,143 @@
+"""The cost model (megarl/launch/cost.py) on a hand-sized model and plan, its CPU calibration, and `megarl plan`."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.builder import load_run_config
+from megarl.launch import cluster, cost
+from megarl.launch.placement import resolve_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+# hidden 4, one layer, vocab 10 (tied), one head of 4, MLP 8. Parameters: embedding 10*4 + final norm 4 = 44;
+# attention q 16 + k 16 + v 16 + o 16 + q/k norms 8 = 72; two layer norms 8; MLP 3*4*8 = 96. Total 220.
+HF = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 10, "hidden_size": 4,
+      "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+      "head_dim": 4, "tie_word_embeddings": True, "max_position_embeddings": 64}
+# slow on purpose so that the numbers stay small: 1000 FLOP/s per GPU at 50% MFU, 1000 B/s links
+SLOW = cost.Assumptions(link_gb_s=1e-6, pcie_gb_s=1e-6, disk_gb_s=1e-6, peak_tflops=1e-9, mfu=0.5,
+                        stall_floor_s=0.5)
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    # 2 trainer ranks (DP2) on one node, 2 engines of one GPU on another; bf16; eta 2; batch 4; prompts of up
+    # to 10 tokens, answers of up to 30; at most 8 requests in flight
+    cfg = load_run_config(None, ["placement.device=gpu", "placement.gpus_per_node=2", "placement.engine_nodes=1",
+                                 "rollout.n_engines=2", "model.dtype=bfloat16", "trainer.batch_size=4",
+                                 "rollout.group_size=2", "data.max_prompt_len=10", "rollout.max_new_tokens=30",
+                                 "rollout.eta=2", "rollout.max_concurrency=8"])
+    plan = resolve_plan(cfg, HF, cluster.simulated(2, 2))
+    return cfg, plan
+
+
+def test_layout(setup):
+    cfg, plan = setup
+    lay = cost.layout(cfg, HF, plan)
+    assert (lay["params"], lay["active_params"], lay["shard_params"]) == (220, 220, 220)  # DP only: full copies
+    assert lay["largest_tensor"] == 96  # the MLP (3 x 4 x 8) is larger than the embedding (10 x 4)
+    assert (lay["trainer_gpus"], lay["ranks_per_node"], lay["engine_workers"], lay["dtype_bytes"]) == (2, 2, 2, 2)
+    assert cost.step_tokens(cfg, SLOW) == 4 * (5 + 15)  # half the prompt and half the answer budget
+
+
+def test_costs_hand_computed(setup):
+    cfg, plan = setup
+    c = cost.strategy_costs(cfg, HF, plan, SLOW)
+    # weights 220 x 2 B = 440 B to each of 2 engines; stall 0.5 + 440 / 1000; rate 2 GPUs x 500 FLOP/s;
+    # a forward over the batch: 2 x 220 x 80 = 35200 FLOPs; a rank's fp32 shard 880 B; a swap 3 x 880 B
+    for name in cost.STRATEGIES:
+        assert c[name]["network_bytes_per_publish"] == (1760 if name == "dedicated" else 880)
+    assert c["behav"] == {**c["behav"], "forward_flops_per_step": 0.0, "host_bytes_per_trainer_node": 0.0,
+                          "pcie_bytes_per_gpu_per_step": 0.0, "stall_s_per_publish": approx(0.94)}
+    assert c["loglinear"]["forward_flops_per_step"] == 0.0  # the default loss needs no anchor forward
+    assert c["recompute"]["trainer_forward_s_per_step"] == approx(35.2)
+    ewma = c["ewma"]  # phi + the swap's saved copy, per rank, 2 ranks: 2 x 880 x 2
+    assert ewma["host_bytes_per_trainer_node"] == 3520 and ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4
+    assert ewma["pcie_bytes_per_gpu_per_step"] == 2640 + 880 and ewma["pcie_s_per_step"] == approx(3.52)
+    snap = c["snapshot"]  # eta + 1 = 3 versions held + 1 swap copy; 2 stale versions swapped in; spliced rows twice
+    assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 4 * 880 * 2
+    assert snap["forward_flops_per_step"] == approx(35200 * 1.4)
+    assert snap["pcie_bytes_per_gpu_per_step"] == 2 * 2640 + 880
+    assert snap["stall_s_per_publish"] == approx(0.94 + 0.88)  # the new version copied to host in the publish
+    # interrupt_sync: copy + swap in the publish, and a forward over 8 in-flight requests x (5 + 15 / 2) tokens
+    assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 0.88 + 2.64 + 2 * 220 * 100 / 1000)
+    ded = c["dedicated"]  # its forward on its own GPU; its checkpoint (440 B) written inside the publish
+    assert ded["dedicated_gpus"] == 1 and ded["dedicated_gpu_bytes"] == 440
+    assert ded["trainer_forward_s_per_step"] == 0 and ded["dedicated_forward_s_per_step"] == approx(70.4)
+    assert ded["stall_s_per_publish"] == approx(0.94 + 0.44)
+    with_kept = cost.strategy_costs(cfg, HF, plan, SLOW, interpolation_forward=True)
+    assert with_kept["linear"]["forward_flops_per_step"] == 35200
+
+
+TRUE = cost.CpuConstants(forward_call_s=0.004, flops_per_s=2e9, copy_bytes_per_s=1e9, stall_floor_s=0.02,
+                         publish_bytes_per_s=5e7)
+
+
+def _sweep_rows():
+    rows = []
+    for model, params in (("s", 1e5), ("m", 1e6), ("l", 4e6)):
+        for eta in (1, 4):
+            for strategy in ("behav", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated"):
+                rows.append({"model": model, "params": params, "active_params": params, "eta": eta,
+                             "strategy": strategy, "seq_tokens_mean": 3000.0, "version_seq_tokens_mean": 3000.0 * (
+                                 1 + 0.1 * eta), "distinct_versions_mean": 1.0 + 0.5 * eta,
+                             "stale_versions_mean": 0.5 * eta, "distinct_versions_max": eta + 1,
+                             "weights_nbytes": params * 4})
+    for r in rows:
+        p = cost.predict_cpu(r, TRUE)
+        r.update(recovery_s_median=p["recovery_s_median"], stall_per_publish_s=p["stall_per_publish_s"],
+                 extra_bytes_held=p["extra_bytes_held"])
+    return rows
+
+
+def test_predict_cpu_hand_computed():
+    row = {"model": "m", "params": 1e6, "active_params": 1e6, "eta": 2, "strategy": "snapshot",
+           "seq_tokens_mean": 1000.0, "version_seq_tokens_mean": 1500.0, "distinct_versions_mean": 2.0,
+           "stale_versions_mean": 1.0, "distinct_versions_max": 3, "weights_nbytes": 4e6}
+    p = cost.predict_cpu(row, TRUE)
+    # 2 calls x 4 ms + 2e6 x 1500 / 2e9 + 3 x 4e6 x 1 / 1e9 = 0.008 + 1.5 + 0.012
+    assert p["recovery_s_median"] == approx(1.52)
+    # 0.02 + 4e6 / 5e7 + the new version's host copy 4e6 / 1e9 = 0.02 + 0.08 + 0.004
+    assert p["stall_per_publish_s"] == approx(0.104)
+    assert p["extra_bytes_held"] == 3 * 4e6  # the widest batch's 3 versions in fp32
+
+
+def test_calibration_recovers_the_constants_and_compares():
+    report = {"sweep": {"rows": _sweep_rows()}}
+    fitted = cost.fit_cpu_constants(report)
+    for key in ("forward_call_s", "flops_per_s", "copy_bytes_per_s", "stall_floor_s", "publish_bytes_per_s"):
+        assert getattr(fitted, key) == pytest.approx(getattr(TRUE, key), rel=1e-6), key
+    cmp = cost.compare_cpu(report, fitted)
+    assert cmp["compared"] > 0 and cmp["within"] == cmp["compared"]
+    # behav does no recovery work: its 0 s is below the noise floor, not compared
+    behav = [r for r in cmp["rows"] if r["strategy"] == "behav" and r["quantity"] == "recovery_s_median"]
+    assert behav and all(r["ratio"] is None for r in behav)
+    text = cost.render_calibration(fitted, cmp)
+    assert f"{cmp['within']} of {cmp['compared']} compared values within 25%" in text
+    with pytest.raises(ValueError, match="needs at least 3 rows"):
+        cost.fit_cpu_constants({"sweep": {"rows": _sweep_rows()[:2]}})
+
+
+def test_plan_command_prints_costs_and_calibration(tmp_path):
+    env = {"PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--cost", "--config", "configs/qwen3_4b_h100.yaml",
+                        "--mfu", "0.5", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["assumptions"]["mfu"] == 0.5 and set(out["costs"]) == set(cost.STRATEGIES)
+    assert out["layout"]["trainer_gpus"] == 8 and out["layout"]["engine_workers"] == 8
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"sweep": {"rows": _sweep_rows()}}))
+    p = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--calibrate", str(report)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "flops_per_s = 2e+09" in p.stdout and "compared values within 25%" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--calibrate", str(tmp_path / "none.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and "no such file; give the report.json of `megarl bench --sweep`" in p.stderr
