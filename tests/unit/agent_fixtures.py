@@ -37,10 +37,11 @@ async def no_row(client):
 
 
 async def scripted(client, row) -> float | None:
-    """Three turns, each followed by a tool result, whatever the model says (a fixed control flow)."""
+    """Three turns, each followed by a tool result, whatever the model says (a fixed control flow); each
+    turn's length limit is the run's rollout.max_new_tokens."""
     messages = [{"role": "user", "content": str(row.get("prompt", "go"))}]
     for turn in range(3):
-        reply = await client.chat.completions.create(messages=messages, max_tokens=24)
+        reply = await client.chat.completions.create(messages=messages)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
         messages.append({"role": "tool", "content": f"result {turn}"})
     return None
