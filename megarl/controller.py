@@ -204,11 +204,13 @@ class Controller:
             failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
             if traj.reward is None:  # an agent may return the episode's reward itself
                 out = await self.rewards.score(traj)
-                traj.reward, traj.reward_failed = out.reward, out.failed  # failed ones are counted per group
+                traj.reward, traj.reward_failed = out.reward, out.failed
                 failure = out.reason if out.failed else None
-            elif failure is not None:  # a failed agent counts against reward.max_fail_frac like a failed reward
-                self.counters["n_reward_failed"] += 1
-            self.counters["n_reward_calls"] += 1  # one outcome per episode: scored, or given by its agent
+            # one outcome per episode (scored, or given by its agent), counted with its failure at once, so that a
+            # step's share of failed calls never counts calls whose failures are not in yet; a failed agent counts
+            # against reward.max_fail_frac like a failed reward
+            self.counters["n_reward_calls"] += 1
+            self.counters["n_reward_failed"] += failure is not None
             if failure is not None and self._reward_failure is None:
                 self._reward_failure = f"trajectory {traj.traj_id}: {failure}"
             return traj
@@ -228,7 +230,6 @@ class Controller:
             return
         self._failed_groups_in_a_row = 0
         failed = [t for t in trajs if t.reward_failed]
-        self.counters["n_reward_failed"] += len(failed)
         kept = trajs
         if failed and self.cfg.reward.on_failure == "drop":
             kept = [t for t in trajs if not t.reward_failed]

@@ -38,7 +38,7 @@ class ScriptedRewards:
         return SimpleNamespace(reward=r, failed=False, reason=None)
 
 
-def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None):
+def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None):
     rng = random.Random(0)
     cfg = load_run_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
@@ -58,7 +58,7 @@ def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None):
         for t in trajs:
             t.advantage = 0.0
 
-    records = []
+    records = [] if records is None else records
     c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(cfg.trainer.batch_size, cfg.rollout.eta),
                    published=PublishedVersion(), rewards=rewards or ScriptedRewards(lambda t: 1.0),
                    dataset=prompts, workflow=workflow or SingleTurn(),
@@ -79,6 +79,22 @@ def test_rewards_failing_on_most_calls_stop_the_run_showing_one_failure():
     with pytest.raises(RewardError, match=r"of \d+ reward calls failed .* reward.max_fail_frac=0.5.*"
                                           r"ValueError: no tests for this row"):
         loop([], rewards=ScriptedRewards(lambda t: None))
+
+
+def test_reward_failures_are_counted_with_their_calls_and_the_first_step_stops():
+    # a call and its failure are counted together: at a step boundary inside a group, counting the group's
+    # failures only once the whole group was scored made 12 of 15 (40 of 83 in a real run) look failed and the run
+    # went on
+    records = []
+
+    class Slow(ScriptedRewards):  # the group's members finish at different times
+        async def score(self, traj):
+            await asyncio.sleep(0.002 * int(traj.traj_id.rsplit("-", 1)[1]))
+            return await super().score(traj)
+
+    with pytest.raises(RewardError, match=r"(\d+) of \1 reward calls failed at step [01] "):
+        loop([], rewards=Slow(lambda t: None), records=records)
+    assert len(records) <= 1 and all(r["n_reward_failed"] == r["n_reward_calls"] > 0 for r in records)
 
 
 def test_a_few_failing_rewards_are_tolerated():
