@@ -8,4 +8,4 @@ cd "$ROOT"
 bash scripts/setup.sh
 .venv/bin/ruff check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-exec .venv/bin/python -m pytest -q -rs "${@:-tests}"
+exec .venv/bin/python -m pytest -q -rs --durations=20 "${@:-tests}"

@@ -176,8 +176,37 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
         time.sleep(0.25)
 
 
-def stop_engine_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None:
-    """SIGTERM the server (it shuts its engine down cleanly), then SIGKILL whatever is left of its group."""
+#: run detached by :func:`stop_engine_process` with ``wait=False``: waits until the server (argv[1]) has
+#: exited or argv[2] seconds have passed, then SIGKILLs what is left of its process group
+_REAPER = """
+import os, signal, sys, time
+pid, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+def running():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+while running() and time.monotonic() < deadline:
+    time.sleep(0.2)
+try:
+    os.killpg(pid, signal.SIGKILL)
+except (ProcessLookupError, PermissionError):
+    pass
+"""
+
+
+def stop_engine_process(proc: subprocess.Popen, timeout_s: float = 30.0, wait: bool = True) -> int | None:
+    """SIGTERM the server (it shuts its engine down cleanly), then SIGKILL whatever is left of its group.
+
+    ``wait=False`` (the end of a run) returns at once: vLLM's orderly shutdown takes seconds that nothing
+    waits on, so a small detached process waits for it (``timeout_s`` at most) and then SIGKILLs what is left.
+    """
+    if not wait and proc.poll() is None:
+        proc.terminate()
+        subprocess.Popen([sys.executable, "-c", _REAPER, str(proc.pid), str(timeout_s)], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return None
     if proc.poll() is None:
         # the server only: signalling vLLM's children too makes them die under the server's
         # orderly shutdown, which then waits on them for seconds

@@ -28,6 +28,7 @@ size, loads the disk copy of the same version the publisher names (``weights``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,8 @@ class EngineSupervisor:
         self.work_dir = Path(work_dir) if work_dir else None
         #: stop(proc, timeout_s): ends an engine process and its children
         self.stop = stop or stop_engine_process
+        #: the same at the end of the run, without waiting for the engines' orderly shutdown
+        self._stop_at_close = stop or functools.partial(stop_engine_process, wait=False)
         #: set when no engine is left; wait_available raises it
         self.failure: EngineError | None = None
         self.n_failures = 0
@@ -125,7 +128,8 @@ class EngineSupervisor:
             await asyncio.to_thread(self.stop, proc, 30.0)
         await asyncio.gather(*(s.client.close() for s in self.slots), return_exceptions=True)
         procs = [s.proc for s in self.slots if s.proc is not None]
-        await asyncio.gather(*(asyncio.to_thread(self.stop, p, 30.0) for p in procs), return_exceptions=True)
+        await asyncio.gather(*(asyncio.to_thread(self._stop_at_close, p, 30.0) for p in procs),
+                             return_exceptions=True)
 
     def _write_pid(self, slot: _Slot) -> None:
         if self.work_dir is not None and slot.proc is not None:

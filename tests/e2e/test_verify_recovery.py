@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ENV, ROOT, run_megarl
+from conftest import ENGINE_VARS, ENV, ROOT, run_megarl
 
 REGISTER_WRONG_AND_RUN = (
     "import sys; sys.path.insert(0, 'tests/unit'); "
@@ -31,12 +31,15 @@ def test_verify_fails_for_a_wrong_exact_strategy(ckpt, tmp_path):
 
 def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     # configs/verify_vllm_cpu.yaml says how long answers, two requests in flight and a publish per step
-    # make most publishes interrupt a request, so that many sequences hold two versions
+    # make most publishes interrupt a request, so that many sequences hold two versions. Started without
+    # VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS (a new user's shell), the engine takes its KV cache and
+    # threads from rollout.kv_cache_gb and rollout.cpu_threads
     report = tmp_path / "report.json"
     r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies", "snapshot",
                    "--steps", "20", "--output", str(report), f"model.checkpoint={tmp_path / 'text_model'}",
-                   timeout=600)
+                   "rollout.kv_cache_gb=2", timeout=600, unset=ENGINE_VARS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
     s = json.loads(report.read_text())["strategies"]["snapshot"]
     assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, s
     assert s["n_sequences"] == 80 and s["max_versions_per_sequence"] >= 2, s
