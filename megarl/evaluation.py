@@ -16,12 +16,15 @@ have reward >= ``eval.pass_threshold``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any, Awaitable, Callable
 
 from megarl.data import Prompt
 from megarl.types import Trajectory
+
+log = logging.getLogger("megarl.controller")
 
 GenerateFor = Callable[[Trajectory], Callable[..., Awaitable[Any]]]
 
@@ -82,3 +85,45 @@ class Evaluator:
             "eval/version_max": max(versions, default=-1),
             "eval/s": time.perf_counter() - t0,
         }
+
+
+class EvaluationSchedule:
+    """When the controller evaluates (every ``eval.every`` steps, never blocking training, and once at the
+    end): a part of :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's
+    ``cfg``, ``evaluator``, ``on_eval``, ``_evals``, ``_generate``, ``publish``, ``step``, ``version`` and
+    ``trainer``."""
+
+    def _generate_for_eval(self, traj: Trajectory):
+        return lambda ctx, sp: self._generate(traj, ctx, sp, counted=False)
+
+    async def _evaluate(self, step: int) -> None:
+        version = self.version
+        try:
+            metrics = await self.evaluator.run(self._generate_for_eval)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # an evaluation must never take training down with it
+            log.exception("evaluation at step %d failed", step)
+            return
+        record = {"step": step, "eval/start_version": version, **metrics}
+        log.info("eval at step %d: reward %.4f, pass@1 %.4f, pass@%d %.4f", step, metrics["eval/reward_mean"],
+                 metrics["eval/pass@1"], metrics["eval/k"], metrics["eval/pass@k"])
+        if self.on_eval is not None:
+            self.on_eval(record)
+
+    def _maybe_evaluate(self, total_steps: int) -> None:
+        every = self.cfg.eval.every
+        if self.evaluator is None or every <= 0 or self.step % every or self.step >= total_steps:
+            return
+        task = asyncio.create_task(self._evaluate(self.step))
+        self._evals.add(task)
+        task.add_done_callback(self._evals.discard)
+
+    async def _final_evaluation(self) -> None:
+        """Wait for evaluations still running, then evaluate the final weights once."""
+        if self.evaluator is None:
+            return
+        await asyncio.gather(*list(self._evals))
+        if self.trainer.version > self.version:  # the last step is not published for training: publish it now
+            await self.publish(self.trainer.version)
+        await self._evaluate(self.step)

@@ -1,8 +1,9 @@
 """The whole async loop with two trainer ranks, started through the launch wrappers.
 
 torchrun: TP=2 trainer ranks + one vLLM engine process + the dedicated old-logit
-process. mpirun: DP=2 trainer ranks bootstrapped over MPI, snapshot recovery. Then, on
-the HF engine, interrupt_sync (TP=2 and DP=2), ewma (TP=2) and recompute (DP=2): every
+process. On the HF engine, which starts in seconds (the trainer ranks are what these
+test): mpirun with DP=2 trainer ranks bootstrapped over MPI, snapshot recovery; then
+interrupt_sync (TP=2 and DP=2), ewma (TP=2) and recompute (DP=2): every
 strategy whose hooks run forwards on all ranks.
 torchrun with rollout.weight_sync=broadcast: TP=2 ranks export together, rank 0 sends.
 """
@@ -34,10 +35,9 @@ def _records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("launcher,extra", [
     ("torchrun.sh", ["parallel.tp=2", "recovery.name=dedicated"]),
-    ("mpirun.sh", ["recovery.name=snapshot"]),
+    ("mpirun.sh", ["rollout.backend=hf", "recovery.name=snapshot"]),
     # strategies whose hooks run forwards (collectives) between train steps: interrupt_sync scores
     # finished trajectories after the optimizer step, so the followers need rank 0's live trajectories
-    # (on the HF engine, which starts in seconds: the trainer ranks are what these test)
     ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "recovery.name=interrupt_sync"]),
     ("mpirun.sh", ["rollout.backend=hf", "recovery.name=interrupt_sync"]),
     ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "recovery.name=ewma"]),

@@ -1,0 +1,116 @@
+"""What one step of the loop leaves behind: the train step on a batch and its metrics, the step record,
+decoded samples, the check of failed reward calls and the stall message.
+
+:class:`StepBookkeeping` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it
+reads the controller's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``,
+``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundaries ``_step_counters`` and
+``_prev_step_counters``), ``step``, ``version``, ``B``, ``eta`` and ``gen_stall_s``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from megarl.errors import RewardError
+from megarl.types import TrainBatch, Trajectory
+
+
+class StepBookkeeping:
+    """The controller's per-step accounting (module doc)."""
+
+    def _train_on(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        batch = TrainBatch.from_trajectories(trajs, version=self.trainer.version)
+        t0 = time.perf_counter()
+        anchor = self.strategy.anchor(batch, trajs)
+        t_anchor = time.perf_counter()
+        if anchor.logp_anchor is not None:
+            batch.logp_anchor = anchor.logp_anchor
+        metrics = self.trainer.train_step(batch, self.loss_fn_factory(batch, anchor))
+        t_step = time.perf_counter()
+        metrics = dict(metrics)
+        metrics.update(anchor.metrics)
+        metrics["anchor_exact"] = float(anchor.exact)
+        metrics["recovery_s"] = t_anchor - t0
+        metrics["train_step_s"] = t_step - t_anchor
+        mask = batch.loss_mask > 0
+        if batch.logp_old is not None and anchor.logp_anchor is not None:
+            known = mask & batch.logp_old.isfinite()
+            if known.any():
+                metrics["abs_logp_anchor_minus_old_mean"] = float(
+                    (anchor.logp_anchor - batch.logp_old)[known].abs().mean())
+        lag = (batch.version - batch.versions)[mask]
+        metrics["staleness_max"] = int(lag.max()) if lag.numel() else 0
+        metrics["staleness_mean"] = float(lag.float().mean()) if lag.numel() else 0.0
+        metrics["version_lag_hist"] = {int(k): int(v) for k, v in zip(*lag.unique(return_counts=True))}
+        return metrics
+
+    def _reward_failure_error(self, min_calls: int, since: dict[str, int] | None = None) -> RewardError | None:
+        """The error to stop with when more than reward.max_fail_frac of the reward calls since ``since``
+        (default: the last step) failed, if there were at least ``min_calls`` of them."""
+        since = self._step_counters if since is None else since
+        calls = self.counters["n_reward_calls"] - since["n_reward_calls"]
+        failed = self.counters["n_reward_failed"] - since["n_reward_failed"]
+        frac = self.cfg.reward.max_fail_frac
+        if calls < max(min_calls, 1) or failed <= frac * calls:
+            return None
+        return RewardError(f"{failed} of {calls} reward calls failed at step {self.step} (more than "
+                           f"reward.max_fail_frac={frac}) with reward.fn={self.cfg.reward.fn!r}; one of them: "
+                           f"{self._reward_failure}. Fix the reward function or the data (data.answer_key), "
+                           f"or raise reward.max_fail_frac")
+
+    def _log_samples(self, trajs: list[Trajectory]) -> None:
+        """``logging.log_samples`` trajectories of the step as decoded text, to ``samples.jsonl``."""
+        n = self.cfg.logging.log_samples
+        if n <= 0 or self.journal is None or self.tokenizer is None:
+            return
+        tok = self.tokenizer
+        for t in trajs[:n]:
+            self.journal.write("samples", {
+                "step": self.step, "traj_id": t.traj_id, "prompt": tok.decode_prompt(t.prompt_ids),
+                "response": tok.decode_response(t.response_ids), "reward": t.reward,
+                "answer": t.meta.get("answer"), "finish_reason": t.finish_reason,
+                # [version, number of tokens] per segment, in order: which weights wrote which part
+                "versions": [[g.version, g.end - g.start] for g in t.segments()]})
+
+    def _workflow_step_stats(self) -> dict[str, int]:
+        """What the workflow counted (agent turns, tool calls, failures) since the last step."""
+        now = self.workflow.stats()
+        step = {k: v - self._prev_workflow_stats.get(k, 0) for k, v in now.items()}
+        self._prev_workflow_stats = now
+        return step
+
+    def _step_record(self, trajs, t0, t_got, t_trained, t_start) -> dict[str, Any]:
+        rewards = [t.reward for t in trajs if t.reward is not None]
+        step_counts = {k: self.counters[k] - self._step_counters[k] for k in self.counters}
+        self._prev_step_counters = self._step_counters
+        self._step_counters = dict(self.counters)
+        resp_lens = [t.n_policy_tokens for t in trajs]
+        return {
+            "step": self.step,
+            "version": self.trainer.version,
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "n_spliced": sum(t.is_spliced for t in trajs),
+            "tokens": sum(resp_lens),
+            "response_len_mean": sum(resp_lens) / max(len(resp_lens), 1),
+            "response_len_max": max(resp_lens) if resp_lens else 0,
+            "wait_batch_s": t_got - t0,
+            "step_s": time.perf_counter() - t0,
+            "trainer_busy_s": t_trained - t_got,
+            "wall_s": time.perf_counter() - t_start,
+            "gen_stall_total_s": self.gen_stall_s,
+            **step_counts,
+            **self._workflow_step_stats(),
+            **self.router.stats(),
+            **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
+        }
+
+    def _stall_message(self, timeout: float) -> str:
+        g = self.buffer.gate_state(self.version)
+        return (f"no batch for step {self.step}: the trainer waited {timeout:.1f} s (trainer.stall_timeout_s) and no "
+                f"trajectory was accepted meanwhile. Staleness gate: accepted {g['accepted']} + running "
+                f"{g['running']} of capacity {g['capacity']} = (rollout.eta {self.eta} + version {self.version} + 1) "
+                f"x trainer.batch_size {self.B} (released by skipped steps {g['released']}); ready {g['ready']} of "
+                f"{self.B}; trainer version {self.trainer.version}; dropped {self.counters['n_dropped']}. A checkpoint "
+                f"of this step is in the run directory. A full gate with nothing running means no batch can ever "
+                f"form (check rollout.eta and trainer.publish_every); otherwise the engines or the rewards are stuck "
+                f"(for very long generations raise trainer.stall_timeout_s), then resume with --resume")
