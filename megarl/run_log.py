@@ -68,7 +68,7 @@ class RunLogger:
         info = (f"v{record.get('version')} reward {record.get('reward_mean', 0):.3f} "
                 f"stale max {record.get('staleness_max')} spliced {record.get('n_spliced')}")
         if isinstance(self._bar, Progress):
-            self._bar.update(self._task, completed=step + 1, info=info)
+            self._bar.update(self._task, completed=step, info=info)  # the step just done, 1-based
         elif self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(info)

@@ -28,3 +28,14 @@ def test_wandb_offline_without_an_api_key(tmp_path, monkeypatch):
     log.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_progress_bar_counts_steps(tmp_path):
+    # records carry the step just done (1-based): 3 of 3 after the last, not 4 of 3
+    from megarl.run_log import RunLogger
+
+    logger = RunLogger(tmp_path, total_steps=3, tensorboard=False, progress="rich")
+    for step in (1, 2, 3):
+        logger.log({"step": step, "version": step, "reward_mean": 0.5, "staleness_max": 0, "n_spliced": 0})
+    assert logger._bar.tasks[0].completed == 3
+    logger.close()
