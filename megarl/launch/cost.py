@@ -231,8 +231,11 @@ def predict_cpu(row: dict[str, Any], c: CpuConstants) -> dict[str, float]:
     if row["strategy"] == "dedicated":
         stall += row["weights_nbytes"] / c.publish_bytes_per_s  # its own checkpoint, written inside the publish
     p32 = row["params"] * FP32
-    # snapshot holds the versions live tokens reference: as many as the widest batch spans
-    held = {"snapshot": row["distinct_versions_max"] * p32, "ewma": p32, "interrupt_sync": p32,
+    # snapshot keeps every version that a trajectory the gate admitted may still reference: eta + 1 of them,
+    # and no more than the run published (a sweep run of n steps publishes versions 0..n-1). The versions one
+    # batch spans (distinct_versions_max) undercount it: measured 6 sets held at eta 8 in 6 steps, 2 per batch
+    held = {"snapshot": min(row["eta"] + 1, row.get("n_steps", row["eta"] + 1)) * p32, "ewma": p32,
+            "interrupt_sync": p32,
             "dedicated": row["weights_nbytes"]}.get(row["strategy"], 0.0)
     return {"recovery_s_median": recovery, "stall_per_publish_s": stall, "extra_bytes_held": held}
 

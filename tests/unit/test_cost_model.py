@@ -87,7 +87,7 @@ def _sweep_rows():
                 rows.append({"model": model, "params": params, "active_params": params, "eta": eta,
                              "strategy": strategy, "seq_tokens_mean": 3000.0, "version_seq_tokens_mean": 3000.0 * (
                                  1 + 0.1 * eta), "distinct_versions_mean": 1.0 + 0.5 * eta,
-                             "stale_versions_mean": 0.5 * eta, "distinct_versions_max": eta + 1,
+                             "stale_versions_mean": 0.5 * eta, "distinct_versions_max": eta + 1, "n_steps": 6,
                              "weights_nbytes": params * 4})
     for r in rows:
         p = cost.predict_cpu(r, TRUE)
@@ -105,7 +105,11 @@ def test_predict_cpu_hand_computed():
     assert p["recovery_s_median"] == approx(1.52)
     # 0.02 + 4e6 / 5e7 + the new version's host copy 4e6 / 1e9 = 0.02 + 0.08 + 0.004
     assert p["stall_per_publish_s"] == approx(0.104)
-    assert p["extra_bytes_held"] == 3 * 4e6  # the widest batch's 3 versions in fp32
+    assert p["extra_bytes_held"] == 3 * 4e6  # eta + 1 = 3 versions in fp32
+    # a sweep cell (tiny_qwen3, eta 8, 6 steps) held 6 sets of weights while a batch spanned at most 2: the
+    # versions the gate lets trajectories reference, capped by the versions the short run published
+    row.update(eta=8, n_steps=6, distinct_versions_max=2, params=132_680, weights_nbytes=530_720)
+    assert cost.predict_cpu(row, TRUE)["extra_bytes_held"] == 6 * 530_720
 
 
 def test_calibration_recovers_the_constants_and_compares():
