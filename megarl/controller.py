@@ -19,7 +19,8 @@
 
 Generation never waits for training and training never waits for generation
 beyond the staleness gate: the train step runs in a worker thread while the
-event loop keeps feeding the engines. A recovery strategy sees only the hooks
+event loop keeps feeding the engines (through InterruptibleGeneration,
+megarl/rollout/interruptible.py, which a publish closes, drains and opens). A recovery strategy sees only the hooks
 (recovery/base.py); it never edits this loop.
 
 Nothing lost: every ``logging.save_every`` steps and at the end the
@@ -39,8 +40,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
-from dataclasses import replace
 from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
@@ -48,10 +47,10 @@ from megarl.data import Prompt
 from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
 from megarl.rollout.base import RouterProtocol
-from megarl.rollout.supervisor import EngineLost
+from megarl.rollout.interruptible import InterruptibleGeneration
 from megarl.step_record import StepBookkeeping
 from megarl.trainer.base import TrainerProtocol
-from megarl.types import GenerateRequest, GenerateResult, SamplingParams, TrainBatch, Trajectory, training_rows
+from megarl.types import TrainBatch, Trajectory, training_rows
 
 log = logging.getLogger("megarl.controller")
 
@@ -104,17 +103,12 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         self.buffer = buffer
         self.published = published
         self.step = 0
-        self.weights_ready = asyncio.Event()
-        self.weights_ready.set()
-        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
-        self.inflight: dict[str, Trajectory] = {}  # request id -> trajectory being generated
-        self.n_requests_inflight = 0
-        self._all_returned = asyncio.Event()
-        self._all_returned.set()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
                          "n_filtered": 0, "n_engine_resubmits": 0}
+        self.generation = InterruptibleGeneration(router, max_concurrency=cfg.rollout.max_concurrency,
+                                                  seed=cfg.trainer.seed, counters=self.counters)
         self._reward_failure: str | None = None  # one failing reward call of the current step, for the error
         self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
         self._failed_groups_in_a_row = 0
@@ -140,65 +134,10 @@ class Controller(StepBookkeeping, EvaluationSchedule):
     def version(self, value: int) -> None:
         self.published.value = value
 
-    # -- generation ------------------------------------------------------------------
-    async def _generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams,
-                        counted: bool = True) -> GenerateResult:
-        """One policy turn; survives interruption by resubmitting prompt + partial tokens.
-
-        Policy tokens are appended to ``traj`` as they arrive (partial chunks
-        too), so recovery hooks always see every token with its version. The
-        returned result holds the whole turn. ``counted=False`` (evaluation)
-        keeps the request out of the training counters.
-        """
-        out_ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        remaining = sampling.max_new_tokens
-        chunk = 0
-        while True:
-            await self.weights_ready.wait()
-            await self._slots.acquire()  # at most rollout.max_concurrency requests in flight
-            if not self.weights_ready.is_set():  # a publish began while this request waited for a slot
-                self._slots.release()
-                continue
-            rid = f"{traj.traj_id}/{len(traj.response_ids)}/{chunk}"
-            # a distinct, reproducible seed per trajectory and resubmission
-            seed = (self.cfg.trainer.seed * 1_000_003 + zlib.crc32(rid.encode())) % (2**31)
-            req = GenerateRequest(rid, context_ids + out_ids, replace(sampling, max_new_tokens=remaining, seed=seed))
-            self.inflight[rid] = traj
-            self.n_requests_inflight += 1
-            self._all_returned.clear()
-            try:
-                res = await self.router.generate(req)
-            except EngineLost:
-                res = None
-            finally:
-                self._slots.release()
-                self.inflight.pop(rid, None)
-                self.n_requests_inflight -= 1
-                if self.n_requests_inflight == 0:
-                    self._all_returned.set()
-            if res is None:  # its engine died and took this chunk with it: send it again once one is up
-                self.counters["n_engine_resubmits"] += counted
-                await self.router.wait_available()
-                continue
-            traj.append_policy(res.output_ids, res.logp_behav, res.versions)
-            out_ids += res.output_ids
-            logps += res.logp_behav
-            versions += res.versions
-            remaining -= len(res.output_ids)
-            chunk += 1
-            if res.finish_reason != "abort":
-                return GenerateResult(traj.traj_id, out_ids, logps, versions, res.finish_reason)
-            traj.n_interrupts += 1
-            self.counters["n_interrupted"] += counted
-            if remaining <= 0:
-                return GenerateResult(traj.traj_id, out_ids, logps, versions, "length")
-
     async def _run_group(self, group: Group, item) -> None:
         async def one(traj: Trajectory) -> Trajectory:
             # generate(context, sampling, into=row): an agent's episode may write into a part of its own
-            await self.workflow.run(traj, lambda ctx, sp, into=None: self._generate(into or traj, ctx, sp))
+            await self.workflow.run(traj, lambda ctx, sp, into=None: self.generation.generate(into or traj, ctx, sp))
             traj.finish_reason = traj.finish_reason or "stop"
             for row in traj.rows():  # a workflow sets finish_reason per turn; only its return ends the trajectory
                 row.finished = True
@@ -270,7 +209,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
                 raise self.router.failure
             if self._fatal is not None:
                 raise self._fatal
-            if not await self.buffer.wait_admissible(self.n, lambda: self.version, ready=self.weights_ready.is_set,
+            if not await self.buffer.wait_admissible(self.n, lambda: self.version, ready=self.generation.is_open,
                                                      stop=lambda: self._stopping or self._fatal is not None):
                 if self._fatal is not None:
                     raise self._fatal
@@ -301,11 +240,11 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         t_prep = time.perf_counter()
         await self.publisher.prepare(new_version)
         t0 = time.perf_counter()
-        self.weights_ready.clear()
+        self.generation.close()
         old = self.version
         if self.cfg.rollout.interruptible:
             await self.router.abort_all()
-        await self._all_returned.wait()  # aborted requests return their partial tokens
+        await self.generation.drained()  # aborted requests return their partial tokens
         t_stopped = time.perf_counter()
         partials = [r for g in self.buffer.running_groups.values() for t in g.trajectories for r in t.rows()
                     if r.response_ids and not r.finished]
@@ -316,7 +255,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         t_loaded = time.perf_counter()
         self.version = new_version
         self.strategy.on_weights_published(new_version)
-        self.weights_ready.set()
+        self.generation.open()
         await self.buffer.notify()
         t1 = time.perf_counter()
         self.gen_stall_s += t1 - t0
@@ -404,11 +343,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
                 await self.buffer.notify()
                 if max_skips > 0 and self._consecutive_skips >= max_skips:
                     await self._checkpoint()
-                    raise TrainingError(
-                        f"{self._consecutive_skips} consecutive steps skipped (last: {record['skip_reason']}, step "
-                        f"{self.step}, version {self.trainer.version}); stopping (trainer.max_consecutive_skips="
-                        f"{max_skips}). A checkpoint of this step is in the run directory: lower trainer.lr or check "
-                        f"the rewards, then resume with --resume")
+                    raise self._skips_error(record["skip_reason"], max_skips)
                 if reward_error is not None:
                     await self._checkpoint()
                     raise reward_error
@@ -423,7 +358,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
                 task.cancel()
             await asyncio.gather(*self._evals, return_exceptions=True)
             await self.buffer.notify()
-            self.weights_ready.set()
+            self.generation.open()
             await self.router.abort_all()
             await asyncio.gather(roll, return_exceptions=True)
             for task in list(self._tasks):

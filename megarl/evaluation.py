@@ -94,7 +94,7 @@ class EvaluationSchedule:
     ``trainer``."""
 
     def _generate_for_eval(self, traj: Trajectory):
-        return lambda ctx, sp: self._generate(traj, ctx, sp, counted=False)
+        return lambda ctx, sp: self.generation.generate(traj, ctx, sp, counted=False)
 
     async def _evaluate(self, step: int) -> None:
         version = self.version

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megarl.errors import RewardError
+from megarl.errors import RewardError, TrainingError
 from megarl.types import TrainBatch, Trajectory
 
 
@@ -103,6 +103,12 @@ class StepBookkeeping:
             **self.router.stats(),
             **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
         }
+
+    def _skips_error(self, last_reason: str, max_skips: int) -> TrainingError:
+        return TrainingError(
+            f"{self._consecutive_skips} consecutive steps skipped (last: {last_reason}, step {self.step}, version "
+            f"{self.trainer.version}); stopping (trainer.max_consecutive_skips={max_skips}). A checkpoint of this "
+            f"step is in the run directory: lower trainer.lr or check the rewards, then resume with --resume")
 
     def _stall_message(self, timeout: float) -> str:
         g = self.buffer.gate_state(self.version)

@@ -2,7 +2,7 @@
 
 ::
 
-    controller._generate ──► EngineSupervisor.generate ──► least-loaded live engine
+    generation.generate  ──► EngineSupervisor.generate ──► least-loaded live engine
          ▲  EngineLost: the engine died with the request         │ EngineError
          └─ wait_available(), resubmit prompt + partial ◄── probe: process exited, or /health silent?
                                                                yes ─► fail(engine) ─► restart task

@@ -51,6 +51,7 @@ from megarl.errors import ConfigError, InputError
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
 from megarl.models.build import build_gpt_model
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
+from megarl.trainer.metrics import reduce_metrics
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
 from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
 from megarl.trainer.state import load_trainer_state, save_trainer_state
@@ -261,7 +262,7 @@ class MegatronTrainer:
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), "metrics": metrics}
 
         outputs = self._run(batch, loss_func, forward_only=False)
-        metrics, loss_sum = self._reduce_metrics(outputs)
+        metrics, loss_sum = reduce_metrics(outputs, dp=self.parallel.dp, pp=self.parallel.pp)
         # every rank must take the same skip decision: the loss lives on the last PP stage only
         bad_loss = torch.tensor([0.0 if math.isfinite(loss_sum) else 1.0], device=comm_device())
         dist.all_reduce(bad_loss, op=dist.ReduceOp.MAX)
@@ -301,37 +302,6 @@ class MegatronTrainer:
             if params:
                 use_decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                 clip_grads.clip_grad_by_total_norm_fp32(params, self.grad_clip, grad_norm, use_decoupled)
-
-    def _reduce_metrics(self, outputs: list) -> tuple[dict[str, float], float]:
-        """Mean of each metric over all real micro-batches of all DP ranks; sum of losses."""
-        from megatron.core import parallel_state as ps
-
-        sums: dict[str, list[float]] = {}
-        loss_sum = 0.0
-        for item in outputs:
-            if item.get("dummy"):
-                continue
-            loss_sum += float(item["loss"])
-            for k, v in (item["metrics"] or {}).items():
-                s = sums.setdefault(k, [0.0, 0.0])
-                s[0] += float(v)
-                s[1] += 1.0
-        local = (sums, loss_sum)
-        gathered: list = [None] * self.parallel.dp
-        dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
-        merged: dict[str, list[float]] = {}
-        total = 0.0
-        for sums, loss in gathered:
-            total += loss
-            for k, (v, n) in sums.items():
-                m = merged.setdefault(k, [0.0, 0.0])
-                m[0] += v
-                m[1] += n
-        result = [({k: v / n for k, (v, n) in merged.items()}, total)]
-        if self.parallel.pp > 1:  # only the last stage computed losses
-            dist.broadcast_object_list(result, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
-        return result[0]
 
     # -- checkpoints --------------------------------------------------------------------
     def _optimizers(self) -> list:

@@ -81,3 +81,13 @@ def test_every_module_imports_first():
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
     assert len(modules) > 100
+
+
+#: the longest a module of megarl or recovery may grow before it is split by job
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_outgrows_one_job():
+    long = {str(p.relative_to(ROOT)): n for pkg in ("megarl", "recovery") for p in _sources(pkg)
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"split these modules by job (at most {MAX_MODULE_LINES} lines each): {long}"
