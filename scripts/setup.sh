@@ -42,7 +42,8 @@ QUICK=(--timeout 15 --retries 1)  # an unreachable index fails in seconds, not m
 pipi --upgrade pip wheel setuptools
 if ! pipi "${QUICK[@]}" "$TORCH"; then
   echo "[setup] $TORCH is not in pip's configured sources; trying the PyTorch CPU index $TORCH_INDEX"
-  if ! pipi "${QUICK[@]}" --index-url "$TORCH_INDEX" "$TORCH"; then
+  # an extra index: torch's own dependencies (filelock, sympy, ...) still come from the configured sources
+  if ! pipi "${QUICK[@]}" --extra-index-url "$TORCH_INDEX" "$TORCH"; then
     echo "[setup] ERROR: could not install $TORCH from pip's configured sources nor from $TORCH_INDEX." >&2
     echo "[setup] Give pip a source that has it (a wheel in a --find-links folder, or MEGARL_TORCH_INDEX=URL" >&2
     echo "[setup] of a mirror of the PyTorch CPU index), then run this again." >&2
