@@ -19,9 +19,10 @@
 
 Generation never waits for training and training never waits for generation
 beyond the staleness gate: the train step runs in a worker thread while the
-event loop keeps feeding the engines (through InterruptibleGeneration,
-megarl/rollout/interruptible.py, which a publish closes, drains and opens). A recovery strategy sees only the hooks
-(recovery/base.py); it never edits this loop.
+event loop keeps feeding the engines through InterruptibleGeneration
+(megarl/rollout/interruptible.py), which a publish closes, drains and opens.
+A recovery strategy sees only the hooks (recovery/base.py); it never edits
+this loop.
 
 Nothing lost: every ``logging.save_every`` steps and at the end the
 ``checkpointer`` (megarl/checkpoint.py) writes the loop's :meth:`state_dict`

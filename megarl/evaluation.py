@@ -90,7 +90,7 @@ class Evaluator:
 class EvaluationSchedule:
     """When the controller evaluates (every ``eval.every`` steps, never blocking training, and once at the
     end): a part of :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's
-    ``cfg``, ``evaluator``, ``on_eval``, ``_evals``, ``_generate``, ``publish``, ``step``, ``version`` and
+    ``cfg``, ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
     ``trainer``."""
 
     def _generate_for_eval(self, traj: Trajectory):

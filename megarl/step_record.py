@@ -4,7 +4,8 @@ decoded samples, the check of failed reward calls and the stall message.
 :class:`StepBookkeeping` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it
 reads the controller's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``,
 ``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundaries ``_step_counters`` and
-``_prev_step_counters``), ``step``, ``version``, ``B``, ``eta`` and ``gen_stall_s``.
+``_prev_step_counters``), ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,
+``eta`` and ``gen_stall_s``.
 """
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ class InterruptibleGeneration:
         self._open = asyncio.Event()
         self._open.set()
         self._slots = asyncio.Semaphore(max_concurrency)
-        self.inflight: dict[str, Trajectory] = {}  # request id -> trajectory being generated
         self.n_inflight = 0
         self._all_returned = asyncio.Event()
         self._all_returned.set()
@@ -74,7 +73,6 @@ class InterruptibleGeneration:
             # a distinct, reproducible seed per trajectory and resubmission
             seed = (self.seed * 1_000_003 + zlib.crc32(rid.encode())) % (2**31)
             req = GenerateRequest(rid, context_ids + out_ids, replace(sampling, max_new_tokens=remaining, seed=seed))
-            self.inflight[rid] = traj
             self.n_inflight += 1
             self._all_returned.clear()
             try:
@@ -83,7 +81,6 @@ class InterruptibleGeneration:
                 res = None
             finally:
                 self._slots.release()
-                self.inflight.pop(rid, None)
                 self.n_inflight -= 1
                 if self.n_inflight == 0:
                     self._all_returned.set()
