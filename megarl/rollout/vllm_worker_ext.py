@@ -24,8 +24,13 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
+from megarl.platform.amx import request_amx_if_asked
 from megarl.rollout.weight_spec import safetensors_files
 from megarl.rollout.weight_sync import receive_named_tensors
+
+# vLLM imports this module in each worker process before it loads the model: a bf16 engine's workers ask for
+# AMX state here, before their first forward (megarl/platform/amx.py)
+request_amx_if_asked()
 
 
 def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,11 +4,14 @@ The tolerance is the one of tests/unit/test_bf16.py (one bf16 eps times the
 largest |log-prob| the fp32 trainer gives the same tokens); measured here:
 max 0.007, mean 0.0009 over 96 sampled tokens of the tiny random model
 (tolerance 0.025). One engine start (~20-45 s) is most of the test's time.
+On a host with AMX this is also the test that caught vLLM's bf16 attention dying of SIGILL when the
+engine's processes had not asked for AMX state (megarl/platform/amx.py; it prints which kind of host ran).
 """
 import asyncio
 
 import torch
 
+from megarl.platform.amx import host_has_amx
 from megarl.rollout.client import launch_engine_process, stop_engine_process
 from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory
 
@@ -47,5 +50,5 @@ def test_vllm_engine_in_bf16_matches_the_bf16_trainer(ckpt):
     tol = torch.finfo(torch.bfloat16).eps * float(fp32[mask].abs().max())
     gap = (bf16 - batch.logp_behav).abs()[mask]
     print(f"\n[bf16] |vLLM bf16 - megatron bf16| max {gap.max():.4f} mean {gap.mean():.5f} (tol {tol:.4f}, "
-          f"{int(mask.sum())} tokens)")
+          f"{int(mask.sum())} tokens; host AMX: {host_has_amx()})")
     assert gap.max() <= tol
