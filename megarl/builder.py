@@ -132,7 +132,7 @@ class _EngineStarts:
         log_name = f"engine{i}.log" if not self.launches[i] else f"engine{i}.restart{self.launches[i]}.log"
         self.launches[i] += 1
         return launch_engine_process(str(self.ckpt), ro.backend, ro.base_port + i if ro.base_port else None,
-                                     extra_args=["--dtype", self.cfg.model.dtype],  # the trainer's precision
+                                     extra_args=["--dtype", self.cfg.engine_dtype],
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
                                      cpu_cores=self.cfg.placement.cpu_affinity.engines,
                                      log_path=str(self.run_dir / log_name))

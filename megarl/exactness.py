@@ -62,7 +62,8 @@ def verify_recovery(config_path: str, strategies: list[str], steps: int, output:
         by_conv = "".join(f" max_abs_err[{c}]={e['max_abs_err']:.3g}" for c, e in rep.get("conventions", {}).items())
         print(f"{name:>15}: claims_exact={rep['claims_exact']} measured_exact={rep['measured_exact']} "
               f"max_abs_err={rep['max_abs_err']:.3g} mean_abs_err={rep['mean_abs_err']:.3g}{by_conv} "
-              f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']}", flush=True)
+              f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']} "
+              f"|logp_old-logp_behav| mean={rep['r_d_abs_mean']:.3g} max={rep['r_d_abs_max']:.3g}", flush=True)
         out.write_text(json.dumps(report, indent=2,
                                   default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

@@ -45,16 +45,45 @@ from megarl.rollout.weight_sync import WeightBroadcaster
 log = logging.getLogger("megarl.publish")
 
 
+def _recorded_dtype(hf: dict) -> str:
+    return hf.get("dtype") or hf.get("torch_dtype") or "float32"
+
+
+def engine_weights(trainer, engine_dtype: str | None) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """The trainer's HF tensors as the engines take them, and the config.json that says what they are.
+
+    With ``engine_dtype`` other than the trainer's (``rollout.dtype``: bf16 engines beside an fp32
+    trainer), each floating-point tensor is cast as it leaves the export, so the engines receive (and the
+    disk copy holds) their own precision and nothing is cast again on their side. A collective on a
+    multi-rank trainer, like ``export_hf_weights``.
+    """
+    hf = dict(trainer.exported_hf_config())  # a copy: the trainer's own config stays as it is
+    exported = trainer.export_hf_weights()
+    if not engine_dtype or engine_dtype == _recorded_dtype(hf):
+        return list(exported), hf
+    target = getattr(torch, engine_dtype)
+    tensors = [(name, t.to(target) if t.is_floating_point() else t) for name, t in exported]
+    for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
+        hf[key] = engine_dtype
+    return tensors, hf
+
+
 class DiskPublisher:
     """Weights to engines through safetensors on (shared) disk: export, then load."""
 
-    def __init__(self, trainer, router, weights_dir: Path) -> None:
+    def __init__(self, trainer, router, weights_dir: Path, *, engine_dtype: str | None = None) -> None:
         self.trainer = trainer
         self.router = router
         self.weights_dir = weights_dir
+        self.engine_dtype = engine_dtype
 
     async def prepare(self, version: int) -> None:
-        await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(self.weights_dir / f"v{version}"))
+        out = self.weights_dir / f"v{version}"
+        if not self.engine_dtype or self.engine_dtype == _recorded_dtype(self.trainer.exported_hf_config()):
+            await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(out))
+            return
+        tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
+        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), out, hf)
 
     async def apply(self, version: int) -> dict:
         """Every engine loads ``version``; returns the step record's ``weight_sync_bytes`` and engine phases."""
@@ -96,8 +125,10 @@ class BroadcastPublisher:
     """
 
     def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
-                 port: int = 0, backend: str | None = None, timeout_s: float = 60.0) -> None:
+                 port: int = 0, backend: str | None = None, timeout_s: float = 60.0,
+                 engine_dtype: str | None = None) -> None:
         self.trainer = trainer
+        self.engine_dtype = engine_dtype
         self.router = router
         self.weights_dir = weights_dir
         self.bucket_bytes = max(int(bucket_mb), 1) << 20
@@ -113,9 +144,8 @@ class BroadcastPublisher:
 
     async def prepare(self, version: int) -> None:
         self._tensors = None  # the previous version's export is not needed any more
-        tensors = await asyncio.to_thread(lambda: list(self.trainer.export_hf_weights()))
-        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}",
-                                self.trainer.exported_hf_config())
+        tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
+        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}", hf)
         self._tensors = tensors
 
     async def apply(self, version: int) -> dict:
@@ -222,7 +252,7 @@ def _in_thread(fn, *args) -> concurrent.futures.Future:
 def make_publisher(cfg, trainer, router, weights_dir: Path):
     """The publisher ``rollout.weight_sync`` names."""
     if cfg.rollout.weight_sync == "disk":
-        return DiskPublisher(trainer, router, weights_dir)
+        return DiskPublisher(trainer, router, weights_dir, engine_dtype=cfg.engine_dtype)
     role = current_role()
     host, port = "127.0.0.1", 0  # engines this process spawned: loopback, a free port
     if role.weight_sync_addr:  # a launched plan says where engines on other nodes reach this rank
@@ -231,7 +261,8 @@ def make_publisher(cfg, trainer, router, weights_dir: Path):
     elif role.engine_addrs:
         host, port = socket.getfqdn(), cfg.placement.weight_sync_port or 29600
     return BroadcastPublisher(trainer, router, weights_dir, bucket_mb=cfg.rollout.bucket_mb, host=host, port=port,
-                              backend=_backend(engines_elsewhere=bool(role.engine_addrs)))
+                              backend=_backend(engines_elsewhere=bool(role.engine_addrs)),
+                              engine_dtype=cfg.engine_dtype)
 
 
 def _backend(engines_elsewhere: bool) -> str:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from megarl.errors import RewardError, TrainingError
+from megarl.losses.mismatch import behav_weight_stats, discrepancy
 from megarl.types import TrainBatch, Trajectory
 
 
@@ -33,6 +34,7 @@ class StepBookkeeping:
         metrics["anchor_exact"] = float(anchor.exact)
         metrics["recovery_s"] = t_anchor - t0
         metrics["train_step_s"] = t_step - t_anchor
+        metrics.update(self._mismatch(batch, anchor))
         mask = batch.loss_mask > 0
         if batch.logp_old is not None and anchor.logp_anchor is not None:
             known = mask & batch.logp_old.isfinite()
@@ -44,6 +46,18 @@ class StepBookkeeping:
         metrics["staleness_mean"] = float(lag.float().mean()) if lag.numel() else 0.0
         metrics["version_lag_hist"] = {int(k): int(v) for k, v in zip(*lag.unique(return_counts=True))}
         return metrics
+
+    def _mismatch(self, batch: TrainBatch, anchor) -> dict[str, float]:
+        """r_d where logp_old is known (an exact anchor, or logp_old the strategy filled in) and what the
+        train-inference rule does with the anchor the loss uses (megarl/losses/mismatch.py). An anchor computed
+        from logp_theta inside the forward (loglinear, linear) is not known here: the loss reports its mean."""
+        out: dict[str, float] = {}
+        if anchor.logp_anchor is not None:
+            out.update(behav_weight_stats(anchor.logp_anchor, batch.logp_behav, batch.loss_mask, self.cfg.loss))
+        old = anchor.logp_anchor if anchor.exact else batch.logp_old
+        if old is not None:
+            out.update(discrepancy(old, batch.logp_behav, batch.loss_mask))
+        return out
 
     def _reward_failure_error(self, min_calls: int, since: dict[str, int] | None = None) -> RewardError | None:
         """The error to stop with when more than reward.max_fail_frac of the reward calls since ``since``

@@ -30,7 +30,9 @@ train-inference mask keeps, as ``megarl.losses.policy_loss`` reports it under
 trainer rank anchors the same batch and gets the same log-probs, so every
 replica of phi takes the same decision. The reset takes effect for the
 batch that triggered it: its anchor is recomputed with the reset phi (= theta).
-Resets are counted (overhead key ``n_resets``).
+Resets are counted (overhead key ``n_resets``). ``auto_reset: false`` turns
+them off (the ablation of Guan et al. 2026, in which the mask's active share can
+collapse); the active fraction is logged either way.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ class EwmaConfig:
     """M: optimizer steps per published version, used with an explicit window (S = M*W); None = trainer.publish_every."""
     tau: float = 0.5
     """Reset phi <- theta when the active-token fraction under the EWMA anchor falls below tau (0 = never reset)."""
+    auto_reset: bool = True
+    """false = never reset, whatever the active fraction (the ablation in which the train-inference mask can collapse; the active fraction is still logged as ewma/active_frac_pre and active_frac)."""
 
 
 def default_beta(window: int, steps_per_version: int = 1) -> float:
@@ -90,7 +94,7 @@ class Ewma(RecoveryStrategy):
         super().__init__(cfg, ctx)
         self.beta = self._resolve_beta(cfg, ctx)
         self.loss_cfg = ctx.loss_cfg if ctx.loss_cfg is not None else PolicyLossConfig()
-        if cfg.tau > 0 and self.loss_cfg.behav_weight in ("none", "tis"):
+        if cfg.auto_reset and cfg.tau > 0 and self.loss_cfg.behav_weight in ("none", "tis"):
             warnings.warn(f"recovery.ewma.tau={cfg.tau} has no effect with loss.behav_weight="
                           f"{self.loss_cfg.behav_weight!r}: no token is masked, the active fraction is always 1",
                           stacklevel=2)
@@ -149,7 +153,7 @@ class Ewma(RecoveryStrategy):
             with torch.no_grad():
                 logp = forward(self.ctx.trainer, batch, self._phi_params())
                 active = self._active_frac(batch, logp)
-                reset = self.cfg.tau > 0 and active < self.cfg.tau
+                reset = self.cfg.auto_reset and self.cfg.tau > 0 and active < self.cfg.tau
                 if reset:
                     self._reset()
                     logp = self.ctx.trainer.logprobs(batch)

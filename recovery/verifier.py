@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megarl.losses.mismatch import discrepancy
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._scoring import forward, policy_mask, versions_in
 from recovery.base import RecoveryStrategy
@@ -56,6 +57,7 @@ def compare(anchor: torch.Tensor, truth: torch.Tensor, batch: TrainBatch) -> dic
     per_seq = [len(torch.unique(versions[b][mask[b]])) for b in range(versions.shape[0])]
     n = int(mask.sum())
     return {
+        **discrepancy(truth, batch.logp_behav.cpu(), mask),
         "max_abs_err": float(err.max()) if n else 0.0,
         "mean_abs_err": float(err.mean()) if n else 0.0,
         "n_tokens": float(n),
@@ -79,7 +81,8 @@ class VerifyingStrategy(RecoveryStrategy):
         self.exact = inner.exact  # type: ignore[misc]
         self.params_by_version: dict[int, dict] = {}
         self.stats = {"max_abs_err": 0.0, "sum_abs_err": 0.0, "n_tokens": 0, "n_sequences": 0,
-                      "n_spliced_sequences": 0, "max_versions_per_sequence": 0}
+                      "n_spliced_sequences": 0, "max_versions_per_sequence": 0,
+                      "r_d_abs_max": 0.0, "r_d_abs_sum": 0.0, "r_d_n_tokens": 0}
         #: per v_theta convention of an interpolation strategy: [max abs err, sum abs err]
         self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in inner.conventions}
         #: seconds the wrapped strategy's own ``anchor`` took in the last call (the rest was the verifier's)
@@ -138,6 +141,11 @@ class VerifyingStrategy(RecoveryStrategy):
         s["n_sequences"] += batch.size
         s["n_spliced_sequences"] += int(c["n_spliced_sequences"])
         s["max_versions_per_sequence"] = max(s["max_versions_per_sequence"], int(c["max_versions_per_sequence"]))
+        if "r_d/n_tokens" in c:  # |logp_old - logp_behav| of every policy token, whatever the strategy
+            s["r_d_abs_max"] = max(s["r_d_abs_max"], c["r_d/abs_logp_max"])
+            s["r_d_abs_sum"] += c["r_d/abs_logp_mean"] * c["r_d/n_tokens"]
+            s["r_d_n_tokens"] += int(c["r_d/n_tokens"])
+            result.metrics.update({k: c[k] for k in ("r_d/abs_logp_mean", "r_d/abs_logp_max")})
         result.metrics["verify/max_abs_err"] = c["max_abs_err"]
         return result
 
@@ -151,7 +159,9 @@ class VerifyingStrategy(RecoveryStrategy):
                "mean_abs_err": s["sum_abs_err"] / n, "n_tokens": s["n_tokens"],
                "n_sequences": s["n_sequences"], "n_spliced_sequences": s["n_spliced_sequences"],
                "spliced_frac": s["n_spliced_sequences"] / max(s["n_sequences"], 1),
-               "max_versions_per_sequence": s["max_versions_per_sequence"]}
+               "max_versions_per_sequence": s["max_versions_per_sequence"],
+               # the engines' discrepancy from the trainer, r_d, on the same tokens (not the strategy's error)
+               "r_d_abs_max": s["r_d_abs_max"], "r_d_abs_mean": s["r_d_abs_sum"] / max(s["r_d_n_tokens"], 1)}
         if self.by_convention:
             rep["convention"] = self.inner.cfg.convention
             rep["conventions"] = {c: {"max_abs_err": mx, "mean_abs_err": total / n}

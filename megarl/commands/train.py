@@ -65,7 +65,7 @@ def serve_role(cfg, role: RoleEnv) -> None:
                               f"(the hf engine runs one worker); set placement.engine_tp=1")
         resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
-                          dtype=cfg.model.dtype, **resources, **tp))
+                          dtype=cfg.engine_dtype, **resources, **tp))
         return
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 

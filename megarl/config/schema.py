@@ -110,6 +110,8 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 20
     """Maximum generated tokens per trajectory (policy tokens, over all turns)."""
+    dtype: Literal["", "float32", "bfloat16"] = ""
+    """Weight dtype of the engines; empty = model.dtype. bfloat16 engines beside a float32 trainer give the GPU case where logp_behav is not the trainer's logp_old (r_d != 1); published weights are cast once on the way to the engines."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a response, on top of the tokenizer's EOS and every `eos_token_id` of the checkpoint's generation_config.json (the stop token is kept and trained on)."""
     filter_groups: bool = False
@@ -350,3 +352,8 @@ class MegaRLConfig:
     """Nodes, ranks and GPUs of trainer, engines and dedicated scorer (`megarl launch`)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype the rollout engines run in: rollout.dtype, else model.dtype."""
+        return self.rollout.dtype or self.model.dtype

@@ -45,3 +45,26 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     assert s["n_sequences"] == 120 and s["max_versions_per_sequence"] >= 2, s
     # 21-34% of the sequences were spliced in 6 runs of this load on the 2-core machine
     assert s["spliced_frac"] >= 0.10, s
+
+
+def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(ckpt, tmp_path):
+    # engines in bf16 beside the fp32 trainer (rollout.dtype; the HF engine here, the vLLM engine's bf16 path is
+    # tests/e2e/test_vllm_bf16.py): logp_behav is no longer the trainer's
+    # logp_old. snapshot is judged against the trainer's own forward of each token's version and stays exact;
+    # behav's anchor is logp_behav itself, so its error is the discrepancy r_d
+    report = tmp_path / "report.json"
+    r = run_megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "snapshot,behav",
+                   "--steps", "4", "--output", str(report), f"model.checkpoint={ckpt}", "rollout.dtype=bfloat16",
+                   timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    strategies = json.loads(report.read_text())["strategies"]
+    snap, behav = strategies["snapshot"], strategies["behav"]
+    assert snap["measured_exact"] and snap["max_abs_err"] <= 1e-5 and snap["n_tokens"] > 0, snap
+    assert behav["max_abs_err"] > 1e-4 and behav["r_d_abs_max"] == behav["max_abs_err"], behav
+    assert snap["r_d_abs_mean"] > 1e-5, snap  # the engines' discrepancy is there under snapshot too
+    assert "megarl engine (hf, bfloat16)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
+    records = [json.loads(line) for line in (tmp_path / "verify-snapshot" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["r_d/abs_logp_max"] > 0 and x["behav_w/masked_frac"] >= 0 for x in records), records[-1]
+    # what the engines loaded at each publish: bf16, cast once by the trainer
+    print(f"\n[bf16 engines] snapshot max err {snap['max_abs_err']:.2g}; behav |logp_old - logp_behav| "
+          f"mean {behav['r_d_abs_mean']:.3g} max {behav['r_d_abs_max']:.3g}")

@@ -111,3 +111,40 @@ def test_broadcast_failing_mid_publish_falls_back_to_the_disk_copy(tmp_path, mon
     assert fallback_s < 30, f"the engine waited for the group's timeout ({fallback_s:.1f} s)"
     assert set(res1.versions) == {1} and engine_matches(Path(other), res1) < 1e-4
     assert set(res2.versions) == {2} and engine_matches(Path(base), res2) < 1e-4
+
+
+def test_engine_dtype_is_rollout_dtype_else_model_dtype(tmp_path, monkeypatch):
+    for key in ("MEGARL_WEIGHT_SYNC_ADDR", "MEGARL_ENGINE_ADDRS"):
+        monkeypatch.delenv(key, raising=False)
+    assert load_run_config(TINY).engine_dtype == "float32"
+    assert load_run_config(TINY, ["model.dtype=bfloat16"]).engine_dtype == "bfloat16"
+    cfg = load_run_config(TINY, ["rollout.dtype=bfloat16"])
+    assert (cfg.model.dtype, cfg.engine_dtype) == ("float32", "bfloat16")
+    assert make_publisher(cfg, None, None, tmp_path).engine_dtype == "bfloat16"
+    cfg = load_run_config(TINY, ["rollout.dtype=bfloat16", "rollout.weight_sync=broadcast"])
+    assert make_publisher(cfg, None, None, tmp_path).engine_dtype == "bfloat16"
+
+
+def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from megarl.models.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", tmp_path / "ckpt", seed=0)
+    fp32 = load_file(str(ckpt / "model.safetensors"))
+    assert {t.dtype for t in fp32.values()} == {torch.float32}
+    trainer = CheckpointExporter(ckpt)
+    for pub in (DiskPublisher(trainer, None, tmp_path / "disk", engine_dtype="bfloat16"),
+                BroadcastPublisher(trainer, None, tmp_path / "bcast", engine_dtype="bfloat16")):
+        asyncio.run(pub.prepare(3))
+        written = load_file(str(pub.weights_dir / "v3" / "model.safetensors"))
+        assert written.keys() == fp32.keys()
+        assert all(torch.equal(written[k], fp32[k].to(torch.bfloat16)) for k in fp32)
+        assert json.loads((pub.weights_dir / "v3" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for _, t in pub._tensors} == {torch.bfloat16}  # what the broadcast sends
+    assert trainer.hf_config.get("dtype", "float32") == "float32"  # the trainer's own config is left alone
+    # same dtype: the trainer's own export, untouched
+    same = BroadcastPublisher(trainer, None, tmp_path / "same", engine_dtype="float32")
+    asyncio.run(same.prepare(1))
+    assert all(t.dtype == torch.float32 for _, t in same._tensors)

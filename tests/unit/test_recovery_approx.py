@@ -138,6 +138,22 @@ def test_ewma_auto_reset_takes_effect_for_the_triggering_batch(ckpt):
     assert strat.overhead()["n_resets"] >= 1
 
 
+def test_ewma_without_auto_reset_keeps_its_average_while_the_mask_rejects_tokens(ckpt):
+    # the batch of the test above (active fraction < tau) with auto_reset off: the paper's ablation
+    tight = PolicyLossConfig(behav_weight="mask", behav_low=0.9, behav_high=1.1)
+    trainer = HFScorerForTests(ckpt, version=7)
+    loop = LoopState()
+    strat = Ewma(EwmaConfig(beta=0.5, tau=0.5, auto_reset=False), loop.context(trainer, loss_cfg=tight))
+    batch, trajs, _ = drive_history(strat, trainer, loop)
+    strat.anchor(batch, trajs)
+    trainer.fake_step()
+    strat.after_optimizer_step(trainer.version, {})
+    res = strat.anchor(batch, trajs)
+    assert res.metrics["ewma/reset"] == 0.0 and res.metrics["ewma/active_frac_pre"] < 0.5
+    assert strat.state_dict()["n"] == 1.5 and strat.n_resets == 0
+    assert not torch.equal(res.logp_anchor, trainer.logprobs(batch))  # still the average, not theta
+
+
 def test_ewma_tau_warns_when_nothing_can_be_masked(ckpt):
     with pytest.warns(UserWarning, match="tau=0.5 has no effect"):
         Ewma(EwmaConfig(beta=0.5, tau=0.5), LoopState().context(HFScorerForTests(ckpt), loss_cfg=PolicyLossConfig()))
