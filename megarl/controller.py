@@ -107,9 +107,8 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
-                         "n_filtered": 0, "n_engine_resubmits": 0}
-        self.generation = InterruptibleGeneration(router, max_concurrency=cfg.rollout.max_concurrency,
-                                                  seed=cfg.trainer.seed, counters=self.counters)
+                         "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0}
+        self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
         self._reward_failure: str | None = None  # one failing reward call of the current step, for the error
         self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
         self._failed_groups_in_a_row = 0

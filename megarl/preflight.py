@@ -20,6 +20,7 @@ from megarl.config import MegaRLConfig, save_config
 from megarl.cpu_affinity import check_affinity
 from megarl.data import PromptDataset
 from megarl.errors import ConfigError
+from megarl.models.hf_config import is_moe
 from megarl.models.tiny import write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rollout.base import engine_options, truncates_sampling
@@ -135,6 +136,26 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"logp_behav is then the log-prob under a renormalized truncated distribution that the "
                           f"trainer cannot reproduce from full logits, so r_d is biased; set rollout.top_p=1 and "
                           f"rollout.top_k=-1, or loss.allow_truncated_sampling=true to train anyway")
+    check_routing_replay(cfg, hf)
+
+
+def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:
+    """rollout.routing_replay needs an MoE model, and (so far) what records and replays routes end to end."""
+    if not cfg.rollout.routing_replay:
+        return
+    if not is_moe(hf):
+        raise ConfigError(f"rollout.routing_replay=true needs an MoE model; {cfg.model.checkpoint} is dense "
+                          f"(its config.json names no experts): set rollout.routing_replay=false")
+    unwired = {"rollout.backend=vllm": cfg.rollout.backend == "vllm",
+               f"parallel.tp={cfg.parallel.tp}": cfg.parallel.tp > 1,
+               f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1,
+               "recovery.name=dedicated": cfg.recovery.name == "dedicated"}
+    for setting, hit in unwired.items():
+        if hit:
+            raise ConfigError(f"rollout.routing_replay=true with {setting} is not supported yet: routes are "
+                              f"recorded by the hf engine and replayed by one trainer rank without tensor "
+                              f"parallelism, and they do not reach the dedicated scorer; use rollout.backend=hf, "
+                              f"tp=1, one trainer rank and another strategy, or rollout.routing_replay=false")
 
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:

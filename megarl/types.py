@@ -50,15 +50,18 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: return the MoE routes of every position the engine processed (``GenerateResult.routes``)
+    return_routes: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
-                "sampling": self.sampling.to_dict()}
+                "sampling": self.sampling.to_dict(), "return_routes": self.return_routes}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerateRequest":
         return cls(request_id=d["request_id"], prompt_ids=list(d["prompt_ids"]),
-                   sampling=SamplingParams.from_dict(d.get("sampling", {})))
+                   sampling=SamplingParams.from_dict(d.get("sampling", {})),
+                   return_routes=bool(d.get("return_routes", False)))
 
 
 @dataclass
@@ -70,6 +73,9 @@ class GenerateResult:
     logp_behav: list[float]
     versions: list[int]
     finish_reason: FinishReason
+    #: with ``return_routes``: per input position of prompt_ids + output_ids, the expert ids ``[layers][k]`` the
+    #: engine routed that token to, ``[]`` where it routed none (the last output token is never fed back)
+    routes: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.output_ids) == len(self.logp_behav) == len(self.versions)):
@@ -131,8 +137,20 @@ class Trajectory:
     #: rendered conversation does not extend what the model saw before (megarl/agents/client.py). They
     #: share this trajectory's reward and advantage; the staleness gate counts the episode once
     parts: list["Trajectory"] = field(default_factory=list)
+    #: with routing replay: per position of prompt_ids + response_ids, the expert ids ``[layers][k]`` the engine
+    #: routed that token to, ``[]`` where unknown (routed live in training); None without routing replay
+    routes: list[list[list[int]]] | None = None
 
     # -- appending -------------------------------------------------------------
+    def merge_routes(self, routes: list[list[list[int]]] | None) -> None:
+        """Take the routes of a generate that saw this trajectory's tokens: positions already routed keep their
+        routes (a resubmitted request's prefix, re-prefilled under new weights, does not overwrite them); only
+        unknown and new positions take the engine's."""
+        if routes is None:
+            return
+        have = self.routes or []
+        self.routes = [old or new for old, new in zip(have, routes)] + have[len(routes):] + routes[len(have):]
+
     def append_policy(self, output_ids: list[int], logp_behav: list[float], versions: list[int]) -> None:
         self.response_ids += list(output_ids)
         self.logp_behav += list(logp_behav)
@@ -277,6 +295,9 @@ class TrainBatch:
     logp_old: Any | None = None
     #: the loss anchor chosen by the recovery strategy (set by the loop before the train step)
     logp_anchor: Any | None = None
+    #: [B, L-1, layers, k] int16: the engine's MoE routes of input position t (tokens[:, t]), -1 where unknown
+    #: (megarl/models/routing_replay.py); None without routing replay
+    routes: Any | None = None
 
     @property
     def size(self) -> int:
@@ -315,7 +336,7 @@ class TrainBatch:
                 logp_old[b, sl] = torch.tensor(t.logp_old, dtype=torch.float32)
         return cls(tokens=tokens, seq_lens=seq_lens, loss_mask=loss_mask, logp_behav=logp_behav,
                    versions=versions, advantages=advantages, traj_ids=[t.traj_id for t in trajs],
-                   prompt_lens=prompt_lens, version=version, logp_old=logp_old)
+                   prompt_lens=prompt_lens, version=version, logp_old=logp_old, routes=_route_tensor(trajs, L))
 
     def select(self, idx: list[int]) -> "TrainBatch":
         """Sub-batch of rows ``idx`` (micro-batching), trimmed to its longest row."""
@@ -333,4 +354,22 @@ class TrainBatch:
                           traj_ids=[self.traj_ids[i] for i in idx],
                           prompt_lens=None if self.prompt_lens is None else self.prompt_lens[ix],
                           version=self.version,
-                          logp_old=cut(self.logp_old, L - 1), logp_anchor=cut(self.logp_anchor, L - 1))
+                          logp_old=cut(self.logp_old, L - 1), logp_anchor=cut(self.logp_anchor, L - 1),
+                          routes=cut(self.routes, L - 1))
+
+
+def _route_tensor(trajs: list[Trajectory], L: int):
+    """TrainBatch.routes of ``trajs`` (None when none carries routes)."""
+    import torch
+
+    shape = next((torch.tensor(r).shape for t in trajs for r in (t.routes or []) if r), None)
+    if shape is None:
+        return None
+    routes = torch.full((len(trajs), L - 1, *shape), -1, dtype=torch.int16)
+    unknown = torch.full(shape, -1, dtype=torch.int16)
+    for b, t in enumerate(trajs):
+        rows = (t.routes or [])[:len(t.prompt_ids) + len(t.response_ids) - 1]
+        if rows:
+            routes[b, :len(rows)] = torch.stack([torch.tensor(r, dtype=torch.int16) if r else unknown
+                                                 for r in rows])
+    return routes

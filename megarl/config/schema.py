@@ -110,6 +110,10 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 20
     """Maximum generated tokens per trajectory (policy tokens, over all turns)."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): engines return the experts they routed every token to and the trainer's forwards replay them (the policy forward and backward, every recovery forward); MoE models only."""
+    routing_replay_strict: bool = False
+    """With routing_replay: stop with an error when an engine returns no routes for a request (false: count it in n_routes_missing and route those tokens live)."""
     dtype: Literal["", "float32", "bfloat16"] = ""
     """Weight dtype of the engines; empty = model.dtype. bfloat16 engines beside a float32 trainer give the GPU case where logp_behav is not the trainer's logp_old (r_d != 1); published weights are cast once on the way to the engines."""
     stop_token_ids: list[int] = field(default_factory=list)

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.errors import EngineError, InputError
+from megarl.models.hf_config import is_moe
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
 from megarl.rollout.weight_spec import (
     check_update_specs,
@@ -92,6 +93,8 @@ class HFEngine:
         self.device = device
         self.max_model_len = int(config["max_position_embeddings"])
         self.vocab_size = int(config["vocab_size"])
+        #: experts per token of an MoE model (its routes are recorded on request); 0 for a dense one
+        self._top_k = int(config.get("num_experts_per_tok") or 0) if is_moe(config) else 0
         self._reference = read_checkpoint_specs(checkpoint)
         self._optional = tied_optional_names(config)
         self._version = initial_version
@@ -155,12 +158,18 @@ class HFEngine:
         reason = "length"
         inputs = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
         past = None
+        routing = req.return_routes and self._top_k > 0
+        routes: list = []
         for _ in range(max_new):
             if self._abort_epoch != epoch:
                 reason = "abort"
                 break
-            out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
+            out = self.model(input_ids=inputs, past_key_values=past, use_cache=True,
+                             **({"output_router_logits": True} if routing else {}))
             past = out.past_key_values
+            if routing:  # the experts this model's routers chose for the positions just fed
+                routes += torch.stack([r.topk(self._top_k, dim=-1).indices for r in out.router_logits],
+                                      dim=1).tolist()
             logits = out.logits[0, -1].float().cpu()
             if s.temperature == 0:
                 lp = torch.log_softmax(logits, -1)
@@ -175,7 +184,12 @@ class HFEngine:
                 reason = "stop"
                 break
             inputs = torch.tensor([[tok]], dtype=torch.long, device=self.device)
-        return GenerateResult(req.request_id, out_ids, logps, versions, reason)
+        if not routing:
+            return GenerateResult(req.request_id, out_ids, logps, versions, reason)
+        if not routes:  # aborted before the prompt was fed: nothing routed
+            routes = [[] for _ in req.prompt_ids]
+        routes += [[]] * (len(req.prompt_ids) + len(out_ids) - len(routes))  # the last token was never fed
+        return GenerateResult(req.request_id, out_ids, logps, versions, reason, routes=routes)
 
     async def abort_all(self) -> None:
         self._abort_epoch += 1

@@ -14,6 +14,7 @@ import asyncio
 import zlib
 from dataclasses import replace
 
+from megarl.errors import EngineError
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.supervisor import EngineLost
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory
@@ -22,13 +23,18 @@ from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajec
 class InterruptibleGeneration:
     """Policy turns through ``router``; ``counters`` (shared with the loop) gets n_interrupted, n_engine_resubmits."""
 
-    def __init__(self, router: RouterProtocol, *, max_concurrency: int, seed: int, counters: dict[str, int]) -> None:
+    def __init__(self, router: RouterProtocol, rollout, *, seed: int, counters: dict[str, int]) -> None:
+        """``rollout``: the run's RolloutConfig (max_concurrency, routing_replay, routing_replay_strict)."""
         self.router = router
+        #: ask engines for MoE routes; and stop on a result without them instead of counting it
+        #: (n_routes_missing) and routing those tokens live
+        self.return_routes = rollout.routing_replay
+        self.strict_routes = rollout.routing_replay_strict
         self.seed = seed
         self.counters = counters
         self._open = asyncio.Event()
         self._open.set()
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self._slots = asyncio.Semaphore(rollout.max_concurrency)
         self.n_inflight = 0
         self._all_returned = asyncio.Event()
         self._all_returned.set()
@@ -72,7 +78,8 @@ class InterruptibleGeneration:
             rid = f"{traj.traj_id}/{len(traj.response_ids)}/{chunk}"
             # a distinct, reproducible seed per trajectory and resubmission
             seed = (self.seed * 1_000_003 + zlib.crc32(rid.encode())) % (2**31)
-            req = GenerateRequest(rid, context_ids + out_ids, replace(sampling, max_new_tokens=remaining, seed=seed))
+            req = GenerateRequest(rid, context_ids + out_ids, replace(sampling, max_new_tokens=remaining, seed=seed),
+                                  return_routes=self.return_routes)
             self.n_inflight += 1
             self._all_returned.clear()
             try:
@@ -88,6 +95,8 @@ class InterruptibleGeneration:
                 self.counters["n_engine_resubmits"] += counted
                 await self.router.wait_available()
                 continue
+            if self.return_routes:
+                self._take_routes(traj, req, res, counted)
             traj.append_policy(res.output_ids, res.logp_behav, res.versions)
             out_ids += res.output_ids
             logps += res.logp_behav
@@ -100,3 +109,18 @@ class InterruptibleGeneration:
             self.counters["n_interrupted"] += counted
             if remaining <= 0:
                 return GenerateResult(traj.traj_id, out_ids, logps, versions, "length")
+
+    def _take_routes(self, traj: Trajectory, req: GenerateRequest, res: GenerateResult, counted: bool) -> None:
+        """Merge the engine's routes into ``traj`` (before its tokens are appended): they cover ``req.prompt_ids``
+        + the output, which must be the trajectory's tokens so far for positions to line up (an agent turn
+        rendered anew is not: its routes are dropped and its tokens route live)."""
+        aligned = req.prompt_ids == traj.tokens
+        if res.routes is not None and aligned:
+            traj.merge_routes(res.routes)
+            return
+        if self.strict_routes:
+            raise EngineError(f"request {req.request_id}: the engine returned no MoE routes"
+                              if res.routes is None else f"request {req.request_id}: its prompt is not the "
+                              f"trajectory's tokens so far, so its routes cannot be placed"
+                              + "; rollout.routing_replay_strict=true stops here (false routes such tokens live)")
+        self.counters["n_routes_missing"] += counted

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import ConfigError, InputError
+from megarl.models import routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
 from megarl.models.build import build_gpt_model
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
@@ -108,6 +109,8 @@ class MegatronTrainer:
                               use_distributed_optimizer=use_distributed_optimizer, warmup=lr_warmup_steps,
                               decay=lr_decay, total_steps=total_steps)
         self.model = self._build_model(use_distributed_optimizer)
+        #: MoE layers whose routers can replay an engine's routes (0: dense; megarl/models/routing_replay.py)
+        self.n_moe_layers = routing_replay.install(self.model)
         load_hf_weights(self.model, checkpoint_dir, self.hf_config, self.config)
         self.optimizer = None  # built on the first train_step: logprobs-only users never pay for it
         self.scheduler = None
@@ -198,9 +201,12 @@ class MegatronTrainer:
             if pad:
                 tokens = torch.nn.functional.pad(tokens, (0, pad))
             positions = torch.arange(n + pad, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n + pad)
+            routes = routing_replay.forward_routes(None if mb.batch is None else mb.batch.routes, n, pad,
+                                                   self.n_moe_layers, self.config.sequence_parallel)
             # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
-            out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,
-                        labels=tokens[:, 1:])
+            with routing_replay.replaying([model], routes, n_layers=int(self.hf_config["num_hidden_layers"])):
+                out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,
+                            labels=tokens[:, 1:])
             return out, lambda output: loss_func_for(mb, output[:, :n])
 
         fb = get_forward_backward_func()

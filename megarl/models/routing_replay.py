@@ -1,0 +1,116 @@
+"""Routing replay (R3): the trainer's MoE routers take the experts the engine chose for each token.
+
+An engine that routes a token to other experts than the trainer would (bf16
+kernels, near-tied router logits) makes ``logp_behav`` the log-prob of another
+network; replaying the engine's choices in every trainer forward that scores
+those tokens (the policy forward and backward, every recovery forward) makes
+the trainer compute the same network. Routes are a ``[b, n, layers, k]``
+integer tensor per forward: for input position t of row b (the token
+``tokens[b, t]``, which predicts ``tokens[b, t + 1]``) and MoE layer l (0-based
+over all decoder layers), the k expert ids. ``-1`` marks a position without
+routes (padding, a prompt the engine gave none for, a request that lost them):
+those tokens route live, as without replay.
+
+megatron-core 0.16.1 ships the mechanism: ``moe_enable_routing_replay`` gives
+each router a ``RouterReplay`` whose ``get_replay_topk`` replaces the top-k.
+Its own replay takes the target for every token of the forward; megarl needs
+live routing where routes are unknown, so :func:`install` gives each router's
+instance a ``get_replay_topk`` that mixes the two. Megatron's routers see the
+tokens sequence-first (``[s * b, experts]`` for an ``[s, b, h]`` input), which is
+how :func:`replaying` lays the targets out. Under sequence parallelism each
+tensor-parallel rank routes its own slice of the sequence; that split is not
+implemented yet and is refused.
+
+The probabilities of the replayed experts are the router's own scores at those
+ids (gathered), so the gradient reaches the router as in a live forward.
+tests/unit/test_routing_replay.py checks it against a router forced to the same
+top-k, and that replaying the live routes changes no log-prob.
+"""
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from megarl.errors import InputError
+
+#: routes of a position the engine gave none for: route it live
+NO_ROUTE = -1
+
+
+def routers(model_chunks) -> list[tuple[int, object]]:
+    """``(layer index, RouterReplay)`` of every MoE router of this rank's model chunks, by layer."""
+    from megatron.core.transformer.moe.router import TopKRouter  # megatron: after prepare_megatron()
+
+    found = []
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter) and getattr(module, "router_replay", None) is not None:
+                found.append((int(module.layer_number) - 1, module.router_replay))
+    return sorted(found, key=lambda x: x[0])
+
+
+def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: int,
+                   sequence_parallel: bool) -> torch.Tensor | None:
+    """A micro-batch's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None."""
+    if routes is None:
+        return None
+    if not n_moe_layers or sequence_parallel:
+        raise InputError("routes to replay need an MoE model without sequence parallelism (tp=1); this one "
+                         + ("is dense" if not n_moe_layers else "splits the sequence over tp ranks"))
+    return torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)
+
+
+def _mixed_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+    """``RouterReplay.get_replay_topk`` with live routing where the target is -1 (installed per instance)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    target = self.target_topk_idx
+    if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD or target is None:
+        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    if target.shape != (scores.shape[0], topk):
+        raise ValueError(f"routing replay: routes for {tuple(target.shape)} (tokens, top-k) but the router scores "
+                         f"{scores.shape[0]} tokens with top-{topk}")
+    _, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    target = target.to(device=scores.device, dtype=torch.long)
+    known = (target >= 0).all(dim=-1, keepdim=True)
+    idx = torch.where(known, target, live)
+    return scores.gather(1, idx), idx
+
+
+def install(model_chunks) -> int:
+    """Give every router of ``model_chunks`` the mixed replay; returns the number of MoE layers found."""
+    found = routers(model_chunks)
+    for _, replay in found:
+        replay.get_replay_topk = types.MethodType(_mixed_topk, replay)
+    return len(found)
+
+
+@contextmanager
+def replaying(model_chunks, routes: torch.Tensor | None, *, n_layers: int) -> Iterator[None]:
+    """Inside the block, the routers of ``model_chunks`` replay ``routes`` ([b, n, layers, k], module doc).
+
+    ``routes`` None: live routing. The forward inside must take exactly ``n`` input positions of ``b`` rows.
+    """
+    if routes is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    found = routers(model_chunks)
+    if routes.dim() != 4 or routes.shape[2] != n_layers:
+        raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)}, expected [rows, positions, "
+                         f"{n_layers} layers, top-k]")
+    b, n, _, k = routes.shape
+    try:
+        for layer, replay in found:
+            # sequence-first, as the router sees the tokens: row-major over [n, b]
+            replay.target_topk_idx = routes[:, :, layer, :].transpose(0, 1).reshape(n * b, k)
+            replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+        yield
+    finally:
+        for _, replay in found:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
