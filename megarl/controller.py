@@ -310,15 +310,15 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         try:
             while self.step < total_steps:
                 t0 = time.perf_counter()
-                trajs = await self._next_batch(roll)
+                episodes = await self._next_batch(roll)  # what the gate counts
                 t_got = time.perf_counter()
-                trajs = training_rows(trajs)  # an agent's episode may hold several rows
+                trajs = training_rows(episodes)  # an agent's episode may hold several rows
                 record = await asyncio.to_thread(self._train_on, trajs)
                 t_trained = time.perf_counter()
                 skipped = bool(record.get("skipped"))
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
                     self._consecutive_skips += 1
-                    self.buffer.release(len(trajs))  # consumed without a step: the gate must not count them
+                    self.buffer.release(len(episodes))  # consumed without a step: the gate stops counting them
                     record["skip_reason"] = self.trainer.last_skip_reason or "skipped"
                 else:
                     self._consecutive_skips = 0

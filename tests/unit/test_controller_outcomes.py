@@ -38,11 +38,11 @@ class ScriptedRewards:
         return SimpleNamespace(reward=r, failed=False, reason=None)
 
 
-def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None):
+def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None, skip=()):
     rng = random.Random(0)
     cfg = load_run_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
-    trainer = StepCounterTrainerForGateTests(rng)
+    trainer = StepCounterTrainerForGateTests(rng, skip)
     counter = iter(range(10**9))
     prompts = iter(lambda: SimpleNamespace(prompt_id=f"p{next(counter)}", prompt_ids=[1, 5, 2], answer=None,
                                            row={"prompt": "hi"}), None)
@@ -137,3 +137,31 @@ def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
                              AgentLimits(SamplingParams(max_new_tokens=8), max_turns=4, max_tokens=512))
     with pytest.raises(RewardError, match=r"reward calls failed .* RuntimeError: the agent broke"):
         loop([], workflow=workflow)
+
+
+class TwoRowEpisodes:
+    """Each episode writes two training rows: its own and one part (as an agent's second conversation does)."""
+
+    async def run(self, traj, generate):
+        from megarl.types import SamplingParams, Trajectory
+
+        await generate(traj.prompt_ids, SamplingParams(max_new_tokens=4))
+        part = Trajectory(traj_id=f"{traj.traj_id}.t1", group_id=traj.group_id, prompt_ids=[1, 7, 2],
+                          meta=traj.meta, logp_old=traj.logp_old and [])
+        traj.parts.append(part)
+        await generate(part.prompt_ids, SamplingParams(max_new_tokens=4), into=part)
+        return traj
+
+    def stats(self):
+        return {}
+
+
+def test_a_skipped_step_of_multi_row_episodes_releases_its_episodes_not_its_rows():
+    # B = 8 episodes (16 rows) per step; the first step is skipped. The gate counts episodes: releasing the 16
+    # rows counted 8 untrained episodes as gone, the gate let 8 more in than eta allows and the batch-forming
+    # deadline check then never found a feasible batch (only the stall watchdog ended the run)
+    c, records = loop(["rollout.eta=0", "trainer.stall_timeout_s=5"], workflow=TwoRowEpisodes(), skip=(0,))
+    trainer, buffer = c.trainer, c.buffer
+    assert [r["skipped"] for r in records] == [1.0, 0.0, 0.0, 0.0]
+    assert [len(t[2]) for t in trainer.trained] == [16] * 4  # 8 episodes of 2 rows each step
+    assert buffer.released_total == 8  # the skipped step's 8 episodes; its 16 rows made the gate stall
