@@ -23,7 +23,8 @@ is ``line.accepted_total <= manifest.accepted_total``.
 Writing is atomic: files go to ``checkpoints/.tmp-step_{n}-*``, are fsynced, the
 manifest is written last, and one rename publishes the directory; a crash
 leaves at most a ``.tmp-`` directory, which is never read and is removed on
-resume. Loading checks the manifest first; a missing or corrupt file raises
+resume. A resume past damaged newer checkpoints renames them ``damaged_step_{n}``
+(never read, never counted by ``keep_last``). Loading checks the manifest first; a missing or corrupt file raises
 :class:`~megarl.errors.CheckpointError` naming it.
 
 Megatron's distributed checkpointing (``dist_checkpointing``) is not used: the
@@ -160,6 +161,23 @@ def prune(root: Path, keep_last: int) -> None:
         return
     for _, path in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_newer(root: Path, step: int) -> list[Path]:
+    """Rename the checkpoints newer than ``step`` (the one a resume continues from, so they failed their check)
+    to ``damaged_step_{n}``: kept for inspection, but neither resumed from nor counted by :func:`prune`, which
+    would otherwise keep them and delete the resumed run's valid checkpoints as they are written."""
+    moved = []
+    for n, path in list_checkpoints(root):
+        if n > step:
+            target = root / f"damaged_{path.name}"
+            if target.exists():  # set aside before, by an earlier resume
+                target = root / f"damaged_{path.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(path, target)
+            log.warning("damaged checkpoint %s set aside as %s (not resumed from, not counted by keep_last)",
+                        path, target.name)
+            moved.append(target)
+    return moved
 
 
 def remove_temp_dirs(root: Path) -> None:

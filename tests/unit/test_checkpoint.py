@@ -307,3 +307,24 @@ def test_resume_from_the_end_of_a_synchronous_run():
     c2, t2, _, _ = make_controller(6, state, eta=0)
     asyncio.run(asyncio.wait_for(c2.train(6), 30))
     assert [(v, set(vs)) for v, vs, _ in t2.trained] == [(4, {4}), (5, {5})]
+
+
+def test_resume_past_a_damaged_checkpoint_sets_it_aside_so_pruning_keeps_the_new_ones(tmp_path):
+    import torch
+
+    from megarl.resume import prepare_resume
+
+    def fill(tmp):
+        torch.save({"version": 0}, tmp / "controller.pt")
+
+    root = tmp_path / "checkpoints"
+    for step in (4, 6):
+        write_checkpoint(root, step, fill, keep_last=2, meta={"version": 0, "accepted_total": 8 * step})
+    (root / "step_6" / "controller.pt").write_bytes(b"garbage")  # damaged: the resume continues from step 4
+    point = prepare_resume(tmp_path, find_latest_checkpoint(tmp_path))
+    assert point.step_dir.name == "step_4"
+    assert sorted(p.name for p in root.iterdir()) == ["damaged_step_6", "step_4"]
+    write_checkpoint(root, 5, fill, keep_last=1, meta={"version": 0, "accepted_total": 40})
+    assert [s for s, _ in list_checkpoints(root)] == [5]  # the resumed run's own checkpoint is kept
+    assert find_latest_checkpoint(tmp_path).name == "step_5"
+    assert (root / "damaged_step_6" / "controller.pt").read_bytes() == b"garbage"  # kept for inspection
