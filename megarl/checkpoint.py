@@ -207,7 +207,11 @@ def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None], 
         if final.exists():  # the same step again (a resumed run passing an older checkpoint's step)
             old = root / f".old-step_{step}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(old, final)  # the step's earlier checkpoint stays, as it was
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)

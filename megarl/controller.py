@@ -44,6 +44,7 @@ import time
 from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
+from megarl.checkpoint_schedule import CheckpointSchedule
 from megarl.data import Prompt
 from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
@@ -56,7 +57,7 @@ from megarl.types import TrainBatch, Trajectory, training_rows
 log = logging.getLogger("megarl.controller")
 
 
-class Controller(StepBookkeeping, EvaluationSchedule):
+class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
     """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
 
     Collaborators are passed in, already built: ``trainer`` (TrainerProtocol:
@@ -125,6 +126,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         self._regenerate: list[Any] = []  # prompts of groups that were running at the checkpoint
         self._resumed = False
         self._consecutive_skips = 0
+        self._save_failures = 0  # periodic checkpoints failed in a row (megarl/checkpoint_schedule.py)
 
     @property
     def version(self) -> int:
@@ -290,12 +292,6 @@ class Controller(StepBookkeeping, EvaluationSchedule):
             raise RuntimeError("the rollout loop stopped")
         return get.result()
 
-    async def _checkpoint(self) -> None:
-        if self.checkpointer is not None and self.checkpointer.last_step != self.step:
-            t0 = time.perf_counter()
-            await self.checkpointer.save(self)
-            log.info("step %d: checkpoint in %.2f s", self.step, time.perf_counter() - t0)
-
     async def train(self, total_steps: int) -> None:
         if not self._resumed:  # a resumed strategy's state already holds the engines' version
             self.strategy.on_weights_published(self.version)
@@ -349,7 +345,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
                     await self._checkpoint()
                     raise reward_error
                 if save_every > 0 and self.step % save_every == 0:
-                    await self._checkpoint()
+                    await self._checkpoint(periodic=True)
                 self._maybe_evaluate(total_steps)
             await self._checkpoint()
             await self._final_evaluation()

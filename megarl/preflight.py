@@ -108,6 +108,9 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
+    if cfg.logging.max_save_failures < 1:
+        raise ConfigError(f"logging.max_save_failures={cfg.logging.max_save_failures} must be >= 1 (1 = stop at the "
+                          f"first failed checkpoint)")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb (or set logging.wandb=false)")
     k, eta = cfg.trainer.publish_every, cfg.rollout.eta

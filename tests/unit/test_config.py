@@ -129,3 +129,8 @@ def test_publish_every_beyond_the_staleness_window_is_refused():
         validate(load_run_config(None, ["rollout.eta=0", "trainer.publish_every=2"]), hf)
     with pytest.raises(ConfigError, match=r"trainer\.publish_every=0 must be >= 1"):
         validate(load_run_config(None, ["trainer.publish_every=0"]), hf)
+
+
+def test_max_save_failures_below_one_is_refused():
+    with pytest.raises(ConfigError, match=r"logging\.max_save_failures=0 must be >= 1"):
+        validate(load_run_config(None, ["logging.max_save_failures=0"]), {"max_position_embeddings": 512})
