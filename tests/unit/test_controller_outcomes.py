@@ -4,6 +4,7 @@ The controller and replay buffer are the real ones; engine and trainer are the
 timing simulators of test_staleness_gate.py (the real ones run this loop in tests/e2e).
 """
 import asyncio
+import re
 import random
 from types import SimpleNamespace
 
@@ -165,3 +166,14 @@ def test_a_skipped_step_of_multi_row_episodes_releases_its_episodes_not_its_rows
     assert [r["skipped"] for r in records] == [1.0, 0.0, 0.0, 0.0]
     assert [len(t[2]) for t in trainer.trained] == [16] * 4  # 8 episodes of 2 rows each step
     assert buffer.released_total == 8  # the skipped step's 8 episodes; its 16 rows made the gate stall
+
+
+def test_a_stall_from_filtering_every_group_names_the_filter_not_the_engines():
+    # a constant reward: every group is all-equal and filtered; groups keep finishing, none is kept
+    with pytest.raises(TrainingError) as e:
+        loop(["rollout.filter_groups=true", "trainer.stall_timeout_s=0.5"], rewards=ScriptedRewards(lambda t: 1.0))
+    msg = str(e.value)
+    filtered = int(re.search(r"(\d+) samples were filtered", msg).group(1))
+    assert filtered > 0 and filtered % 4 == 0  # whole groups of 4
+    assert "rollout.filter_groups" in msg and "constant reward" in msg
+    assert "the engines or the rewards are stuck" not in msg
