@@ -4,8 +4,8 @@ The controller and replay buffer are the real ones; engine and trainer are the
 timing simulators of test_staleness_gate.py (the real ones run this loop in tests/e2e).
 """
 import asyncio
-import re
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
