@@ -1,7 +1,8 @@
 """Evaluation during training: held-out prompts, k samples each, scored by the run's reward.
 
 The controller starts an evaluation every ``eval.every`` steps and once at the
-end. Its requests go to the same engines through the same interruptible
+end, one at a time: one due while the last still runs is skipped (counted in
+``eval/n_skipped``). Its requests go to the same engines through the same interruptible
 generate path as training rollouts (so a publish in the middle resumes them
 with the new weights, and ``eval/version_min``/``version_max`` say which
 versions produced the tokens), but they never pass the staleness gate, never
@@ -49,6 +50,8 @@ class Evaluator:
         self.n_samples = n_samples
         self.pass_threshold = pass_threshold
         self.n_runs = 0
+        #: evaluations the schedule skipped because the one before was still running (eval/n_skipped)
+        self.n_skipped = 0
 
     async def run(self, generate_for: GenerateFor) -> dict[str, float]:
         """One evaluation; ``generate_for(traj)`` is the generate function a workflow uses for ``traj``."""
@@ -88,9 +91,10 @@ class Evaluator:
 
 
 class EvaluationSchedule:
-    """When the controller evaluates (every ``eval.every`` steps, never blocking training, and once at the
-    end): a part of :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's
-    ``cfg``, ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
+    """When the controller evaluates (every ``eval.every`` steps, never blocking training, one at a time: one
+    due while another runs is skipped and counted in ``eval/n_skipped``; and once at the end): a part of
+    :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's ``cfg``,
+    ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
     ``trainer``."""
 
     def _generate_for_eval(self, traj: Trajectory):
@@ -105,7 +109,7 @@ class EvaluationSchedule:
         except Exception:  # an evaluation must never take training down with it
             log.exception("evaluation at step %d failed", step)
             return
-        record = {"step": step, "eval/start_version": version, **metrics}
+        record = {"step": step, "eval/start_version": version, **metrics, "eval/n_skipped": self.evaluator.n_skipped}
         log.info("eval at step %d: reward %.4f, pass@1 %.4f, pass@%d %.4f", step, metrics["eval/reward_mean"],
                  metrics["eval/pass@1"], metrics["eval/k"], metrics["eval/pass@k"])
         if self.on_eval is not None:
@@ -114,6 +118,11 @@ class EvaluationSchedule:
     def _maybe_evaluate(self, total_steps: int) -> None:
         every = self.cfg.eval.every
         if self.evaluator is None or every <= 0 or self.step % every or self.step >= total_steps:
+            return
+        if self._evals:  # the last one takes longer than eval.every steps: one at a time, never a pile-up
+            self.evaluator.n_skipped += 1
+            log.warning("step %d: evaluation skipped, the one before is still running (%d skipped; raise eval.every)",
+                        self.step, self.evaluator.n_skipped)
             return
         task = asyncio.create_task(self._evaluate(self.step))
         self._evals.add(task)

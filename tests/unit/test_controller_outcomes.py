@@ -39,7 +39,8 @@ class ScriptedRewards:
         return SimpleNamespace(reward=r, failed=False, reason=None)
 
 
-def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None, skip=()):
+def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None, skip=(), on_step=None,
+         **optional):
     rng = random.Random(0)
     cfg = load_run_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
@@ -65,7 +66,7 @@ def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, record
                    dataset=prompts, workflow=workflow or SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=Publisher(), loss_fn_factory=lambda b, a: None, advantages=advantages,
-                   on_step=records.append)
+                   on_step=on_step or records.append, **optional)
     asyncio.run(asyncio.wait_for(c.train(steps), 60))
     return c, records
 
@@ -177,3 +178,45 @@ def test_a_stall_from_filtering_every_group_names_the_filter_not_the_engines():
     assert filtered > 0 and filtered % 4 == 0  # whole groups of 4
     assert "rollout.filter_groups" in msg and "constant reward" in msg
     assert "the engines or the rewards are stuck" not in msg
+
+
+class HeldEvaluation:
+    """An evaluation workflow whose episodes wait until ``release`` is set: an evaluation longer than eval.every."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.running = self.max_running = 0
+
+    async def run(self, traj, generate):
+        from megarl.types import SamplingParams
+
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            await self.release.wait()
+        finally:
+            self.running -= 1
+        await generate(traj.prompt_ids, SamplingParams(max_new_tokens=2))
+        return traj
+
+
+def test_an_evaluation_longer_than_eval_every_is_never_overlapped_and_the_skipped_ones_are_counted():
+    from megarl.data import Prompt
+    from megarl.evaluation import Evaluator
+
+    held = HeldEvaluation()
+    evaluator = Evaluator([Prompt("e0", [1, 5, 2], None, {"prompt": "hi"})], held, ScriptedRewards(lambda t: 1.0),
+                          n_samples=1, pass_threshold=1.0)
+    records, evals = [], []
+
+    def on_step(record):
+        records.append(record)
+        if record["step"] == 5:  # the evaluation started at step 1 ends after step 5
+            held.release.set()
+
+    loop(["eval.every=1"], steps=8, on_step=on_step, evaluator=evaluator, on_eval=evals.append)
+    assert held.max_running == 1  # one evaluation at a time
+    # due at steps 1..7 and at the end; those due while one ran (at least steps 2, 3, 4) were skipped
+    assert evals[0]["step"] == 1 and evals[-1]["step"] == 8
+    assert evals[-1]["eval/n_skipped"] == 7 - (len(evals) - 1) >= 3
+    assert evaluator.n_runs == len(evals)
