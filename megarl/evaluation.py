@@ -9,8 +9,10 @@ versions produced the tokens), but they never pass the staleness gate, never
 enter the replay buffer and are never seen by a recovery strategy.
 
 Metrics (per evaluation, logged under ``eval/``): ``reward_mean`` over all
-samples; ``pass@1`` = mean over prompts of c/n; ``pass@k`` with k = n (the
-samples per prompt) = mean over prompts of 1 - C(n-c, k)/C(n, k), the unbiased
+samples (the reward an agent gave its episode, else the scorer's; a failed
+agent episode or a non-finite reward counts 0 and in ``n_reward_failed``);
+``pass@1`` = mean over prompts of c/n; ``pass@k`` with k = n (the samples per
+prompt) = mean over prompts of 1 - C(n-c, k)/C(n, k), the unbiased
 estimator of Chen et al. 2021 (arXiv 2107.03374), where c samples of a prompt
 have reward >= ``eval.pass_threshold``.
 """
@@ -65,8 +67,11 @@ class Evaluator:
                                                                    "row": p.row})
             await self.workflow.run(traj, generate_for(traj))
             traj.finish_reason = traj.finish_reason or "stop"
-            out = await self.scorer.score(traj)
-            traj.reward, traj.reward_failed = out.reward, out.failed
+            if traj.reward is None:  # an agent may give its episode's reward itself, as in training
+                out = await self.scorer.score(traj)
+                traj.reward, traj.reward_failed = out.reward, out.failed
+            else:  # a failed agent episode keeps its 0; it and a NaN or inf reward count as failed
+                traj.reward_failed = bool(traj.meta.get("agent_error")) or not math.isfinite(traj.reward)
             return traj
 
         groups = await asyncio.gather(*(asyncio.gather(*(one(p, j) for j in range(self.n_samples)))
