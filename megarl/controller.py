@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -148,8 +149,10 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
             failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
             if traj.reward is None:  # an agent may return the episode's reward itself
                 out = await self.rewards.score(traj)
-                traj.reward, traj.reward_failed = out.reward, out.failed
-                failure = out.reason if out.failed else None
+                traj.reward, failure = out.reward, (out.reason or "failed") if out.failed else None
+            elif failure is None and not math.isfinite(traj.reward):  # would poison its group's advantages
+                failure, traj.reward = f"the agent returned the reward {traj.reward}", 0.0
+            traj.reward_failed = failure is not None  # a failed episode is a failed reward (reward.on_failure)
             # one outcome per episode (scored, or given by its agent), counted with its failure at once, so that a
             # step's share of failed calls never counts calls whose failures are not in yet; a failed agent counts
             # against reward.max_fail_frac like a failed reward

@@ -125,8 +125,7 @@ def test_filter_groups_drops_all_equal_groups_and_refills():
     assert sum(r["n_filtered"] for r in unfiltered) == 0 and any(r["reward_mean"] > 0.25 for r in unfiltered)
 
 
-def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
-    # each episode's failure alone is counted and the run goes on; a run of them is no silent run of zeros
+def agent_workflow(name, tokenizer):
     import sys
     from pathlib import Path
 
@@ -135,10 +134,29 @@ def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
     from megarl.types import SamplingParams
     from megarl.workflows.agent import AgentWorkflow, load_agent
 
-    workflow = AgentWorkflow(load_agent("agent_fixtures:raises_after_one_turn"), text_tokenizer, None,
-                             AgentLimits(SamplingParams(max_new_tokens=8), max_turns=4, max_tokens=512))
+    return AgentWorkflow(load_agent(f"agent_fixtures:{name}"), tokenizer, None,
+                         AgentLimits(SamplingParams(max_new_tokens=8), max_turns=4, max_tokens=512))
+
+
+def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
+    # each episode's failure alone is counted and the run goes on; a run of them is no silent run of zeros
     with pytest.raises(RewardError, match=r"reward calls failed .* RuntimeError: the agent broke"):
-        loop([], workflow=workflow)
+        loop([], workflow=agent_workflow("raises_after_one_turn", text_tokenizer))
+
+
+@pytest.mark.parametrize("agent", ["one_in_four_fails", "one_in_four_nan"])
+def test_failed_agent_episodes_and_non_finite_agent_rewards_are_failures_that_drop_drops(agent, text_tokenizer):
+    # one episode in four fails (raises, or returns NaN / inf): 25% <= reward.max_fail_frac, the run goes on;
+    # with reward.on_failure=drop none of them is trained, the others (reward 1) are
+    c, records = loop(["reward.on_failure=drop"], workflow=agent_workflow(agent, text_tokenizer))
+    assert len(records) == 4
+    failed = sum(r["n_reward_failed"] for r in records)
+    assert failed > 0 and c.counters["n_dropped"] == c.counters["n_reward_failed"]
+    assert all(r["reward_mean"] == 1.0 for r in records)  # only the episodes that succeeded were trained
+    # with reward.on_failure=zero they are trained with reward 0 (a NaN or inf too)
+    _, zero = loop([], workflow=agent_workflow(agent, text_tokenizer))
+    assert sum(r["n_reward_failed"] for r in zero) > 0 and sum(r["n_dropped"] for r in zero) == 0
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in zero) and any(r["reward_mean"] < 1.0 for r in zero)
 
 
 class TwoRowEpisodes:
