@@ -2,11 +2,11 @@
 
 The controller starts an evaluation every ``eval.every`` steps and once at the
 end, one at a time: one due while the last still runs is skipped (counted in
-``eval/n_skipped``). Its requests go to the same engines through the same interruptible
-generate path as training rollouts (so a publish in the middle resumes them
-with the new weights, and ``eval/version_min``/``version_max`` say which
-versions produced the tokens), but they never pass the staleness gate, never
-enter the replay buffer and are never seen by a recovery strategy.
+``eval/n_skipped``). Its requests go to the same engines through the same
+interruptible generate path as training rollouts (so a publish in the middle
+resumes them with the new weights, and ``eval/version_min``/``version_max``
+say which versions produced the tokens), but they never pass the staleness
+gate, never enter the replay buffer and are never seen by a recovery strategy.
 
 Metrics (per evaluation, logged under ``eval/``): ``reward_mean`` over all
 samples (the reward an agent gave its episode, else the scorer's; a failed
