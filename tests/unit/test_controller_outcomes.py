@@ -151,7 +151,8 @@ def test_failed_agent_episodes_and_non_finite_agent_rewards_are_failures_that_dr
     c, records = loop(["reward.on_failure=drop"], workflow=agent_workflow(agent, text_tokenizer))
     assert len(records) == 4
     failed = sum(r["n_reward_failed"] for r in records)
-    assert failed > 0 and c.counters["n_dropped"] == c.counters["n_reward_failed"]
+    # dropped when their group completes (groups still running at the end count failures, not drops yet)
+    assert failed > 0 and 0 < c.counters["n_dropped"] <= c.counters["n_reward_failed"]
     assert all(r["reward_mean"] == 1.0 for r in records)  # only the episodes that succeeded were trained
     # with reward.on_failure=zero they are trained with reward 0 (a NaN or inf too)
     _, zero = loop([], workflow=agent_workflow(agent, text_tokenizer))
