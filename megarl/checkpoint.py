@@ -23,7 +23,8 @@ is ``line.accepted_total <= manifest.accepted_total``.
 Writing is atomic: files go to ``checkpoints/.tmp-step_{n}-*``, are fsynced, the
 manifest is written last, and one rename publishes the directory; a crash
 leaves at most a ``.tmp-`` directory, which is never read and is removed on
-resume. Loading checks the manifest first; a missing or corrupt file raises
+resume. A resume past damaged newer checkpoints renames them ``damaged_step_{n}``
+(never read, never counted by ``keep_last``). Loading checks the manifest first; a missing or corrupt file raises
 :class:`~megarl.errors.CheckpointError` naming it.
 
 Megatron's distributed checkpointing (``dist_checkpointing``) is not used: the
@@ -162,6 +163,23 @@ def prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def set_aside_newer(root: Path, step: int) -> list[Path]:
+    """Rename the checkpoints newer than ``step`` (the one a resume continues from, so they failed their check)
+    to ``damaged_step_{n}``: kept for inspection, but neither resumed from nor counted by :func:`prune`, which
+    would otherwise keep them and delete the resumed run's valid checkpoints as they are written."""
+    moved = []
+    for n, path in list_checkpoints(root):
+        if n > step:
+            target = root / f"damaged_{path.name}"
+            if target.exists():  # set aside before, by an earlier resume
+                target = root / f"damaged_{path.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(path, target)
+            log.warning("damaged checkpoint %s set aside as %s (not resumed from, not counted by keep_last)",
+                        path, target.name)
+            moved.append(target)
+    return moved
+
+
 def remove_temp_dirs(root: Path) -> None:
     """Leftovers of writes a crash interrupted; never part of a checkpoint."""
     if root.is_dir():
@@ -189,7 +207,11 @@ def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None], 
         if final.exists():  # the same step again (a resumed run passing an older checkpoint's step)
             old = root / f".old-step_{step}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(old, final)  # the step's earlier checkpoint stays, as it was
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)

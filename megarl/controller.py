@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
+from megarl.checkpoint_schedule import CheckpointSchedule
 from megarl.data import Prompt
 from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
@@ -56,7 +58,7 @@ from megarl.types import TrainBatch, Trajectory, training_rows
 log = logging.getLogger("megarl.controller")
 
 
-class Controller(StepBookkeeping, EvaluationSchedule):
+class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
     """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
 
     Collaborators are passed in, already built: ``trainer`` (TrainerProtocol:
@@ -124,6 +126,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         self._regenerate: list[Any] = []  # prompts of groups that were running at the checkpoint
         self._resumed = False
         self._consecutive_skips = 0
+        self._save_failures = 0  # periodic checkpoints failed in a row (megarl/checkpoint_schedule.py)
 
     @property
     def version(self) -> int:
@@ -145,8 +148,10 @@ class Controller(StepBookkeeping, EvaluationSchedule):
             failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
             if traj.reward is None:  # an agent may return the episode's reward itself
                 out = await self.rewards.score(traj)
-                traj.reward, traj.reward_failed = out.reward, out.failed
-                failure = out.reason if out.failed else None
+                traj.reward, failure = out.reward, (out.reason or "failed") if out.failed else None
+            elif failure is None and not math.isfinite(traj.reward):  # would poison its group's advantages
+                failure, traj.reward = f"the agent returned the reward {traj.reward}", 0.0
+            traj.reward_failed = failure is not None  # a failed episode is a failed reward (reward.on_failure)
             # one outcome per episode (scored, or given by its agent), counted with its failure at once, so that a
             # step's share of failed calls never counts calls whose failures are not in yet; a failed agent counts
             # against reward.max_fail_frac like a failed reward
@@ -289,12 +294,6 @@ class Controller(StepBookkeeping, EvaluationSchedule):
             raise RuntimeError("the rollout loop stopped")
         return get.result()
 
-    async def _checkpoint(self) -> None:
-        if self.checkpointer is not None and self.checkpointer.last_step != self.step:
-            t0 = time.perf_counter()
-            await self.checkpointer.save(self)
-            log.info("step %d: checkpoint in %.2f s", self.step, time.perf_counter() - t0)
-
     async def train(self, total_steps: int) -> None:
         if not self._resumed:  # a resumed strategy's state already holds the engines' version
             self.strategy.on_weights_published(self.version)
@@ -309,15 +308,15 @@ class Controller(StepBookkeeping, EvaluationSchedule):
         try:
             while self.step < total_steps:
                 t0 = time.perf_counter()
-                trajs = await self._next_batch(roll)
+                episodes = await self._next_batch(roll)  # what the gate counts
                 t_got = time.perf_counter()
-                trajs = training_rows(trajs)  # an agent's episode may hold several rows
+                trajs = training_rows(episodes)  # an agent's episode may hold several rows
                 record = await asyncio.to_thread(self._train_on, trajs)
                 t_trained = time.perf_counter()
                 skipped = bool(record.get("skipped"))
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
                     self._consecutive_skips += 1
-                    self.buffer.release(len(trajs))  # consumed without a step: the gate must not count them
+                    self.buffer.release(len(episodes))  # consumed without a step: the gate stops counting them
                     record["skip_reason"] = self.trainer.last_skip_reason or "skipped"
                 else:
                     self._consecutive_skips = 0
@@ -348,7 +347,7 @@ class Controller(StepBookkeeping, EvaluationSchedule):
                     await self._checkpoint()
                     raise reward_error
                 if save_every > 0 and self.step % save_every == 0:
-                    await self._checkpoint()
+                    await self._checkpoint(periodic=True)
                 self._maybe_evaluate(total_steps)
             await self._checkpoint()
             await self._final_evaluation()

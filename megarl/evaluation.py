@@ -1,15 +1,18 @@
 """Evaluation during training: held-out prompts, k samples each, scored by the run's reward.
 
 The controller starts an evaluation every ``eval.every`` steps and once at the
-end. Its requests go to the same engines through the same interruptible
-generate path as training rollouts (so a publish in the middle resumes them
-with the new weights, and ``eval/version_min``/``version_max`` say which
-versions produced the tokens), but they never pass the staleness gate, never
-enter the replay buffer and are never seen by a recovery strategy.
+end, one at a time: one due while the last still runs is skipped (counted in
+``eval/n_skipped``). Its requests go to the same engines through the same
+interruptible generate path as training rollouts (so a publish in the middle
+resumes them with the new weights, and ``eval/version_min``/``version_max``
+say which versions produced the tokens), but they never pass the staleness
+gate, never enter the replay buffer and are never seen by a recovery strategy.
 
 Metrics (per evaluation, logged under ``eval/``): ``reward_mean`` over all
-samples; ``pass@1`` = mean over prompts of c/n; ``pass@k`` with k = n (the
-samples per prompt) = mean over prompts of 1 - C(n-c, k)/C(n, k), the unbiased
+samples (the reward an agent gave its episode, else the scorer's; a failed
+agent episode or a non-finite reward counts 0 and in ``n_reward_failed``);
+``pass@1`` = mean over prompts of c/n; ``pass@k`` with k = n (the samples per
+prompt) = mean over prompts of 1 - C(n-c, k)/C(n, k), the unbiased
 estimator of Chen et al. 2021 (arXiv 2107.03374), where c samples of a prompt
 have reward >= ``eval.pass_threshold``.
 """
@@ -49,6 +52,8 @@ class Evaluator:
         self.n_samples = n_samples
         self.pass_threshold = pass_threshold
         self.n_runs = 0
+        #: evaluations the schedule skipped because the one before was still running (eval/n_skipped)
+        self.n_skipped = 0
 
     async def run(self, generate_for: GenerateFor) -> dict[str, float]:
         """One evaluation; ``generate_for(traj)`` is the generate function a workflow uses for ``traj``."""
@@ -62,8 +67,11 @@ class Evaluator:
                                                                    "row": p.row})
             await self.workflow.run(traj, generate_for(traj))
             traj.finish_reason = traj.finish_reason or "stop"
-            out = await self.scorer.score(traj)
-            traj.reward, traj.reward_failed = out.reward, out.failed
+            if traj.reward is None:  # an agent may give its episode's reward itself, as in training
+                out = await self.scorer.score(traj)
+                traj.reward, traj.reward_failed = out.reward, out.failed
+            else:  # a failed agent episode keeps its 0; it and a NaN or inf reward count as failed
+                traj.reward_failed = bool(traj.meta.get("agent_error")) or not math.isfinite(traj.reward)
             return traj
 
         groups = await asyncio.gather(*(asyncio.gather(*(one(p, j) for j in range(self.n_samples)))
@@ -88,9 +96,10 @@ class Evaluator:
 
 
 class EvaluationSchedule:
-    """When the controller evaluates (every ``eval.every`` steps, never blocking training, and once at the
-    end): a part of :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's
-    ``cfg``, ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
+    """When the controller evaluates (every ``eval.every`` steps, never blocking training, one at a time: one
+    due while another runs is skipped and counted in ``eval/n_skipped``; and once at the end): a part of
+    :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's ``cfg``,
+    ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
     ``trainer``."""
 
     def _generate_for_eval(self, traj: Trajectory):
@@ -105,7 +114,7 @@ class EvaluationSchedule:
         except Exception:  # an evaluation must never take training down with it
             log.exception("evaluation at step %d failed", step)
             return
-        record = {"step": step, "eval/start_version": version, **metrics}
+        record = {"step": step, "eval/start_version": version, **metrics, "eval/n_skipped": self.evaluator.n_skipped}
         log.info("eval at step %d: reward %.4f, pass@1 %.4f, pass@%d %.4f", step, metrics["eval/reward_mean"],
                  metrics["eval/pass@1"], metrics["eval/k"], metrics["eval/pass@k"])
         if self.on_eval is not None:
@@ -114,6 +123,11 @@ class EvaluationSchedule:
     def _maybe_evaluate(self, total_steps: int) -> None:
         every = self.cfg.eval.every
         if self.evaluator is None or every <= 0 or self.step % every or self.step >= total_steps:
+            return
+        if self._evals:  # the last one takes longer than eval.every steps: one at a time, never a pile-up
+            self.evaluator.n_skipped += 1
+            log.warning("step %d: evaluation skipped, the one before is still running (%d skipped; raise eval.every)",
+                        self.step, self.evaluator.n_skipped)
             return
         task = asyncio.create_task(self._evaluate(self.step))
         self._evals.add(task)

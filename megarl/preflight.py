@@ -109,6 +109,16 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
+    if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:
+        raise ConfigError("rollout.filter_groups=true with rollout.group_size=1: a group of one sample always has "
+                          "equal rewards, so every group would be filtered and no batch would ever form; set "
+                          "rollout.group_size >= 2 or rollout.filter_groups=false")
+    if cfg.rollout.max_concurrency < 1:
+        raise ConfigError(f"rollout.max_concurrency={cfg.rollout.max_concurrency} must be >= 1 (requests in flight; "
+                          f"with none no sample is ever generated)")
+    if cfg.logging.max_save_failures < 1:
+        raise ConfigError(f"logging.max_save_failures={cfg.logging.max_save_failures} must be >= 1 (1 = stop at the "
+                          f"first failed checkpoint)")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb (or set logging.wandb=false)")
     k, eta = cfg.trainer.publish_every, cfg.rollout.eta

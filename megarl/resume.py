@@ -24,6 +24,7 @@ from megarl.checkpoint import (
     remove_temp_dirs,
     restore_rng,
     rewind_run_logs,
+    set_aside_newer,
 )
 
 log = logging.getLogger("megarl.resume")
@@ -47,6 +48,7 @@ def prepare_resume(run_dir: Path, step_dir: Path) -> ResumePoint:
     state = load_file(step_dir / "controller.pt")
     manifest = read_manifest(step_dir)
     remove_temp_dirs(run_dir / "checkpoints")
+    set_aside_newer(run_dir / "checkpoints", int(manifest["step"]))  # the damaged ones the resume passed
     rewind_run_logs(run_dir, manifest)
     for stale in ("weights", "dedicated"):  # the killed run's working files
         shutil.rmtree(run_dir / stale, ignore_errors=True)

@@ -127,11 +127,21 @@ class StepBookkeeping:
 
     def _stall_message(self, timeout: float) -> str:
         g = self.buffer.gate_state(self.version)
+        filtered = self.counters["n_filtered"] - self._step_counters["n_filtered"]
+        dropped = self.counters["n_dropped"] - self._step_counters["n_dropped"]
+        if filtered or dropped:  # groups finish but none is kept: neither engines nor rewards are stuck
+            cause = (f"Since the last step {filtered} samples were filtered (rollout.filter_groups: all rewards of "
+                     f"their group equal, e.g. a constant reward) and {dropped} dropped (failed generation, "
+                     f"non-finite advantages or reward.on_failure=drop), and none was kept: check that reward.fn "
+                     f"tells samples apart on this data (data.answer_key), or set rollout.filter_groups=false")
+        else:
+            cause = ("A full gate with nothing running means no batch can ever form (check rollout.eta and "
+                     "trainer.publish_every); otherwise the engines or the rewards are stuck (for very long "
+                     "generations raise trainer.stall_timeout_s)")
         return (f"no batch for step {self.step}: the trainer waited {timeout:.1f} s (trainer.stall_timeout_s) and no "
                 f"trajectory was accepted meanwhile. Staleness gate: accepted {g['accepted']} + running "
                 f"{g['running']} of capacity {g['capacity']} = (rollout.eta {self.eta} + version {self.version} + 1) "
                 f"x trainer.batch_size {self.B} (released by skipped steps {g['released']}); ready {g['ready']} of "
-                f"{self.B}; trainer version {self.trainer.version}; dropped {self.counters['n_dropped']}. A checkpoint "
-                f"of this step is in the run directory. A full gate with nothing running means no batch can ever "
-                f"form (check rollout.eta and trainer.publish_every); otherwise the engines or the rewards are stuck "
-                f"(for very long generations raise trainer.stall_timeout_s), then resume with --resume")
+                f"{self.B}; trainer version {self.trainer.version}; filtered {self.counters['n_filtered']}, dropped "
+                f"{self.counters['n_dropped']} in all. {cause}. A checkpoint of this step is in the run directory; "
+                f"resume it with --resume")

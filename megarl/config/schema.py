@@ -273,6 +273,8 @@ class LoggingConfig:
     """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = only at the end); `megarl train --resume RUN_DIR` continues from the newest."""
     keep_last: int = 2
     """Checkpoints kept (the newest ones; 0 = all)."""
+    max_save_failures: int = 3
+    """Periodic checkpoints (logging.save_every) that may fail in a row (disk full, I/O error) before the run stops; a failed one leaves nothing that looks valid, the previous one is kept and the next save tries again (>= 1; 1 = stop at the first failure)."""
     resume: str = ""
     """Run directory to continue from its newest valid checkpoint (`megarl train --resume RUN_DIR` sets it; launch plans pass it to every rank); the run keeps writing there."""
 

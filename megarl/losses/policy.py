@@ -40,14 +40,17 @@ Special cases, reproduced exactly:
 Non-finite values. Masked positions (loss_mask = 0) may hold anything (-inf, NaN
 padding): they are replaced by 0 with torch.where before any arithmetic, so no
 NaN reaches the loss or the gradient. At valid positions the precedence is:
-1. logp_theta and advantages must be finite, else ValueError (naming the tensor
-   and the count);
+1. advantages must be finite, else ValueError (naming the count); a non-finite
+   logp_theta (a forward that overflowed) makes the loss NaN, so that the trainer
+   skips the step as it skips any non-finite loss; the other metrics are those of
+   the finite tokens and ``n_nonfinite_logp_theta`` counts the bad ones;
 2. logp_anchor / logp_behav may be non-finite: every log-ratio they enter that is
    not finite is treated as 0 (w_t = 1, and r_t = 1 with no gradient), counted in
    the metrics ``n_nonfinite_logratio`` (w) and ``n_nonfinite_ratio`` (r);
 3. finite log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] against
    exp overflow (only absurd ratios, beyond e^20 ~ 4.9e8, are affected);
-4. a non-finite loss after all this raises ValueError; never a silent NaN.
+4. a non-finite loss after all this with a finite logp_theta raises ValueError;
+   never a silent NaN.
 
 All arithmetic is in float32 whatever the input dtype.
 """
@@ -193,8 +196,12 @@ def policy_loss(logp_theta: torch.Tensor, logp_anchor: torch.Tensor, logp_behav:
     logp_anchor = _zero_masked(logp_anchor.detach(), valid)
     logp_behav = _zero_masked(logp_behav.detach(), valid)
     advantages = _zero_masked(advantages.detach(), valid)
-    _require_finite("logp_theta", logp_theta)
     _require_finite("advantages", advantages)
+    # the forward's own log-probs: non-finite ones make the step skip (NaN loss), never raise; the rest of the
+    # arithmetic sees 0 there so that every metric stays that of the finite tokens
+    theta_bad = ~torch.isfinite(logp_theta)
+    n_nonfinite_theta = theta_bad.sum()
+    logp_theta = torch.where(theta_bad, torch.zeros_like(logp_theta), logp_theta)
 
     # Train-inference correction: which tokens count (M) and with which weight f(w).
     w, weight, keep, n_nonfinite_logratio, abs_log_w_tok = _behav_weight_and_mask(
@@ -204,6 +211,8 @@ def policy_loss(logp_theta: torch.Tensor, logp_anchor: torch.Tensor, logp_behav:
     # gradient (torch.where sends zero gradient to the unselected branch).
     log_ratio = logp_theta - logp_anchor
     ratio_ok = torch.isfinite(log_ratio)
+    n_nonfinite_ratio = (~ratio_ok & valid).sum()
+    ratio_ok = ratio_ok & ~theta_bad  # a token without a finite logp_theta counts as r = 1 in the metrics
     log_ratio = torch.where(ratio_ok, log_ratio, torch.zeros_like(log_ratio))
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
@@ -256,10 +265,14 @@ def policy_loss(logp_theta: torch.Tensor, logp_anchor: torch.Tensor, logp_behav:
             "approx_kl": valid_mean(0.5 * log_ratio.detach() ** 2),
             "ratio_mean": valid_mean(ratio.detach()),
             "n_nonfinite_logratio": n_nonfinite_logratio,
-            "n_nonfinite_ratio": (~ratio_ok & valid).sum(),
+            "n_nonfinite_ratio": n_nonfinite_ratio,
+            "n_nonfinite_logp_theta": n_nonfinite_theta,
         }
         values = torch.stack([v.float().reshape(()) for v in stats.values()]).tolist()  # one device sync
     metrics = dict(zip(stats.keys(), values))
+    if metrics["n_nonfinite_logp_theta"]:
+        metrics["pg_loss"] = math.nan
+        return loss * math.nan, metrics  # still in the graph: the trainer's backward runs, then it skips
     if not math.isfinite(metrics["pg_loss"]):
         raise ValueError(f"policy loss is {metrics['pg_loss']} despite finite inputs (overflowing advantages?); "
                          f"metrics: {metrics}")

@@ -50,3 +50,24 @@ async def scripted(client, row) -> float | None:
 async def raises_after_one_turn(client, row) -> float | None:
     await client.chat.completions.create(messages=[{"role": "user", "content": row["prompt"]}])
     raise RuntimeError("the agent broke")
+
+
+_episodes = {"n": 0}
+
+
+async def one_in_four_fails(client, row) -> float | None:
+    """Every fourth episode (in the order they finish their turn) raises; the others return 1."""
+    await client.chat.completions.create(messages=[{"role": "user", "content": row["prompt"]}])
+    _episodes["n"] += 1
+    if _episodes["n"] % 4 == 0:
+        raise RuntimeError("the agent broke")
+    return 1.0
+
+
+async def one_in_four_nan(client, row) -> float | None:
+    """Every fourth episode returns NaN or inf as its reward; the others return 1."""
+    await client.chat.completions.create(messages=[{"role": "user", "content": row["prompt"]}])
+    _episodes["n"] += 1
+    if _episodes["n"] % 4 == 0:
+        return float("nan") if _episodes["n"] % 8 else float("inf")
+    return 1.0

@@ -223,7 +223,7 @@ def _tokenizer_dir():
     return write_tokenizer("configs/models/tiny_qwen3.yaml", Path(tempfile.mkdtemp(prefix="megarl-tok-")))
 
 
-def make_controller(seed, steps_state=None, eta=2):
+def make_controller(seed, steps_state=None, eta=2, checkpointer=None, overrides=()):
     from test_staleness_gate import Rewards, SimulatedEngineForGateTests, SingleTurn
 
     from megarl.buffer import PublishedVersion, ReplayBuffer
@@ -235,7 +235,7 @@ def make_controller(seed, steps_state=None, eta=2):
 
     rng = random.Random(seed)
     cfg = load_run_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4",
-                                 "logging.save_every=3"])
+                                 "logging.save_every=3", *overrides])
     engine = SimulatedEngineForGateTests(rng, 12)
     trainer = StateTrainer(rng)
 
@@ -250,7 +250,7 @@ def make_controller(seed, steps_state=None, eta=2):
         for t in trajs:
             t.advantage = 0.0
 
-    checkpointer, journal = CapturingCheckpointer(), Journal()
+    checkpointer, journal = checkpointer or CapturingCheckpointer(), Journal()
     c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(cfg.trainer.batch_size, eta),
                    published=PublishedVersion(),
                    rewards=Rewards(),
@@ -307,3 +307,102 @@ def test_resume_from_the_end_of_a_synchronous_run():
     c2, t2, _, _ = make_controller(6, state, eta=0)
     asyncio.run(asyncio.wait_for(c2.train(6), 30))
     assert [(v, set(vs)) for v, vs, _ in t2.trained] == [(4, {4}), (5, {5})]
+
+
+def test_resume_past_a_damaged_checkpoint_sets_it_aside_so_pruning_keeps_the_new_ones(tmp_path):
+    import torch
+
+    from megarl.resume import prepare_resume
+
+    def fill(tmp):
+        torch.save({"version": 0}, tmp / "controller.pt")
+
+    root = tmp_path / "checkpoints"
+    for step in (4, 6):
+        write_checkpoint(root, step, fill, keep_last=2, meta={"version": 0, "accepted_total": 8 * step})
+    (root / "step_6" / "controller.pt").write_bytes(b"garbage")  # damaged: the resume continues from step 4
+    point = prepare_resume(tmp_path, find_latest_checkpoint(tmp_path))
+    assert point.step_dir.name == "step_4"
+    assert sorted(p.name for p in root.iterdir()) == ["damaged_step_6", "step_4"]
+    write_checkpoint(root, 5, fill, keep_last=1, meta={"version": 0, "accepted_total": 40})
+    assert [s for s, _ in list_checkpoints(root)] == [5]  # the resumed run's own checkpoint is kept
+    assert find_latest_checkpoint(tmp_path).name == "step_5"
+    assert (root / "damaged_step_6" / "controller.pt").read_bytes() == b"garbage"  # kept for inspection
+
+
+class FullDisk:
+    """The trainer's part of a checkpoint; the saves numbered in ``fail`` (0-based) run out of space half-way."""
+
+    def __init__(self, fail):
+        self.fail = set(fail)
+        self.n = 0
+
+    def save_rank_states(self, step_dir, strategy_state):
+        import errno
+
+        n, self.n = self.n, self.n + 1
+        (Path(step_dir) / "trainer").mkdir()
+        (Path(step_dir) / "trainer" / "rank0.pt").write_bytes(b"half")
+        if n in self.fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        (Path(step_dir) / "trainer" / "rank0.pt").write_bytes(b"whole")
+
+
+def disk_checkpointer(tmp_path, fail):
+    from megarl.checkpoint import Checkpointer
+
+    weights = tmp_path / "weights"
+    for v in range(1, 20):  # what the publisher would have written for each version
+        (weights / f"v{v}").mkdir(parents=True)
+        (weights / f"v{v}" / "config.json").write_text("{}")
+
+    class LoopCheckpointer(Checkpointer):  # the loop's trainer and strategy are built after it
+        async def save(self, controller):
+            self.trainer, self.strategy = controller.trainer, controller.strategy
+            return await super().save(controller)
+
+    return LoopCheckpointer(tmp_path, None, None, weights, keep_last=0, rank_states=FullDisk(fail))
+
+
+def test_a_failed_periodic_checkpoint_keeps_the_run_and_the_previous_checkpoint(tmp_path):
+    # saves at steps 2, 4, 6, 8 and the end (8, already saved); the one at step 4 runs out of disk space
+    ck = disk_checkpointer(tmp_path, {1})
+    c, trainer, _, _ = make_controller(0, checkpointer=ck, overrides=["logging.save_every=2"])
+    asyncio.run(asyncio.wait_for(c.train(8), 60))
+    assert c.step == 8 and trainer.version == 8
+    root = tmp_path / "checkpoints"
+    assert [s for s, _ in list_checkpoints(root)] == [2, 6, 8]  # no half-written step_4 that looks valid
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6", "step_8"]
+    assert all((p / "trainer" / "rank0.pt").read_bytes() == b"whole" for _, p in list_checkpoints(root))
+    assert all(verify_checkpoint(p)["step"] == s for s, p in list_checkpoints(root))
+
+
+def test_checkpoints_failing_max_save_failures_times_in_a_row_stop_the_run(tmp_path):
+    ck = disk_checkpointer(tmp_path, {1, 2})  # the saves at steps 4 and 6
+    c, trainer, _, _ = make_controller(0, checkpointer=ck,
+                                       overrides=["logging.save_every=2", "logging.max_save_failures=2"])
+    with pytest.raises(CheckpointError, match=r"2 checkpoints in a row failed \(logging.max_save_failures=2\); "
+                                              r"the last at step 6: OSError: \[Errno 28\] No space left on device"):
+        asyncio.run(asyncio.wait_for(c.train(8), 60))
+    assert c.step == 6
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]  # the last good one is kept
+
+
+def test_a_failed_replace_of_the_same_step_keeps_the_step_as_it_was(tmp_path, monkeypatch):
+    import os
+
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 2, fill_files)
+    rename = os.rename
+
+    def no_space_for_the_new(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", no_space_for_the_new)
+    with pytest.raises(OSError):
+        write_checkpoint(root, 2, lambda tmp: (tmp / "controller.pt").write_bytes(b"new"))
+    monkeypatch.undo()
+    assert [p.name for p in root.iterdir()] == ["step_2"]
+    assert verify_checkpoint(root / "step_2")["files"].keys() == {"controller.pt", "trainer/rank0.pt"}

@@ -129,3 +129,19 @@ def test_publish_every_beyond_the_staleness_window_is_refused():
         validate(load_run_config(None, ["rollout.eta=0", "trainer.publish_every=2"]), hf)
     with pytest.raises(ConfigError, match=r"trainer\.publish_every=0 must be >= 1"):
         validate(load_run_config(None, ["trainer.publish_every=0"]), hf)
+
+
+def test_max_save_failures_below_one_is_refused():
+    with pytest.raises(ConfigError, match=r"logging\.max_save_failures=0 must be >= 1"):
+        validate(load_run_config(None, ["logging.max_save_failures=0"]), {"max_position_embeddings": 512})
+
+
+def test_settings_that_can_never_form_a_batch_are_refused_naming_the_key():
+    hf = {"max_position_embeddings": 512}
+    # one sample per group is always "all equal": filter_groups would filter every group
+    with pytest.raises(ConfigError, match=r"rollout\.filter_groups=true with rollout\.group_size=1"):
+        validate(load_run_config(None, ["rollout.filter_groups=true", "rollout.group_size=1",
+                                        "trainer.batch_size=4"]), hf)
+    validate(load_run_config(None, ["rollout.filter_groups=true", "rollout.group_size=2", "trainer.batch_size=4"]), hf)
+    with pytest.raises(ConfigError, match=r"rollout\.max_concurrency=0 must be >= 1"):
+        validate(load_run_config(None, ["rollout.max_concurrency=0"]), hf)

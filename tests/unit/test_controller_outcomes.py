@@ -5,6 +5,7 @@ timing simulators of test_staleness_gate.py (the real ones run this loop in test
 """
 import asyncio
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -38,11 +39,12 @@ class ScriptedRewards:
         return SimpleNamespace(reward=r, failed=False, reason=None)
 
 
-def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None):
+def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None, skip=(), on_step=None,
+         **optional):
     rng = random.Random(0)
     cfg = load_run_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
-    trainer = StepCounterTrainerForGateTests(rng)
+    trainer = StepCounterTrainerForGateTests(rng, skip)
     counter = iter(range(10**9))
     prompts = iter(lambda: SimpleNamespace(prompt_id=f"p{next(counter)}", prompt_ids=[1, 5, 2], answer=None,
                                            row={"prompt": "hi"}), None)
@@ -64,7 +66,7 @@ def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, record
                    dataset=prompts, workflow=workflow or SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=Publisher(), loss_fn_factory=lambda b, a: None, advantages=advantages,
-                   on_step=records.append)
+                   on_step=on_step or records.append, **optional)
     asyncio.run(asyncio.wait_for(c.train(steps), 60))
     return c, records
 
@@ -123,8 +125,7 @@ def test_filter_groups_drops_all_equal_groups_and_refills():
     assert sum(r["n_filtered"] for r in unfiltered) == 0 and any(r["reward_mean"] > 0.25 for r in unfiltered)
 
 
-def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
-    # each episode's failure alone is counted and the run goes on; a run of them is no silent run of zeros
+def agent_workflow(name, tokenizer):
     import sys
     from pathlib import Path
 
@@ -133,7 +134,108 @@ def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
     from megarl.types import SamplingParams
     from megarl.workflows.agent import AgentWorkflow, load_agent
 
-    workflow = AgentWorkflow(load_agent("agent_fixtures:raises_after_one_turn"), text_tokenizer, None,
-                             AgentLimits(SamplingParams(max_new_tokens=8), max_turns=4, max_tokens=512))
+    return AgentWorkflow(load_agent(f"agent_fixtures:{name}"), tokenizer, None,
+                         AgentLimits(SamplingParams(max_new_tokens=8), max_turns=4, max_tokens=512))
+
+
+def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
+    # each episode's failure alone is counted and the run goes on; a run of them is no silent run of zeros
     with pytest.raises(RewardError, match=r"reward calls failed .* RuntimeError: the agent broke"):
-        loop([], workflow=workflow)
+        loop([], workflow=agent_workflow("raises_after_one_turn", text_tokenizer))
+
+
+@pytest.mark.parametrize("agent", ["one_in_four_fails", "one_in_four_nan"])
+def test_failed_agent_episodes_and_non_finite_agent_rewards_are_failures_that_drop_drops(agent, text_tokenizer):
+    # one episode in four fails (raises, or returns NaN / inf): 25% <= reward.max_fail_frac, the run goes on;
+    # with reward.on_failure=drop none of them is trained, the others (reward 1) are
+    c, records = loop(["reward.on_failure=drop"], workflow=agent_workflow(agent, text_tokenizer))
+    assert len(records) == 4
+    failed = sum(r["n_reward_failed"] for r in records)
+    # dropped when their group completes (groups still running at the end count failures, not drops yet)
+    assert failed > 0 and 0 < c.counters["n_dropped"] <= c.counters["n_reward_failed"]
+    assert all(r["reward_mean"] == 1.0 for r in records)  # only the episodes that succeeded were trained
+    # with reward.on_failure=zero they are trained with reward 0 (a NaN or inf too)
+    _, zero = loop([], workflow=agent_workflow(agent, text_tokenizer))
+    assert sum(r["n_reward_failed"] for r in zero) > 0 and sum(r["n_dropped"] for r in zero) == 0
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in zero) and any(r["reward_mean"] < 1.0 for r in zero)
+
+
+class TwoRowEpisodes:
+    """Each episode writes two training rows: its own and one part (as an agent's second conversation does)."""
+
+    async def run(self, traj, generate):
+        from megarl.types import SamplingParams, Trajectory
+
+        await generate(traj.prompt_ids, SamplingParams(max_new_tokens=4))
+        part = Trajectory(traj_id=f"{traj.traj_id}.t1", group_id=traj.group_id, prompt_ids=[1, 7, 2],
+                          meta=traj.meta, logp_old=traj.logp_old and [])
+        traj.parts.append(part)
+        await generate(part.prompt_ids, SamplingParams(max_new_tokens=4), into=part)
+        return traj
+
+    def stats(self):
+        return {}
+
+
+def test_a_skipped_step_of_multi_row_episodes_releases_its_episodes_not_its_rows():
+    # B = 8 episodes (16 rows) per step; the first step is skipped. The gate counts episodes: releasing the 16
+    # rows counted 8 untrained episodes as gone, the gate let 8 more in than eta allows and the batch-forming
+    # deadline check then never found a feasible batch (only the stall watchdog ended the run)
+    c, records = loop(["rollout.eta=0", "trainer.stall_timeout_s=5"], workflow=TwoRowEpisodes(), skip=(0,))
+    trainer, buffer = c.trainer, c.buffer
+    assert [r["skipped"] for r in records] == [1.0, 0.0, 0.0, 0.0]
+    assert [len(t[2]) for t in trainer.trained] == [16] * 4  # 8 episodes of 2 rows each step
+    assert buffer.released_total == 8  # the skipped step's 8 episodes; its 16 rows made the gate stall
+
+
+def test_a_stall_from_filtering_every_group_names_the_filter_not_the_engines():
+    # a constant reward: every group is all-equal and filtered; groups keep finishing, none is kept
+    with pytest.raises(TrainingError) as e:
+        loop(["rollout.filter_groups=true", "trainer.stall_timeout_s=0.5"], rewards=ScriptedRewards(lambda t: 1.0))
+    msg = str(e.value)
+    filtered = int(re.search(r"(\d+) samples were filtered", msg).group(1))
+    assert filtered > 0 and filtered % 4 == 0  # whole groups of 4
+    assert "rollout.filter_groups" in msg and "constant reward" in msg
+    assert "the engines or the rewards are stuck" not in msg
+
+
+class HeldEvaluation:
+    """An evaluation workflow whose episodes wait until ``release`` is set: an evaluation longer than eval.every."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.running = self.max_running = 0
+
+    async def run(self, traj, generate):
+        from megarl.types import SamplingParams
+
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            await self.release.wait()
+        finally:
+            self.running -= 1
+        await generate(traj.prompt_ids, SamplingParams(max_new_tokens=2))
+        return traj
+
+
+def test_an_evaluation_longer_than_eval_every_is_never_overlapped_and_the_skipped_ones_are_counted():
+    from megarl.data import Prompt
+    from megarl.evaluation import Evaluator
+
+    held = HeldEvaluation()
+    evaluator = Evaluator([Prompt("e0", [1, 5, 2], None, {"prompt": "hi"})], held, ScriptedRewards(lambda t: 1.0),
+                          n_samples=1, pass_threshold=1.0)
+    records, evals = [], []
+
+    def on_step(record):
+        records.append(record)
+        if record["step"] == 5:  # the evaluation started at step 1 ends after step 5
+            held.release.set()
+
+    loop(["eval.every=1"], steps=8, on_step=on_step, evaluator=evaluator, on_eval=evals.append)
+    assert held.max_running == 1  # one evaluation at a time
+    # due at steps 1..7 and at the end; those due while one ran (at least steps 2, 3, 4) were skipped
+    assert evals[0]["step"] == 1 and evals[-1]["step"] == 8
+    assert evals[-1]["eval/n_skipped"] == 7 - (len(evals) - 1) >= 3
+    assert evaluator.n_runs == len(evals)

@@ -45,3 +45,37 @@ def test_an_evaluation_scores_decoded_text(demo_tokenizer):
     assert m["eval/pass@1"] == pytest.approx((2 / 4 + 0) / 2)
     assert m["eval/pass@k"] == pytest.approx((1 + 0) / 2) and m["eval/k"] == 4
     assert (m["eval/version_min"], m["eval/version_max"], m["eval/n_reward_failed"]) == (7, 7, 0)
+
+
+def test_an_agent_episode_keeps_the_reward_its_agent_gave():
+    # sample 0 of each prompt: the agent returned 0.75; sample 1: the agent failed (reward 0, agent_error);
+    # sample 2: the agent returned None, so the scorer (always 1.0) scores it; sample 3: the agent returned NaN
+    # (counts 0, failed)
+    from types import SimpleNamespace
+
+    class Agentish:
+        async def run(self, traj, generate):
+            await generate(traj.prompt_ids, SamplingParams(max_new_tokens=2))
+            j = int(traj.traj_id.rsplit("-", 1)[1])
+            if j == 0:
+                traj.reward = 0.75
+            elif j == 1:
+                traj.reward, traj.meta["agent_error"] = 0.0, "RuntimeError: the agent broke"
+            elif j == 3:
+                traj.reward = math.nan
+            return traj
+
+    class AlwaysOne:
+        async def score(self, traj):
+            return SimpleNamespace(reward=1.0, failed=False, reason=None)
+
+    def generate_for(traj):
+        async def generate(context, sampling):
+            return GenerateResult("r", [5, 6], [-0.5, -0.5], [3, 3], "stop")
+        return generate
+
+    prompts = [Prompt("a", [1, 2], "x", {}), Prompt("b", [1, 3], "y", {})]
+    ev = Evaluator(prompts, Agentish(), AlwaysOne(), n_samples=4, pass_threshold=1.0)
+    m = asyncio.run(ev.run(generate_for))
+    assert m["eval/reward_mean"] == pytest.approx((0.75 + 0.0 + 1.0 + 0.0) / 4)
+    assert m["eval/pass@1"] == pytest.approx(1 / 4) and m["eval/n_reward_failed"] == 4

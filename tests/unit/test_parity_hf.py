@@ -318,3 +318,25 @@ def test_too_long_input_is_rejected(ckpts):
         trainer.logprobs(TrainBatch(tokens=torch.tensor([[1, 99]]), seq_lens=torch.tensor([2]),
                                     loss_mask=z[:, :1], logp_behav=z[:, :1], versions=z[:, :1].long(),
                                     advantages=z[:, :1], traj_ids=["y"]))
+
+
+def test_a_non_finite_log_prob_from_the_forward_skips_the_step_like_a_non_finite_loss(ckpts):
+    from megarl.losses import PolicyLossConfig
+    from megarl.losses.policy import policy_loss
+
+    trainer = trainer_for(ckpts["dense_untied"])
+    before = trainer.get_params()
+
+    def overflowing(logp, mb, normalizer):  # the forward's log-prob of one valid token overflowed to -inf
+        bad = torch.zeros_like(logp)
+        bad[0, 0] = -math.inf
+        mask = mb.loss_mask.to(logp.device)
+        adv = torch.ones_like(logp)
+        return policy_loss(logp + bad, logp.detach(), logp.detach(), adv, mask, PolicyLossConfig())
+
+    metrics = trainer.train_step(make_batch(), overflowing)
+    assert metrics["skipped"] == 1.0 and metrics["skipped_nonfinite_loss"] == 1.0 and trainer.version == 0
+    assert trainer.last_skip_reason == "non-finite loss"
+    assert metrics["n_nonfinite_logp_theta"] >= 1.0
+    after = trainer.get_params()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -368,12 +368,18 @@ def test_nan_advantage_at_valid_position_raises():
         policy_loss(*t, PolicyLossConfig())
 
 
-def test_nonfinite_logp_theta_at_valid_position_raises():
+def test_nonfinite_logp_theta_at_valid_position_gives_a_nan_loss_that_skips_the_step():
+    # a forward that overflowed: the loss is NaN (the trainer skips such a step, reason "non-finite loss"),
+    # the bad token is counted and the other metrics stay those of the finite tokens: here t0 alone,
+    # r = e^(1 - 1) = 1, A = 1, so pg = -1
     t = make([[1.0, 1.0]], adv=[[1.0, 1.0]])
     with torch.no_grad():
         t[0][0, 1] = -INF
-    with pytest.raises(ValueError, match=r"logp_theta has 1 non-finite values at valid positions"):
-        policy_loss(*t, PolicyLossConfig())
+    loss, m = policy_loss(*t, PolicyLossConfig())
+    assert math.isnan(loss.item()) and math.isnan(m["pg_loss"])
+    assert m["n_nonfinite_logp_theta"] == 1.0 and m["ratio_mean"] == 1.0 and m["n_valid"] == 2.0
+    loss.backward()  # still part of the graph: the trainer's backward runs, its non-finite check skips the step
+    assert t[0].grad is not None
 
 
 def test_nonfinite_anchor_or_behav_at_valid_position_is_treated_as_zero_logratio():

@@ -1,0 +1,46 @@
+"""When the controller checkpoints, and what a failed periodic checkpoint costs.
+
+:class:`CheckpointSchedule` is a part of :class:`megarl.controller.Controller` kept in a file of its own;
+it reads the controller's ``checkpointer``, ``step``, ``cfg`` and ``_save_failures``.
+
+A periodic checkpoint (``logging.save_every``) that fails (disk full, an I/O error) leaves no checkpoint
+behind that looks valid (``write_checkpoint`` writes into a temp directory and publishes it with one rename)
+and the previous one stays: the run goes on and tries again at the next save, and stops only after
+``logging.max_save_failures`` failures in a row. Any other checkpoint (the end of the run, before a
+stop) raises its failure at once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from megarl.errors import CheckpointError
+
+log = logging.getLogger("megarl.controller")
+
+
+class CheckpointSchedule:
+    """The controller's checkpoints (module doc)."""
+
+    async def _checkpoint(self, periodic: bool = False) -> None:
+        if self.checkpointer is None or self.checkpointer.last_step == self.step:
+            return
+        t0 = time.perf_counter()
+        try:
+            await self.checkpointer.save(self)
+        except Exception as e:
+            if not periodic:
+                raise
+            self._save_failures += 1
+            limit = self.cfg.logging.max_save_failures
+            cause = f"{type(e).__name__}: {e}"
+            if self._save_failures >= limit:
+                raise CheckpointError(
+                    f"{self._save_failures} checkpoints in a row failed (logging.max_save_failures={limit}); the "
+                    f"last at step {self.step}: {cause}. The newest complete checkpoint is still in "
+                    f"RUN_DIR/checkpoints: free disk space (or fix the error), then resume with --resume") from e
+            log.warning("step %d: checkpoint failed (%d in a row of logging.max_save_failures=%d; the previous "
+                        "one is kept, the next save tries again): %s", self.step, self._save_failures, limit, cause)
+            return
+        self._save_failures = 0
+        log.info("step %d: checkpoint in %.2f s", self.step, time.perf_counter() - t0)
