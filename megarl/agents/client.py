@@ -25,7 +25,9 @@ The call and return shapes are the ``openai`` package's; the work is megarl's
   trajectory of its own. All of an episode's trajectories share its reward.
 - **tool calls** are parsed in the Hermes/Qwen3 ``<tool_call>`` format
   (tool_calls.py); a malformed call comes back as a tool call named
-  ``invalid_tool_call`` whose result is the error, so the model is told.
+  ``invalid_tool_call`` whose result is the error, so the model is told. A
+  turn that ran into its token limit (finish_reason ``length``) has no tool
+  calls: its text comes back as content.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
-from megarl.agents.tool_calls import ParsedCall, parse_tool_calls
+from megarl.agents.tool_calls import ParsedCall, ParsedOutput, parse_tool_calls
 from megarl.types import GenerateResult, SamplingParams, Trajectory, append_turn
 
 #: the tool name a malformed call gets, so that calling it hands the model its error
@@ -193,7 +195,9 @@ class AgentClient:
         from openai.types.chat.chat_completion_message_tool_call import Function
         from openai.types.completion_usage import CompletionUsage
 
-        parsed = parse_tool_calls(visible)
+        # a turn cut off at its token limit is unfinished: a <tool_call> in it is not a call the model made,
+        # even when its JSON happens to be complete (it ran out before </tool_call>)
+        parsed = parse_tool_calls(visible) if result.finish_reason != "length" else ParsedOutput(visible)
         calls = []
         for c in parsed.calls:
             if c.error is not None:

@@ -87,7 +87,8 @@ def test_bad_tool_configuration_fails_before_the_run():
 
 # -- the client ---------------------------------------------------------------------------------
 class ScriptedModel:
-    """Replays model outputs (text; the EOS id is added) and appends them to the trajectory it is given."""
+    """Replays model outputs and appends them to the trajectory it is given: text (the EOS id is added), a list
+    of ids as they are, or ``Length(text)``: a turn cut off at its token limit (no EOS)."""
 
     def __init__(self, tokenizer, outputs, version=3):
         self.tok = tokenizer
@@ -97,10 +98,20 @@ class ScriptedModel:
 
     async def __call__(self, context, sampling, into):
         self.contexts.append(list(context))
-        ids = self.tok.hf.encode(self.outputs.pop(0), add_special_tokens=False) + [self.tok.hf.eos_token_id]
+        out = self.outputs.pop(0)
+        finish = "length" if isinstance(out, Length) else "stop"
+        if isinstance(out, list):
+            ids = list(out)
+        else:
+            ids = self.tok.hf.encode(str(out), add_special_tokens=False)
+            ids += [self.tok.hf.eos_token_id] if finish == "stop" else []
         into.append_policy(ids, [-0.5] * len(ids), [self.version] * len(ids))
         self.version += 1
-        return GenerateResult("r", ids, [-0.5] * len(ids), [self.version - 1] * len(ids), "stop")
+        return GenerateResult("r", ids, [-0.5] * len(ids), [self.version - 1] * len(ids), finish)
+
+
+class Length(str):
+    """A scripted turn that ran into its token limit."""
 
 
 def client_for(tokenizer, outputs, tools=None, **kw):
@@ -196,6 +207,22 @@ def test_tool_calls_are_parsed_and_malformed_ones_answered(text_tokenizer):
     assert (client.stats.n_tool_calls, client.stats.n_tool_errors) == (2, 1)
     assert traj.parts == []  # the template renders the call as the model wrote it: one trajectory
     check_token_exact(traj, client.records)
+
+
+def test_a_turn_cut_off_inside_a_tool_call_is_a_length_finish(text_tokenizer):
+    tools = ToolService(["agent_fixtures:add"], timeout_s=5.0)
+    # the call's JSON happens to be complete when the token limit strikes, before </tool_call>
+    cut = Length('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    client, traj, _ = client_for(text_tokenizer, [cut], tools=tools)
+    try:
+        reply = run(client.chat.completions.create(messages=[{"role": "user", "content": "go"}],
+                                                   tools=client.tool_schemas))
+    finally:
+        tools.close()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None and choice.message.content == str(cut)
+    assert client.stats.n_tool_errors == 0 and traj.finish_reason == "length"
 
 
 def test_limits_and_sampling_are_the_runs(text_tokenizer):
