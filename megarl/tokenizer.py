@@ -133,8 +133,8 @@ class RunTokenizer:
             raise InputError("an agent conversation needs a chat template (data.apply_chat_template is false or "
                              f"the tokenizer in {self.source} has none)")
         check_messages(messages, "agent conversation")
-        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                           **self.chat_template_kwargs)
+        return self.hf.apply_chat_template(object_arguments(messages), tools=tools or None, tokenize=False,
+                                           add_generation_prompt=True, **self.chat_template_kwargs)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows tools to the model (a probe tool's name appears in the rendering)."""
@@ -172,6 +172,39 @@ class RunTokenizer:
         else:
             gen = {"eos_token_id": self.stop_token_ids if len(self.stop_token_ids) > 1 else self.stop_token_ids[0]}
             (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def object_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each tool call's ``arguments`` as an object, not OpenAI's JSON string.
+
+    Chat templates (Qwen2.5's, Llama 3.1's and 4's) write ``arguments | tojson``: a JSON string would render
+    double-encoded (``"{\\"a\\": 1}"``), the past would no longer read as the model wrote it, and every agent
+    turn after a tool call would start a new trajectory. Arguments that are not a JSON object (a malformed
+    call's raw text) stay as they are. The caller's messages are not changed.
+    """
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            m = {**m, "tool_calls": [_object_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _object_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    holder, key = (fn, "function") if isinstance(fn, dict) else (call, None)
+    args = holder.get("arguments") if isinstance(holder, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    holder = {**holder, "arguments": parsed}
+    return {**call, key: holder} if key else holder
 
 
 def check_messages(messages: Any, where: str) -> None:

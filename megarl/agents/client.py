@@ -10,7 +10,8 @@ The call and return shapes are the ``openai`` package's; the work is megarl's
 (docs/design.md, "Agents"):
 
 - **rendering**: the conversation goes through the run's chat template, tools
-  included (megarl/tokenizer.py);
+  included, past tool calls' arguments as objects, as templates that apply
+  ``tojson`` to them expect (megarl/tokenizer.py);
 - **generation**: through the controller's interruptible generate path, so a
   publish in the middle of a turn resumes it with the new weights and every
   token carries its version;

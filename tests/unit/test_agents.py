@@ -225,6 +225,57 @@ def test_a_turn_cut_off_inside_a_tool_call_is_a_length_finish(text_tokenizer):
     assert client.stats.n_tool_errors == 0 and traj.finish_reason == "length"
 
 
+def _tokenizer_with_template(tokenizer_dir, out_dir, template):
+    from conftest import run_tokenizer
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf.chat_template = template
+    hf.save_pretrained(str(out_dir))
+    return run_tokenizer(out_dir)
+
+
+def test_past_tool_call_arguments_render_as_objects_in_a_real_template(text_tokenizer_dir, tmp_path):
+    # Llama 4's chat template, as transformers ships it, writes `arguments | tojson` whatever their type
+    from transformers.models.llama4.processing_llama4 import chat_template
+
+    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, chat_template)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    text = tok.render_chat(messages)
+    assert '{"name": "add", "parameters": {"a": 1, "b": 2}}<|eot|>' in text
+    assert call["function"]["arguments"] == '{"a": 1, "b": 2}'  # the agent's own messages are left as they are
+
+
+def test_tool_turns_stay_one_trajectory_with_a_template_that_applies_tojson(text_tokenizer_dir, tmp_path):
+    from megarl.models.tiny_tokenizer import CHATML
+
+    strict = CHATML.replace("fn.arguments if fn.arguments is string else (fn.arguments | tojson)",
+                            "fn.arguments | tojson")
+    assert strict != CHATML
+    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, strict)
+    tools = ToolService(["agent_fixtures:add"], timeout_s=5.0)
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    client, traj, _ = client_for(tok, [good, good, "done"], tools=tools)
+
+    async def episode():
+        messages = [{"role": "user", "content": "go"}]
+        for _ in range(3):
+            reply = await client.chat.completions.create(messages=messages, tools=client.tool_schemas)
+            msg = reply.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            for call in msg.tool_calls or []:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": await client.call_tool(call)})
+
+    try:
+        run(episode())
+    finally:
+        tools.close()
+    assert traj.parts == [] and client.stats.n_new_trajectories == 0
+    check_token_exact(traj, client.records)
+
+
 def test_limits_and_sampling_are_the_runs(text_tokenizer):
     client, _, _ = client_for(text_tokenizer, ["a", "b"], max_turns=1)
     msgs = [{"role": "user", "content": "go"}]
