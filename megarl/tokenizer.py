@@ -152,6 +152,24 @@ class RunTokenizer:
             return []
         return [list(ids) for ids in self.hf(texts, add_special_tokens=not self.use_template)["input_ids"]]
 
+    def encode_after(self, context_ids: list[int], text: str, new_text: str) -> list[int]:
+        """Ids of ``new_text`` as it tokenizes after ``context_ids``, the ids of ``text[:-len(new_text)]``.
+
+        Tokenized on its own, a text can come out differently than after what precedes it (SentencePiece-style
+        tokenizers put a word-start marker at the start of a text). So: the ids ``text`` tokenizes to after
+        ``context_ids``, when it tokenizes to ``context_ids`` first (the usual case); else (the model's own
+        tokens are not how its text tokenizes) ``new_text`` after the text of the context's last token.
+        """
+        whole = self.hf.encode(text, add_special_tokens=False)
+        if whole[:len(context_ids)] == context_ids:
+            return whole[len(context_ids):]
+        anchor = self.hf.decode(context_ids[-1:], skip_special_tokens=False)
+        anchor_ids = self.hf.encode(anchor, add_special_tokens=False)
+        ids = self.hf.encode(anchor + new_text, add_special_tokens=False)
+        if anchor_ids and ids[:len(anchor_ids)] == anchor_ids:
+            return ids[len(anchor_ids):]
+        return self.hf.encode(new_text, add_special_tokens=False)  # the anchor merged into new_text's tokens
+
     # -- decoding --------------------------------------------------------------------------
     def decode_response(self, ids: list[int]) -> str:
         """What a reward reads: the response with special tokens (EOS, template markers) skipped."""

@@ -18,7 +18,8 @@ The call and return shapes are the ``openai`` package's; the work is megarl's
 - **token-exact records**: the trajectory holds exactly the ids the engine
   saw. A turn that extends the conversation so far appends only the new
   template text (tool results, the next user message, the generation prompt)
-  as tokens with loss mask 0; the model's own tokens are never re-tokenized.
+  as tokens with loss mask 0, tokenized as they follow the context; the
+  model's own tokens are never re-tokenized.
   When the template renders the conversation so that it no longer starts with
   what the model saw (a template that rewrites past turns, as Qwen3's does
   with thinking content), the turn starts a new trajectory of the episode
@@ -171,8 +172,8 @@ class AgentClient:
         row = self._row
         if row is not None and self.limits.turns == "auto" and text.startswith(self._row_text):
             delta = text[len(self._row_text):]
-            if delta:
-                row.append_tool(self.tokenizer.hf.encode(delta, add_special_tokens=False))
+            if delta:  # tokenized in context: alone it could gain a word-start marker
+                row.append_tool(self.tokenizer.encode_after(row.tokens, text, delta))
             self._row_text = text
             return row
         prompt_ids = self.tokenizer.hf.encode(text, add_special_tokens=False)

@@ -121,18 +121,19 @@ def client_for(tokenizer, outputs, tools=None, **kw):
     return AgentClient(traj, model, tokenizer, tools, AgentLimits(SAMPLING, **kw)), traj, model
 
 
+async def three_turns(client):
+    """Three completions, each answered by a tool result; the last reply and the conversation."""
+    messages = [{"role": "user", "content": "go"}]
+    for turn in range(3):
+        reply = await client.chat.completions.create(messages=messages)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "content": f"result {turn}"})
+    return reply, messages
+
+
 def test_three_turns_with_tool_results_are_one_token_exact_trajectory(text_tokenizer):
     client, traj, model = client_for(text_tokenizer, ["a1", "b2", "c3"])
-
-    async def episode():
-        messages = [{"role": "user", "content": "go"}]
-        for turn in range(3):
-            reply = await client.chat.completions.create(messages=messages)
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-            messages.append({"role": "tool", "content": f"result {turn}"})
-        return reply
-
-    last = run(episode())
+    last, _ = run(three_turns(client))
     assert last.choices[0].message.content == "c3" and last.choices[0].finish_reason == "stop"
     assert traj.parts == [] and len(client.records) == 3
     check_token_exact(traj, client.records)
@@ -274,6 +275,48 @@ def test_tool_turns_stay_one_trajectory_with_a_template_that_applies_tojson(text
         tools.close()
     assert traj.parts == [] and client.stats.n_new_trajectories == 0
     check_token_exact(traj, client.records)
+
+
+def _word_start_tokenizer(out_dir):
+    """A character-level tokenizer whose pre-tokenizer adds SentencePiece's word-start marker \u2581 to the start
+    of a text (Metaspace, as Llama 2's and Mistral's do): "\\nab" alone is [\u2581, \\n, a, b], after <|im_end|>
+    [\\n, a, b]."""
+    from conftest import run_tokenizer
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.models.tiny_tokenizer import CHATML
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*special, "<unk>", *map(chr, range(32, 127)), "\n", "\u2581"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    marker = {"replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(**marker),
+                                                  pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")])
+    core.decoder = decoders.Metaspace(**marker)
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    hf = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>")
+    hf.chat_template = CHATML
+    hf.save_pretrained(str(out_dir))
+    tok = run_tokenizer(out_dir)
+    assert tok.hf.convert_ids_to_tokens(tok.hf.encode("\nab", add_special_tokens=False)) == ["\u2581", "\n", "a", "b"]
+    return tok
+
+
+def test_text_between_turns_is_tokenized_in_context(tmp_path):
+    tok = _word_start_tokenizer(tmp_path)
+    eos = tok.hf.eos_token_id
+    said = ["a1", "b 2", "c3"]  # what the model says, as ids in context (no marker after "assistant\n")
+    client, traj, _ = client_for(tok, [tok.hf.convert_tokens_to_ids(list(s.replace(" ", "\u2581"))) + [eos]
+                                       for s in said])
+    _, messages = run(three_turns(client))
+    assert [m["content"] for m in messages if m["role"] == "assistant"] == said
+    assert traj.parts == []
+    check_token_exact(traj, client.records)
+    # the row is exactly how the whole conversation tokenizes in one piece: no marker after each <|im_end|>
+    whole = tok.render_chat(messages[:-2]) + "c3<|im_end|>"
+    assert traj.tokens == tok.hf.encode(whole, add_special_tokens=False)
 
 
 def test_limits_and_sampling_are_the_runs(text_tokenizer):
