@@ -129,3 +129,13 @@ def test_publish_every_beyond_the_staleness_window_is_refused():
         validate(load_run_config(None, ["rollout.eta=0", "trainer.publish_every=2"]), hf)
     with pytest.raises(ConfigError, match=r"trainer\.publish_every=0 must be >= 1"):
         validate(load_run_config(None, ["trainer.publish_every=0"]), hf)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollout.group_size=0", r"rollout\.group_size=0 must be >= 1"),
+    ("rollout.group_size=-2", r"rollout\.group_size=-2 must be >= 1"),
+    ("rollout.max_new_tokens=0", r"rollout\.max_new_tokens=0 must be >= 1"),
+])
+def test_sizes_that_leave_nothing_to_train_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(load_run_config(None, [override]), {"max_position_embeddings": 512})
