@@ -104,8 +104,10 @@ class AgentClient:
     """The chat client of one episode (module docstring)."""
 
     def __init__(self, traj: Trajectory, generate: GenerateInto, tokenizer: Any, tools: Any,
-                 limits: AgentLimits) -> None:
+                 limits: AgentLimits, prompt: Any = None) -> None:
         self.traj = traj
+        #: the row's prompt as written, from the field ``data.prompt_key`` names (None when the row has none)
+        self.prompt = prompt
         self._generate = generate
         self.tokenizer = tokenizer
         self.tools = tools

@@ -4,8 +4,9 @@
 dotted path. It gets an :class:`megarl.agents.client.AgentClient` (an
 OpenAI-style chat client whose completions are recorded token-exactly, with
 per-token versions) and the data row (a dict: the prompt, the answer and every
-other field). It returns the episode's reward, or None to have the reward
-service score its final assistant message (``reward.fn``).
+other field; ``client.prompt`` is the prompt, from the field ``data.prompt_key``
+names). It returns the episode's reward, or None to have the reward service
+score its final assistant message (``reward.fn``).
 
 Many agents run at once as asyncio tasks (the controller's groups); requests
 in flight are bounded by ``rollout.max_concurrency``. An agent that raises,
@@ -20,6 +21,7 @@ from typing import Any
 
 from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.tools import BUILTIN_TOOLS, ToolService, tool_schema
+from megarl.data import MISSING, get_dotted
 from megarl.errors import ConfigError
 from megarl.rewards import resolve_reward_fn
 from megarl.types import Trajectory
@@ -46,8 +48,13 @@ def load_agent(name: str):
 
 def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
     """What ``build_workflow("agent", ...)`` would refuse, checked before the run starts anything: the agent
-    function, every tool (importable, with a describable signature) and the template's tool support."""
+    function, a chat template, every tool (importable, with a describable signature) and the template's tool
+    support."""
     load_agent(agent_cfg.fn)
+    if not tokenizer.use_template:  # an agent's conversation is rendered with it, every turn
+        raise ConfigError(f"rollout.workflow=agent needs a chat template: the tokenizer in {tokenizer.source} has none "
+                          f"or data.apply_chat_template=false; use a tokenizer with a chat template and "
+                          f"data.apply_chat_template=auto or true")
     if agent_cfg.max_turns < 1:
         raise ConfigError(f"agent.max_turns={agent_cfg.max_turns} must be >= 1")
     for entry in agent_cfg.tools:
@@ -64,7 +71,8 @@ def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
 class AgentWorkflow:
     """Runs ``agent_fn`` for one trajectory; counts turns, tool calls and failures (``stats``)."""
 
-    def __init__(self, agent_fn, tokenizer: Any, tools: ToolService | None, limits: AgentLimits) -> None:
+    def __init__(self, agent_fn, tokenizer: Any, tools: ToolService | None, limits: AgentLimits,
+                 prompt_key: str = "prompt") -> None:
         if tools is not None and tools.names and not tokenizer.supports_tools():
             raise ConfigError(f"agent.tools={tools.names} but the chat template of {tokenizer.source} does not show "
                               f"tools to the model; use a tokenizer whose template supports tools, or no tools")
@@ -72,12 +80,16 @@ class AgentWorkflow:
         self.tokenizer = tokenizer
         self.tools = tools
         self.limits = limits
+        self.prompt_key = prompt_key
         self._stats = {"n_agent_failed": 0, "n_agent_turns": 0, "n_tool_calls": 0, "n_tool_errors": 0,
                        "n_agent_new_trajectories": 0}
         self._logged_failure = False
 
     def client(self, traj: Trajectory, generate: GenerateFn) -> AgentClient:
-        return AgentClient(traj, generate, self.tokenizer, self.tools, self.limits)
+        row = traj.meta.get("row") or {}
+        prompt = get_dotted(row, self.prompt_key)
+        return AgentClient(traj, generate, self.tokenizer, self.tools, self.limits,
+                           prompt=None if prompt is MISSING else prompt)
 
     async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory:
         client = self.client(traj, generate)

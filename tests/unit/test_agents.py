@@ -372,7 +372,9 @@ def test_a_failing_agent_costs_its_episode_not_the_run(text_tokenizer):
     assert traj.n_policy_tokens == 3  # "ok" + EOS: what it generated stays, with reward 0
 
 
-def test_agent_configuration_is_checked_before_the_run(text_tokenizer, demo_tokenizer_dir, tmp_path):
+def test_agent_configuration_is_checked_before_the_run(text_tokenizer, text_tokenizer_dir):
+    from conftest import run_tokenizer
+
     from megarl.config.schema import AgentConfig
     from megarl.workflows.agent import check_agent_config
 
@@ -383,3 +385,22 @@ def test_agent_configuration_is_checked_before_the_run(text_tokenizer, demo_toke
         check_agent_config(AgentConfig(tools=["agent_fixtures:untyped"]), text_tokenizer)
     with pytest.raises(ConfigError, match="more than the model's max_position_embeddings"):
         check_agent_config(AgentConfig(max_tokens=text_tokenizer.model_max_len + 1), text_tokenizer)
+    with pytest.raises(ConfigError, match="needs a chat template"):
+        check_agent_config(AgentConfig(), run_tokenizer(text_tokenizer_dir, apply_chat_template=False))
+
+
+def test_math_python_reads_the_prompt_under_data_prompt_key(text_tokenizer):
+    from megarl.config.schema import MegaRLConfig
+    from megarl.workflows import build_workflow
+
+    cfg = MegaRLConfig()
+    cfg.data.prompt_key = "problem.text"
+    wf = build_workflow("agent", cfg, text_tokenizer)
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {"problem": {"text": "What is 6*7?"}, "answer": "42"}})
+    model = ScriptedModel(text_tokenizer, ["\\boxed{42}"])
+    run(wf.run(traj, model))
+    wf.close()
+    assert "agent_error" not in traj.meta and wf.stats()["n_agent_failed"] == 0
+    assert text_tokenizer.hf.decode(model.contexts[0]).endswith("<|im_start|>user\nWhat is 6*7?<|im_end|>\n"
+                                                                "<|im_start|>assistant\n")
+    assert traj.meta["final_response"] == "\\boxed{42}"
