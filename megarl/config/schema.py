@@ -257,6 +257,8 @@ class LoggingConfig:
     """Write TensorBoard event files."""
     progress: Literal["rich", "tqdm", "none"] = "rich"
     """Live progress display."""
+    summary_every_s: float = 30.0
+    """When stdout is not a terminal (a piped or logged run, where the progress display does not draw), print a one-line step summary at the first step, at most every this many seconds, and at the last step; 0 = every step, negative = never."""
     log_samples: int = 4
     """Trajectories per step written to RUN_DIR/samples.jsonl as decoded text (prompt, response, reward, answer, versions); 0 = none."""
     wandb: bool = False
