@@ -25,6 +25,8 @@ The call and return shapes are the ``openai`` package's; the work is megarl's
   with thinking content), the turn starts a new trajectory of the episode
   (``agent.turns=auto``); ``agent.turns=individual`` makes every completion a
   trajectory of its own. All of an episode's trajectories share its reward.
+  Completions an agent starts concurrently run one after the other, each
+  recorded whole (the second then usually starts a trajectory of its own).
 - **tool calls** are parsed in the Hermes/Qwen3 ``<tool_call>`` format
   (tool_calls.py); a malformed call comes back as a tool call named
   ``invalid_tool_call`` whose result is the error, so the model is told. A
@@ -33,6 +35,7 @@ The call and return shapes are the ``openai`` package's; the work is megarl's
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -119,6 +122,9 @@ class AgentClient:
         self.final_text = ""
         self._row: Trajectory | None = None  # the trajectory the next completion extends
         self._row_text = ""  # the text of self._row's tokens, as rendered and generated
+        # completions an agent runs concurrently (asyncio.gather) go one after the other: two at once would
+        # render against, and append into, the same row and interleave there
+        self._one_at_a_time = asyncio.Lock()
 
     @property
     def max_turns(self) -> int:
@@ -132,6 +138,15 @@ class AgentClient:
 
     # -- completions ---------------------------------------------------------------------------
     async def _complete(self, messages: list[Any], tools: list[dict] | None, kwargs: dict[str, Any]):
+        async with self._one_at_a_time:
+            return await self._complete_alone(messages, tools, kwargs)
+
+    async def idle(self) -> None:
+        """Return once no completion is in flight (the episode's rows are complete)."""
+        async with self._one_at_a_time:
+            pass
+
+    async def _complete_alone(self, messages: list[Any], tools: list[dict] | None, kwargs: dict[str, Any]):
         self.stats.n_turns += 1
         if self.stats.n_turns > self.max_turns:
             raise AgentLimitError(f"the agent asked for completion {self.stats.n_turns}, more than "
@@ -146,7 +161,15 @@ class AgentClient:
         sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget))
         context = list(row.tokens)
         n_before = len(row.response_ids)
-        result = await self._generate(context, sampling, into=row)
+        try:
+            result = await self._generate(context, sampling, into=row)
+        except BaseException:
+            # what the engine produced before the failure stays in the row: recorded too (the exactness check
+            # accounts for every token), and the next completion starts a trajectory of its own
+            self.records.append(CompletionRecord(row.traj_id, context, row.response_ids[n_before:],
+                                                 row.logp_behav[n_before:], row.versions[n_before:], "error"))
+            self._row = None
+            raise
         append_turn(row, n_before, result)
         row.finish_reason = result.finish_reason
         self.records.append(CompletionRecord(row.traj_id, context, list(result.output_ids), list(result.logp_behav),

@@ -24,7 +24,7 @@ from megarl.agents.tools import BUILTIN_TOOLS, ToolService, tool_schema
 from megarl.data import MISSING, get_dotted
 from megarl.errors import ConfigError
 from megarl.rewards import resolve_reward_fn
-from megarl.types import Trajectory
+from megarl.types import NO_VERSION, Trajectory
 from megarl.workflows.base import GenerateFn
 
 log = logging.getLogger("megarl.agents")
@@ -107,6 +107,7 @@ class AgentWorkflow:
                             traj.meta["agent_error"])
                 self._logged_failure = True
         finally:
+            await client.idle()  # an agent that raised may leave a completion running: its row is not done yet
             s = client.stats
             self._stats["n_agent_turns"] += s.n_turns
             self._stats["n_tool_calls"] += s.n_tool_calls
@@ -128,16 +129,29 @@ class AgentWorkflow:
 
 
 def check_token_exact(traj: Trajectory, records) -> None:
-    """Every completion's prompt and output ids, as the engine saw them, are a prefix of its training row,
-    with the output's tokens marked as policy tokens of the versions that sampled them."""
-    rows = {r.traj_id: r for r in traj.rows()}
+    """Every token of every training row is accounted for by the completions, in order: the row's prompt is its
+    first completion's prompt; each completion's prompt and output ids, as the engine saw them, are a prefix of
+    the row, its output marked as policy tokens (loss mask 1) of the versions that sampled them with their
+    log-probs; the tokens between completions are template tokens (loss mask 0, no version); nothing follows
+    the last completion. RuntimeError otherwise: a bug in megarl's agent client."""
+    by_row: dict[str, list] = {r.traj_id: [] for r in traj.rows()}
     for i, rec in enumerate(records):
-        row = rows[rec.traj_id]
-        n_prompt, n_out = len(rec.prompt_ids), len(rec.output_ids)
-        tokens = row.tokens
-        start = n_prompt - len(row.prompt_ids)  # where the output sits in row.response_ids
-        if (tokens[:n_prompt] != rec.prompt_ids or tokens[n_prompt:n_prompt + n_out] != rec.output_ids
-                or row.versions[start:start + n_out] != rec.versions
-                or row.loss_mask[start:start + n_out] != [1] * n_out):
-            raise RuntimeError(f"agent episode {traj.traj_id}: completion {i} is not recorded token-exactly in "
-                               f"{rec.traj_id} (a bug in megarl's agent client)")
+        by_row[rec.traj_id].append((i, rec))
+    for row in traj.rows():
+        tokens, n_row_prompt = row.tokens, len(row.prompt_ids)
+        done = n_row_prompt  # tokens accounted for so far
+        for k, (i, rec) in enumerate(by_row[row.traj_id]):
+            n_prompt, n_out = len(rec.prompt_ids), len(rec.output_ids)
+            gap = slice(done - n_row_prompt, n_prompt - n_row_prompt)  # template tokens, in response coordinates
+            out = slice(n_prompt - n_row_prompt, n_prompt - n_row_prompt + n_out)
+            if (n_prompt < done or (k == 0 and n_prompt != n_row_prompt) or tokens[:n_prompt] != rec.prompt_ids
+                    or tokens[n_prompt:n_prompt + n_out] != rec.output_ids
+                    or any(row.loss_mask[gap]) or any(v != NO_VERSION for v in row.versions[gap])
+                    or row.versions[out] != rec.versions or row.logp_behav[out] != rec.logp_behav
+                    or row.loss_mask[out] != [1] * n_out):
+                raise RuntimeError(f"agent episode {traj.traj_id}: completion {i} is not recorded token-exactly in "
+                                   f"{rec.traj_id} (a bug in megarl's agent client)")
+            done = n_prompt + n_out
+        if len(tokens) != done:
+            raise RuntimeError(f"agent episode {traj.traj_id}: {len(tokens) - done} tokens of {row.traj_id} after "
+                               f"its last completion are not recorded token-exactly (a bug in megarl's agent client)")

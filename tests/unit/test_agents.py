@@ -6,6 +6,7 @@ the controller does); the tokenizer, chat template, tool service and workers
 are the real ones. tests/e2e/test_agent_runs.py runs agents on the real vLLM engine.
 """
 import asyncio
+import copy
 import sys
 from pathlib import Path
 
@@ -121,10 +122,10 @@ def client_for(tokenizer, outputs, tools=None, **kw):
     return AgentClient(traj, model, tokenizer, tools, AgentLimits(SAMPLING, **kw)), traj, model
 
 
-async def three_turns(client):
-    """Three completions, each answered by a tool result; the last reply and the conversation."""
+async def tool_turns(client, n=3):
+    """``n`` completions, each answered by a tool result; the last reply and the conversation."""
     messages = [{"role": "user", "content": "go"}]
-    for turn in range(3):
+    for turn in range(n):
         reply = await client.chat.completions.create(messages=messages)
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "content": f"result {turn}"})
@@ -133,7 +134,7 @@ async def three_turns(client):
 
 def test_three_turns_with_tool_results_are_one_token_exact_trajectory(text_tokenizer):
     client, traj, model = client_for(text_tokenizer, ["a1", "b2", "c3"])
-    last, _ = run(three_turns(client))
+    last, _ = run(tool_turns(client))
     assert last.choices[0].message.content == "c3" and last.choices[0].finish_reason == "stop"
     assert traj.parts == [] and len(client.records) == 3
     check_token_exact(traj, client.records)
@@ -310,13 +311,92 @@ def test_text_between_turns_is_tokenized_in_context(tmp_path):
     said = ["a1", "b 2", "c3"]  # what the model says, as ids in context (no marker after "assistant\n")
     client, traj, _ = client_for(tok, [tok.hf.convert_tokens_to_ids(list(s.replace(" ", "\u2581"))) + [eos]
                                        for s in said])
-    _, messages = run(three_turns(client))
+    _, messages = run(tool_turns(client))
     assert [m["content"] for m in messages if m["role"] == "assistant"] == said
     assert traj.parts == []
     check_token_exact(traj, client.records)
     # the row is exactly how the whole conversation tokenizes in one piece: no marker after each <|im_end|>
     whole = tok.render_chat(messages[:-2]) + "c3<|im_end|>"
     assert traj.tokens == tok.hf.encode(whole, add_special_tokens=False)
+
+
+class ChunkedModel(ScriptedModel):
+    """Appends each output in two chunks with a pause between them, as the controller's generate does."""
+
+    async def __call__(self, context, sampling, into):
+        self.contexts.append(list(context))
+        ids = self.tok.hf.encode(self.outputs.pop(0), add_special_tokens=False) + [self.tok.hf.eos_token_id]
+        version, self.version = self.version, self.version + 1
+        for chunk in (ids[:2], ids[2:]):
+            into.append_policy(chunk, [-0.5] * len(chunk), [version] * len(chunk))
+            await asyncio.sleep(0.01)
+        return GenerateResult("r", ids, [-0.5] * len(ids), [version] * len(ids), "stop")
+
+
+def test_concurrent_completions_of_one_episode_are_recorded_one_at_a_time(text_tokenizer):
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
+    model = ChunkedModel(text_tokenizer, ["abcd", "wxyz"])
+    client = AgentClient(traj, model, text_tokenizer, None, AgentLimits(SAMPLING, max_turns=4, max_tokens=512))
+    messages = [{"role": "user", "content": "go"}]
+
+    async def both():
+        return await asyncio.gather(client.chat.completions.create(messages=messages),
+                                    client.chat.completions.create(messages=messages))
+
+    first, second = run(both())
+    assert (first.choices[0].message.content, second.choices[0].message.content) == ("abcd", "wxyz")
+    # the second waited for the first; its conversation does not extend the first's answer: a row of its own
+    prompt = text_tokenizer.hf.encode(text_tokenizer.render_chat(messages), add_special_tokens=False)
+    eos = text_tokenizer.hf.eos_token_id
+    assert [r.tokens for r in traj.rows()] == [
+        prompt + text_tokenizer.hf.encode("abcd", add_special_tokens=False) + [eos],
+        prompt + text_tokenizer.hf.encode("wxyz", add_special_tokens=False) + [eos]]
+    check_token_exact(traj, client.records)
+
+
+def test_the_exactness_check_covers_every_token(text_tokenizer):
+    client, traj, _ = client_for(text_tokenizer, ["a1", "b2"])
+    run(tool_turns(client, 2))
+    check_token_exact(traj, client.records)
+    n_first = len(client.records[0].prompt_ids) + len(client.records[0].output_ids)
+    template = slice(n_first - len(traj.prompt_ids), len(client.records[1].prompt_ids) - len(traj.prompt_ids))
+    broken = [("a token after the last completion", lambda t: t.append_tool([5])),
+              ("a template token marked as the policy's", lambda t: t.loss_mask.__setitem__(template.start, 1)),
+              ("a template token with a version", lambda t: t.versions.__setitem__(template.stop - 1, 3)),
+              ("a prompt longer than the first completion saw", lambda t: t.prompt_ids.append(5))]
+    for what, damage in broken:
+        bad = copy.deepcopy(traj)
+        damage(bad)
+        with pytest.raises(RuntimeError, match="not recorded token-exactly"):
+            check_token_exact(bad, client.records)
+            pytest.fail(f"{what} went unnoticed")
+
+
+class FailsFirst(ScriptedModel):
+    """Its first completion appends two tokens, then the engine is lost; the next ones are scripted."""
+
+    async def __call__(self, context, sampling, into):
+        if self.contexts:
+            return await super().__call__(context, sampling, into)
+        self.contexts.append(list(context))
+        into.append_policy([70, 71], [-0.5, -0.5], [3, 3])
+        raise ConnectionError("engine gone")
+
+
+def test_a_completion_that_fails_midway_is_recorded_as_far_as_it_went(text_tokenizer):
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
+    client = AgentClient(traj, FailsFirst(text_tokenizer, ["ok"]), text_tokenizer, None,
+                         AgentLimits(SAMPLING, max_turns=4, max_tokens=512))
+
+    async def episode():  # an agent that carries on after the failure
+        with pytest.raises(ConnectionError):
+            await client.chat.completions.create(messages=[{"role": "user", "content": "go"}])
+        return await client.chat.completions.create(messages=[{"role": "user", "content": "again"}])
+
+    assert run(episode()).choices[0].message.content == "ok"
+    assert traj.response_ids == [70, 71] and [r.finish_reason for r in client.records] == ["error", "stop"]
+    assert len(traj.parts) == 1  # the next completion does not continue the broken row
+    check_token_exact(traj, client.records)
 
 
 def test_limits_and_sampling_are_the_runs(text_tokenizer):
