@@ -147,7 +147,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Field holding the prompt: a string, or a list of chat messages [{"role", "content"}]; dotted paths reach nested fields. Rows may instead hold pre-tokenized `prompt_ids`."""
     answer_key: str = "answer"
-    """Field holding the ground truth the reward compares with (dotted paths reach nested fields, e.g. reward_model.ground_truth); empty = rows have no answer."""
+    """Field holding the ground truth the reward compares with (dotted paths reach nested fields, e.g. reward_model.ground_truth); a row where it is null is refused, naming the row; empty = rows have no answer."""
     apply_chat_template: bool | Literal["auto"] = "auto"
     """Render prompts with the tokenizer's chat template (auto: when it has one); a string becomes one user message."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
