@@ -320,6 +320,22 @@ def test_text_between_turns_is_tokenized_in_context(tmp_path):
     assert traj.tokens == tok.hf.encode(whole, add_special_tokens=False)
 
 
+def test_text_after_tokens_that_are_not_how_their_text_tokenizes_is_tokenized_in_context(tmp_path):
+    # the model writes "a" with a word-start marker before it: its text reads "a", which tokenizes without one,
+    # so the whole rendering does not start with the recorded ids; the tool turn is tokenized after <|im_end|>
+    tok = _word_start_tokenizer(tmp_path)
+    marker, eos = tok.hf.convert_tokens_to_ids("\u2581"), tok.hf.eos_token_id
+    client, traj, _ = client_for(tok, [[marker, tok.hf.convert_tokens_to_ids("a"), eos], "b"])
+    _, messages = run(tool_turns(client, 2))
+    assert messages[1]["content"] == "a" and traj.parts == []
+    check_token_exact(traj, client.records)
+    n_first = len(client.records[0].prompt_ids) + 3
+    template = traj.tokens[n_first:len(client.records[1].prompt_ids)]
+    first_text = tok.render_chat(messages[:1]) + "a<|im_end|>"
+    delta = tok.render_chat(messages[:3])[len(first_text):]  # the tool result and the generation prompt
+    assert template == tok.hf.encode("<|im_end|>" + delta, add_special_tokens=False)[1:] and template[0] != marker
+
+
 class ChunkedModel(ScriptedModel):
     """Appends each output in two chunks with a pause between them, as the controller's generate does."""
 
