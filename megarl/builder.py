@@ -246,7 +246,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
                                     rank_states=rank_states)
         wandb = {"project": cfg.logging.wandb_project, "config": to_dict(cfg)} if cfg.logging.wandb else None
         logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
-                           wandb=wandb)
+                           wandb=wandb, summary_every_s=cfg.logging.summary_every_s)
         stack.callback(logger.close)
         workflow = _workflow(cfg, inputs.tokenizer)
         stack.callback(workflow.close)  # an agent's tool workers

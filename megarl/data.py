@@ -12,7 +12,8 @@ A row holds its prompt under ``data.prompt_key`` (default ``prompt``): a
 string, or a list of chat messages ``[{"role", "content"}, ...]``; both go
 through the tokenizer's chat template (megarl/tokenizer.py). Rows may instead
 hold pre-tokenized ``prompt_ids`` (a list of ints). The ground truth sits under
-``data.answer_key`` (default ``answer``). Both keys may be dotted paths into
+``data.answer_key`` (default ``answer``); a row whose ground truth is
+``null`` is refused, naming it (a row without one cannot be scored). Both keys may be dotted paths into
 nested fields (``reward_model.ground_truth``). The row's fields (the prompt as
 written included) travel with the prompt to the reward and to an agent. An ``id`` field names the prompt
 (default ``FILE:LINE`` / ``NAME:SPLIT:ROW``).
@@ -38,7 +39,8 @@ from megarl.errors import ConfigError, InputError
 
 log = logging.getLogger("megarl.data")
 
-_MISSING = object()
+#: what :func:`get_dotted` returns for a field the row does not have
+MISSING = object()
 
 
 @dataclass
@@ -61,13 +63,13 @@ class Prompt:
 
 
 def get_dotted(row: dict[str, Any], key: str) -> Any:
-    """``row[key]``, where ``a.b`` reaches ``row["a"]["b"]`` (a literal key with dots wins); _MISSING if absent."""
+    """``row[key]``, where ``a.b`` reaches ``row["a"]["b"]`` (a literal key with dots wins); MISSING if absent."""
     if key in row:
         return row[key]
     node: Any = row
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
-            return _MISSING
+            return MISSING
         node = node[part]
     return node
 
@@ -175,9 +177,9 @@ class PromptDataset:
         texts: dict[int, str] = {}  # row index -> rendered text, for rows that are not pre-tokenized
         for where, default_id, row in read_rows(source):
             prompt = get_dotted(row, prompt_key)
-            if prompt is _MISSING and "prompt_ids" in row:
+            if prompt is MISSING and "prompt_ids" in row:
                 ids.append(self._check_ids(where, row["prompt_ids"], vocab_size))
-            elif prompt is _MISSING:
+            elif prompt is MISSING:
                 raise InputError(f"{where}: no field {prompt_key!r} (data.prompt_key) and no 'prompt_ids'; "
                                  f"fields: {sorted(row)[:12]}")
             elif isinstance(prompt, (str, list)):
@@ -189,9 +191,12 @@ class PromptDataset:
             answer = None
             if answer_key:
                 answer = get_dotted(row, answer_key)
-                if answer is _MISSING:
+                if answer is MISSING:
                     raise InputError(f"{where}: no field {answer_key!r} (data.answer_key) holding the ground truth; "
                                      f"set data.answer_key to the right field, or to '' if rows have no answer")
+                if answer is None:  # every sample of the row would fail its reward or score a silent 0
+                    raise InputError(f"{where}: field {answer_key!r} (data.answer_key) is null; give the row its "
+                                     f"ground truth or remove it from the data")
             pid = str(row["id"]) if row.get("id") is not None else default_id
             if pid in seen:
                 raise InputError(f"{where}: duplicate id {pid!r} (first at {seen[pid]}); prompt ids must be unique")

@@ -102,6 +102,10 @@ def ensure_checkpoint(cfg: MegaRLConfig) -> Path:
 
 def validate(cfg: MegaRLConfig, hf: dict) -> None:
     """Inconsistent settings fail here, before anything starts."""
+    for key, value in (("rollout.group_size", cfg.rollout.group_size),
+                       ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)):
+        if value < 1:  # no samples per prompt, or responses with no token to train on
+            raise ConfigError(f"{key}={value} must be >= 1")
     if cfg.trainer.batch_size % cfg.rollout.group_size:
         raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} must be a multiple of "
                           f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")

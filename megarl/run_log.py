@@ -1,5 +1,9 @@
 """Per-step run outputs: metrics.jsonl, TensorBoard events, optional Weights & Biases, a live progress line, journals.
 
+The progress display draws only on a terminal; when stdout is not one (a
+piped or logged run) a plain one-line step summary is printed instead, at the
+first step, at most every ``logging.summary_every_s`` seconds and at the last.
+
 Evaluation results (megarl/evaluation.py) go to metrics.jsonl as lines of
 their own (``step`` plus ``eval/...`` keys) and to TensorBoard and W&B under
 ``eval/``. ``samples.jsonl`` holds decoded trajectories per step
@@ -16,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +45,12 @@ class RunLogger:
     """Writes one JSON line per step and mirrors scalars to TensorBoard."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True,
-                 progress: str = "rich", wandb: dict[str, Any] | None = None) -> None:
+                 progress: str = "rich", wandb: dict[str, Any] | None = None, summary_every_s: float = 30.0) -> None:
         self.run_dir = Path(run_dir)
+        # a progress display draws only on a terminal: a piped or logged run gets plain lines instead
+        self._summary_every_s = summary_every_s if not sys.stdout.isatty() else -1.0
+        self._last_summary: float | None = None
+        self._started = time.monotonic()
         self.total_steps = total_steps
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._file = self.metrics_path.open("a")
@@ -72,6 +82,19 @@ class RunLogger:
         elif self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(info)
+        self._summary(step, info)
+
+    def _summary(self, step: int, info: str) -> None:
+        """One plain line when stdout is not a terminal: the first step, then at most every
+        ``summary_every_s`` seconds, and the last step."""
+        if self._summary_every_s < 0:
+            return
+        now = time.monotonic()
+        due = (self._last_summary is None or step >= self.total_steps
+               or now - self._last_summary >= self._summary_every_s)
+        if due:
+            self._last_summary = now
+            print(f"step {step}/{self.total_steps} {info} elapsed {now - self._started:.0f}s", flush=True)
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """An evaluation result: its own metrics.jsonl line, TensorBoard/W&B scalars; the progress bar stays."""

@@ -133,8 +133,8 @@ class RunTokenizer:
             raise InputError("an agent conversation needs a chat template (data.apply_chat_template is false or "
                              f"the tokenizer in {self.source} has none)")
         check_messages(messages, "agent conversation")
-        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                           **self.chat_template_kwargs)
+        return self.hf.apply_chat_template(object_arguments(messages), tools=tools or None, tokenize=False,
+                                           add_generation_prompt=True, **self.chat_template_kwargs)
 
     def supports_tools(self) -> bool:
         """Whether the chat template shows tools to the model (a probe tool's name appears in the rendering)."""
@@ -151,6 +151,24 @@ class RunTokenizer:
         if not texts:
             return []
         return [list(ids) for ids in self.hf(texts, add_special_tokens=not self.use_template)["input_ids"]]
+
+    def encode_after(self, context_ids: list[int], text: str, new_text: str) -> list[int]:
+        """Ids of ``new_text`` as it tokenizes after ``context_ids``, the ids of ``text[:-len(new_text)]``.
+
+        Tokenized on its own, a text can come out differently than after what precedes it (SentencePiece-style
+        tokenizers put a word-start marker at the start of a text). So: the ids ``text`` tokenizes to after
+        ``context_ids``, when it tokenizes to ``context_ids`` first (the usual case); else (the model's own
+        tokens are not how its text tokenizes) ``new_text`` after the text of the context's last token.
+        """
+        whole = self.hf.encode(text, add_special_tokens=False)
+        if whole[:len(context_ids)] == context_ids:
+            return whole[len(context_ids):]
+        anchor = self.hf.decode(context_ids[-1:], skip_special_tokens=False)
+        anchor_ids = self.hf.encode(anchor, add_special_tokens=False)
+        ids = self.hf.encode(anchor + new_text, add_special_tokens=False)
+        if anchor_ids and ids[:len(anchor_ids)] == anchor_ids:
+            return ids[len(anchor_ids):]
+        return self.hf.encode(new_text, add_special_tokens=False)  # the anchor merged into new_text's tokens
 
     # -- decoding --------------------------------------------------------------------------
     def decode_response(self, ids: list[int]) -> str:
@@ -172,6 +190,39 @@ class RunTokenizer:
         else:
             gen = {"eos_token_id": self.stop_token_ids if len(self.stop_token_ids) > 1 else self.stop_token_ids[0]}
             (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def object_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each tool call's ``arguments`` as an object, not OpenAI's JSON string.
+
+    Chat templates (Qwen2.5's, Llama 3.1's and 4's) write ``arguments | tojson``: a JSON string would render
+    double-encoded (``"{\\"a\\": 1}"``), the past would no longer read as the model wrote it, and every agent
+    turn after a tool call would start a new trajectory. Arguments that are not a JSON object (a malformed
+    call's raw text) stay as they are. The caller's messages are not changed.
+    """
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            m = {**m, "tool_calls": [_object_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _object_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    holder, key = (fn, "function") if isinstance(fn, dict) else (call, None)
+    args = holder.get("arguments") if isinstance(holder, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    holder = {**holder, "arguments": parsed}
+    return {**call, key: holder} if key else holder
 
 
 def check_messages(messages: Any, where: str) -> None:

@@ -10,31 +10,38 @@ The call and return shapes are the ``openai`` package's; the work is megarl's
 (docs/design.md, "Agents"):
 
 - **rendering**: the conversation goes through the run's chat template, tools
-  included (megarl/tokenizer.py);
+  included, past tool calls' arguments as objects, as templates that apply
+  ``tojson`` to them expect (megarl/tokenizer.py);
 - **generation**: through the controller's interruptible generate path, so a
   publish in the middle of a turn resumes it with the new weights and every
   token carries its version;
 - **token-exact records**: the trajectory holds exactly the ids the engine
   saw. A turn that extends the conversation so far appends only the new
   template text (tool results, the next user message, the generation prompt)
-  as tokens with loss mask 0; the model's own tokens are never re-tokenized.
+  as tokens with loss mask 0, tokenized as they follow the context; the
+  model's own tokens are never re-tokenized.
   When the template renders the conversation so that it no longer starts with
   what the model saw (a template that rewrites past turns, as Qwen3's does
   with thinking content), the turn starts a new trajectory of the episode
   (``agent.turns=auto``); ``agent.turns=individual`` makes every completion a
   trajectory of its own. All of an episode's trajectories share its reward.
+  Completions an agent starts concurrently run one after the other, each
+  recorded whole (the second then usually starts a trajectory of its own).
 - **tool calls** are parsed in the Hermes/Qwen3 ``<tool_call>`` format
   (tool_calls.py); a malformed call comes back as a tool call named
-  ``invalid_tool_call`` whose result is the error, so the model is told.
+  ``invalid_tool_call`` whose result is the error, so the model is told. A
+  turn that ran into its token limit (finish_reason ``length``) has no tool
+  calls: its text comes back as content.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
-from megarl.agents.tool_calls import ParsedCall, parse_tool_calls
+from megarl.agents.tool_calls import ParsedCall, ParsedOutput, parse_tool_calls
 from megarl.types import GenerateResult, SamplingParams, Trajectory, append_turn
 
 #: the tool name a malformed call gets, so that calling it hands the model its error
@@ -100,8 +107,10 @@ class AgentClient:
     """The chat client of one episode (module docstring)."""
 
     def __init__(self, traj: Trajectory, generate: GenerateInto, tokenizer: Any, tools: Any,
-                 limits: AgentLimits) -> None:
+                 limits: AgentLimits, prompt: Any = None) -> None:
         self.traj = traj
+        #: the row's prompt as written, from the field ``data.prompt_key`` names (None when the row has none)
+        self.prompt = prompt
         self._generate = generate
         self.tokenizer = tokenizer
         self.tools = tools
@@ -113,6 +122,9 @@ class AgentClient:
         self.final_text = ""
         self._row: Trajectory | None = None  # the trajectory the next completion extends
         self._row_text = ""  # the text of self._row's tokens, as rendered and generated
+        # completions an agent runs concurrently (asyncio.gather) go one after the other: two at once would
+        # render against, and append into, the same row and interleave there
+        self._one_at_a_time = asyncio.Lock()
 
     @property
     def max_turns(self) -> int:
@@ -126,6 +138,15 @@ class AgentClient:
 
     # -- completions ---------------------------------------------------------------------------
     async def _complete(self, messages: list[Any], tools: list[dict] | None, kwargs: dict[str, Any]):
+        async with self._one_at_a_time:
+            return await self._complete_alone(messages, tools, kwargs)
+
+    async def idle(self) -> None:
+        """Return once no completion is in flight (the episode's rows are complete)."""
+        async with self._one_at_a_time:
+            pass
+
+    async def _complete_alone(self, messages: list[Any], tools: list[dict] | None, kwargs: dict[str, Any]):
         self.stats.n_turns += 1
         if self.stats.n_turns > self.max_turns:
             raise AgentLimitError(f"the agent asked for completion {self.stats.n_turns}, more than "
@@ -140,7 +161,15 @@ class AgentClient:
         sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget))
         context = list(row.tokens)
         n_before = len(row.response_ids)
-        result = await self._generate(context, sampling, into=row)
+        try:
+            result = await self._generate(context, sampling, into=row)
+        except BaseException:
+            # what the engine produced before the failure stays in the row: recorded too (the exactness check
+            # accounts for every token), and the next completion starts a trajectory of its own
+            self.records.append(CompletionRecord(row.traj_id, context, row.response_ids[n_before:],
+                                                 row.logp_behav[n_before:], row.versions[n_before:], "error"))
+            self._row = None
+            raise
         append_turn(row, n_before, result)
         row.finish_reason = result.finish_reason
         self.records.append(CompletionRecord(row.traj_id, context, list(result.output_ids), list(result.logp_behav),
@@ -168,8 +197,8 @@ class AgentClient:
         row = self._row
         if row is not None and self.limits.turns == "auto" and text.startswith(self._row_text):
             delta = text[len(self._row_text):]
-            if delta:
-                row.append_tool(self.tokenizer.hf.encode(delta, add_special_tokens=False))
+            if delta:  # tokenized in context: alone it could gain a word-start marker
+                row.append_tool(self.tokenizer.encode_after(row.tokens, text, delta))
             self._row_text = text
             return row
         prompt_ids = self.tokenizer.hf.encode(text, add_special_tokens=False)
@@ -193,7 +222,9 @@ class AgentClient:
         from openai.types.chat.chat_completion_message_tool_call import Function
         from openai.types.completion_usage import CompletionUsage
 
-        parsed = parse_tool_calls(visible)
+        # a turn cut off at its token limit is unfinished: a <tool_call> in it is not a call the model made,
+        # even when its JSON happens to be complete (it ran out before </tool_call>)
+        parsed = parse_tool_calls(visible) if result.finish_reason != "length" else ParsedOutput(visible)
         calls = []
         for c in parsed.calls:
             if c.error is not None:

@@ -153,7 +153,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Field holding the prompt: a string, or a list of chat messages [{"role", "content"}]; dotted paths reach nested fields. Rows may instead hold pre-tokenized `prompt_ids`."""
     answer_key: str = "answer"
-    """Field holding the ground truth the reward compares with (dotted paths reach nested fields, e.g. reward_model.ground_truth); empty = rows have no answer."""
+    """Field holding the ground truth the reward compares with (dotted paths reach nested fields, e.g. reward_model.ground_truth); a row where it is null is refused, naming the row; empty = rows have no answer."""
     apply_chat_template: bool | Literal["auto"] = "auto"
     """Render prompts with the tokenizer's chat template (auto: when it has one); a string becomes one user message."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -263,6 +263,8 @@ class LoggingConfig:
     """Write TensorBoard event files."""
     progress: Literal["rich", "tqdm", "none"] = "rich"
     """Live progress display."""
+    summary_every_s: float = 30.0
+    """When stdout is not a terminal (a piped or logged run, where the progress display does not draw), print a one-line step summary at the first step, at most every this many seconds, and at the last step; 0 = every step, negative = never."""
     log_samples: int = 4
     """Trajectories per step written to RUN_DIR/samples.jsonl as decoded text (prompt, response, reward, answer, versions); 0 = none."""
     wandb: bool = False

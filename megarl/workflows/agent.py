@@ -4,8 +4,9 @@
 dotted path. It gets an :class:`megarl.agents.client.AgentClient` (an
 OpenAI-style chat client whose completions are recorded token-exactly, with
 per-token versions) and the data row (a dict: the prompt, the answer and every
-other field). It returns the episode's reward, or None to have the reward
-service score its final assistant message (``reward.fn``).
+other field; ``client.prompt`` is the prompt, from the field ``data.prompt_key``
+names). It returns the episode's reward, or None to have the reward service
+score its final assistant message (``reward.fn``).
 
 Many agents run at once as asyncio tasks (the controller's groups); requests
 in flight are bounded by ``rollout.max_concurrency``. An agent that raises,
@@ -20,9 +21,10 @@ from typing import Any
 
 from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.tools import BUILTIN_TOOLS, ToolService, tool_schema
+from megarl.data import MISSING, get_dotted
 from megarl.errors import ConfigError
 from megarl.rewards import resolve_reward_fn
-from megarl.types import Trajectory
+from megarl.types import NO_VERSION, Trajectory
 from megarl.workflows.base import GenerateFn
 
 log = logging.getLogger("megarl.agents")
@@ -46,8 +48,13 @@ def load_agent(name: str):
 
 def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
     """What ``build_workflow("agent", ...)`` would refuse, checked before the run starts anything: the agent
-    function, every tool (importable, with a describable signature) and the template's tool support."""
+    function, a chat template, every tool (importable, with a describable signature) and the template's tool
+    support."""
     load_agent(agent_cfg.fn)
+    if not tokenizer.use_template:  # an agent's conversation is rendered with it, every turn
+        raise ConfigError(f"rollout.workflow=agent needs a chat template: the tokenizer in {tokenizer.source} has none "
+                          f"or data.apply_chat_template=false; use a tokenizer with a chat template and "
+                          f"data.apply_chat_template=auto or true")
     if agent_cfg.max_turns < 1:
         raise ConfigError(f"agent.max_turns={agent_cfg.max_turns} must be >= 1")
     for entry in agent_cfg.tools:
@@ -64,7 +71,8 @@ def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
 class AgentWorkflow:
     """Runs ``agent_fn`` for one trajectory; counts turns, tool calls and failures (``stats``)."""
 
-    def __init__(self, agent_fn, tokenizer: Any, tools: ToolService | None, limits: AgentLimits) -> None:
+    def __init__(self, agent_fn, tokenizer: Any, tools: ToolService | None, limits: AgentLimits,
+                 prompt_key: str = "prompt") -> None:
         if tools is not None and tools.names and not tokenizer.supports_tools():
             raise ConfigError(f"agent.tools={tools.names} but the chat template of {tokenizer.source} does not show "
                               f"tools to the model; use a tokenizer whose template supports tools, or no tools")
@@ -72,12 +80,16 @@ class AgentWorkflow:
         self.tokenizer = tokenizer
         self.tools = tools
         self.limits = limits
+        self.prompt_key = prompt_key
         self._stats = {"n_agent_failed": 0, "n_agent_turns": 0, "n_tool_calls": 0, "n_tool_errors": 0,
                        "n_agent_new_trajectories": 0}
         self._logged_failure = False
 
     def client(self, traj: Trajectory, generate: GenerateFn) -> AgentClient:
-        return AgentClient(traj, generate, self.tokenizer, self.tools, self.limits)
+        row = traj.meta.get("row") or {}
+        prompt = get_dotted(row, self.prompt_key)
+        return AgentClient(traj, generate, self.tokenizer, self.tools, self.limits,
+                           prompt=None if prompt is MISSING else prompt)
 
     async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory:
         client = self.client(traj, generate)
@@ -95,6 +107,7 @@ class AgentWorkflow:
                             traj.meta["agent_error"])
                 self._logged_failure = True
         finally:
+            await client.idle()  # an agent that raised may leave a completion running: its row is not done yet
             s = client.stats
             self._stats["n_agent_turns"] += s.n_turns
             self._stats["n_tool_calls"] += s.n_tool_calls
@@ -116,16 +129,29 @@ class AgentWorkflow:
 
 
 def check_token_exact(traj: Trajectory, records) -> None:
-    """Every completion's prompt and output ids, as the engine saw them, are a prefix of its training row,
-    with the output's tokens marked as policy tokens of the versions that sampled them."""
-    rows = {r.traj_id: r for r in traj.rows()}
+    """Every token of every training row is accounted for by the completions, in order: the row's prompt is its
+    first completion's prompt; each completion's prompt and output ids, as the engine saw them, are a prefix of
+    the row, its output marked as policy tokens (loss mask 1) of the versions that sampled them with their
+    log-probs; the tokens between completions are template tokens (loss mask 0, no version); nothing follows
+    the last completion. RuntimeError otherwise: a bug in megarl's agent client."""
+    by_row: dict[str, list] = {r.traj_id: [] for r in traj.rows()}
     for i, rec in enumerate(records):
-        row = rows[rec.traj_id]
-        n_prompt, n_out = len(rec.prompt_ids), len(rec.output_ids)
-        tokens = row.tokens
-        start = n_prompt - len(row.prompt_ids)  # where the output sits in row.response_ids
-        if (tokens[:n_prompt] != rec.prompt_ids or tokens[n_prompt:n_prompt + n_out] != rec.output_ids
-                or row.versions[start:start + n_out] != rec.versions
-                or row.loss_mask[start:start + n_out] != [1] * n_out):
-            raise RuntimeError(f"agent episode {traj.traj_id}: completion {i} is not recorded token-exactly in "
-                               f"{rec.traj_id} (a bug in megarl's agent client)")
+        by_row[rec.traj_id].append((i, rec))
+    for row in traj.rows():
+        tokens, n_row_prompt = row.tokens, len(row.prompt_ids)
+        done = n_row_prompt  # tokens accounted for so far
+        for k, (i, rec) in enumerate(by_row[row.traj_id]):
+            n_prompt, n_out = len(rec.prompt_ids), len(rec.output_ids)
+            gap = slice(done - n_row_prompt, n_prompt - n_row_prompt)  # template tokens, in response coordinates
+            out = slice(n_prompt - n_row_prompt, n_prompt - n_row_prompt + n_out)
+            if (n_prompt < done or (k == 0 and n_prompt != n_row_prompt) or tokens[:n_prompt] != rec.prompt_ids
+                    or tokens[n_prompt:n_prompt + n_out] != rec.output_ids
+                    or any(row.loss_mask[gap]) or any(v != NO_VERSION for v in row.versions[gap])
+                    or row.versions[out] != rec.versions or row.logp_behav[out] != rec.logp_behav
+                    or row.loss_mask[out] != [1] * n_out):
+                raise RuntimeError(f"agent episode {traj.traj_id}: completion {i} is not recorded token-exactly in "
+                                   f"{rec.traj_id} (a bug in megarl's agent client)")
+            done = n_prompt + n_out
+        if len(tokens) != done:
+            raise RuntimeError(f"agent episode {traj.traj_id}: {len(tokens) - done} tokens of {row.traj_id} after "
+                               f"its last completion are not recorded token-exactly (a bug in megarl's agent client)")

@@ -13,7 +13,9 @@ SYSTEM = ("You solve math problems. You may run Python code with the python tool
 
 
 async def agent(client, row) -> float | None:
-    prompt = row["prompt"]
+    prompt = client.prompt  # the row's field that data.prompt_key names
+    if prompt is None:
+        raise ValueError(f"the row has no prompt under data.prompt_key (its fields: {sorted(row)[:12]})")
     messages = [{"role": "system", "content": SYSTEM}]
     messages += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     for _ in range(client.max_turns):

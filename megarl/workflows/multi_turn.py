@@ -8,7 +8,8 @@ still ends in a call gets no answer: nobody would read it.
 
 ``max_response_len`` (default: ``sampling.max_new_tokens``) bounds the whole
 response, tool tokens included, since it all has to fit the trainer's
-sequence length; each turn asks for at most what is left.
+sequence length; each turn asks for at most what is left, and a tool answer
+that would not fit ends the response (finish_reason ``length``) unanswered.
 """
 from __future__ import annotations
 
@@ -44,7 +45,11 @@ class MultiTurnWorkflow:
             called = result.finish_reason == "stop" and bool(result.output_ids) and result.output_ids[-1] == call
             if not called or turn == self.max_turns - 1:
                 break
-            traj.append_tool(await self.env.respond(traj))
+            answer = await self.env.respond(traj)
+            if len(traj.response_ids) + len(answer) > self.max_response_len:  # it would not fit: the turn ends
+                traj.finish_reason = "length"
+                break
+            traj.append_tool(answer)
         return traj
 
     def stats(self) -> dict[str, int]:

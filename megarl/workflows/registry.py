@@ -49,7 +49,7 @@ def _agent(cfg: Any, tokenizer: Any) -> Workflow:
     try:
         limits = AgentLimits(sampling_from_config(cfg, tokenizer.stop_token_ids), max_turns=a.max_turns,
                              max_tokens=a.max_tokens or tokenizer.model_max_len, turns=a.turns)
-        return AgentWorkflow(fn, tokenizer, tools, limits)
+        return AgentWorkflow(fn, tokenizer, tools, limits, prompt_key=cfg.data.prompt_key)
     except Exception:
         if tools is not None:
             tools.close()

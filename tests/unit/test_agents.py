@@ -6,6 +6,7 @@ the controller does); the tokenizer, chat template, tool service and workers
 are the real ones. tests/e2e/test_agent_runs.py runs agents on the real vLLM engine.
 """
 import asyncio
+import copy
 import sys
 from pathlib import Path
 
@@ -87,7 +88,8 @@ def test_bad_tool_configuration_fails_before_the_run():
 
 # -- the client ---------------------------------------------------------------------------------
 class ScriptedModel:
-    """Replays model outputs (text; the EOS id is added) and appends them to the trajectory it is given."""
+    """Replays model outputs and appends them to the trajectory it is given: text (the EOS id is added), a list
+    of ids as they are, or ``Length(text)``: a turn cut off at its token limit (no EOS)."""
 
     def __init__(self, tokenizer, outputs, version=3):
         self.tok = tokenizer
@@ -97,10 +99,20 @@ class ScriptedModel:
 
     async def __call__(self, context, sampling, into):
         self.contexts.append(list(context))
-        ids = self.tok.hf.encode(self.outputs.pop(0), add_special_tokens=False) + [self.tok.hf.eos_token_id]
+        out = self.outputs.pop(0)
+        finish = "length" if isinstance(out, Length) else "stop"
+        if isinstance(out, list):
+            ids = list(out)
+        else:
+            ids = self.tok.hf.encode(str(out), add_special_tokens=False)
+            ids += [self.tok.hf.eos_token_id] if finish == "stop" else []
         into.append_policy(ids, [-0.5] * len(ids), [self.version] * len(ids))
         self.version += 1
-        return GenerateResult("r", ids, [-0.5] * len(ids), [self.version - 1] * len(ids), "stop")
+        return GenerateResult("r", ids, [-0.5] * len(ids), [self.version - 1] * len(ids), finish)
+
+
+class Length(str):
+    """A scripted turn that ran into its token limit."""
 
 
 def client_for(tokenizer, outputs, tools=None, **kw):
@@ -110,18 +122,19 @@ def client_for(tokenizer, outputs, tools=None, **kw):
     return AgentClient(traj, model, tokenizer, tools, AgentLimits(SAMPLING, **kw)), traj, model
 
 
+async def tool_turns(client, n=3):
+    """``n`` completions, each answered by a tool result; the last reply and the conversation."""
+    messages = [{"role": "user", "content": "go"}]
+    for turn in range(n):
+        reply = await client.chat.completions.create(messages=messages)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "content": f"result {turn}"})
+    return reply, messages
+
+
 def test_three_turns_with_tool_results_are_one_token_exact_trajectory(text_tokenizer):
     client, traj, model = client_for(text_tokenizer, ["a1", "b2", "c3"])
-
-    async def episode():
-        messages = [{"role": "user", "content": "go"}]
-        for turn in range(3):
-            reply = await client.chat.completions.create(messages=messages)
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-            messages.append({"role": "tool", "content": f"result {turn}"})
-        return reply
-
-    last = run(episode())
+    last, _ = run(tool_turns(client))
     assert last.choices[0].message.content == "c3" and last.choices[0].finish_reason == "stop"
     assert traj.parts == [] and len(client.records) == 3
     check_token_exact(traj, client.records)
@@ -198,6 +211,210 @@ def test_tool_calls_are_parsed_and_malformed_ones_answered(text_tokenizer):
     check_token_exact(traj, client.records)
 
 
+def test_a_turn_cut_off_inside_a_tool_call_is_a_length_finish(text_tokenizer):
+    tools = ToolService(["agent_fixtures:add"], timeout_s=5.0)
+    # the call's JSON happens to be complete when the token limit strikes, before </tool_call>
+    cut = Length('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    client, traj, _ = client_for(text_tokenizer, [cut], tools=tools)
+    try:
+        reply = run(client.chat.completions.create(messages=[{"role": "user", "content": "go"}],
+                                                   tools=client.tool_schemas))
+    finally:
+        tools.close()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None and choice.message.content == str(cut)
+    assert client.stats.n_tool_errors == 0 and traj.finish_reason == "length"
+
+
+def _tokenizer_with_template(tokenizer_dir, out_dir, template):
+    from conftest import run_tokenizer
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf.chat_template = template
+    hf.save_pretrained(str(out_dir))
+    return run_tokenizer(out_dir)
+
+
+def test_past_tool_call_arguments_render_as_objects_in_a_real_template(text_tokenizer_dir, tmp_path):
+    # Llama 4's chat template, as transformers ships it, writes `arguments | tojson` whatever their type
+    from transformers.models.llama4.processing_llama4 import chat_template
+
+    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, chat_template)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    text = tok.render_chat(messages)
+    assert '{"name": "add", "parameters": {"a": 1, "b": 2}}<|eot|>' in text
+    assert call["function"]["arguments"] == '{"a": 1, "b": 2}'  # the agent's own messages are left as they are
+
+
+def test_tool_turns_stay_one_trajectory_with_a_template_that_applies_tojson(text_tokenizer_dir, tmp_path):
+    from megarl.models.tiny_tokenizer import CHATML
+
+    strict = CHATML.replace("fn.arguments if fn.arguments is string else (fn.arguments | tojson)",
+                            "fn.arguments | tojson")
+    assert strict != CHATML
+    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, strict)
+    tools = ToolService(["agent_fixtures:add"], timeout_s=5.0)
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    client, traj, _ = client_for(tok, [good, good, "done"], tools=tools)
+
+    async def episode():
+        messages = [{"role": "user", "content": "go"}]
+        for _ in range(3):
+            reply = await client.chat.completions.create(messages=messages, tools=client.tool_schemas)
+            msg = reply.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            for call in msg.tool_calls or []:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": await client.call_tool(call)})
+
+    try:
+        run(episode())
+    finally:
+        tools.close()
+    assert traj.parts == [] and client.stats.n_new_trajectories == 0
+    check_token_exact(traj, client.records)
+
+
+def _word_start_tokenizer(out_dir):
+    """A character-level tokenizer whose pre-tokenizer adds SentencePiece's word-start marker \u2581 to the start
+    of a text (Metaspace, as Llama 2's and Mistral's do): "\\nab" alone is [\u2581, \\n, a, b], after <|im_end|>
+    [\\n, a, b]."""
+    from conftest import run_tokenizer
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.models.tiny_tokenizer import CHATML
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*special, "<unk>", *map(chr, range(32, 127)), "\n", "\u2581"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    marker = {"replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(**marker),
+                                                  pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")])
+    core.decoder = decoders.Metaspace(**marker)
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    hf = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>")
+    hf.chat_template = CHATML
+    hf.save_pretrained(str(out_dir))
+    tok = run_tokenizer(out_dir)
+    assert tok.hf.convert_ids_to_tokens(tok.hf.encode("\nab", add_special_tokens=False)) == ["\u2581", "\n", "a", "b"]
+    return tok
+
+
+def test_text_between_turns_is_tokenized_in_context(tmp_path):
+    tok = _word_start_tokenizer(tmp_path)
+    eos = tok.hf.eos_token_id
+    said = ["a1", "b 2", "c3"]  # what the model says, as ids in context (no marker after "assistant\n")
+    client, traj, _ = client_for(tok, [tok.hf.convert_tokens_to_ids(list(s.replace(" ", "\u2581"))) + [eos]
+                                       for s in said])
+    _, messages = run(tool_turns(client))
+    assert [m["content"] for m in messages if m["role"] == "assistant"] == said
+    assert traj.parts == []
+    check_token_exact(traj, client.records)
+    # the row is exactly how the whole conversation tokenizes in one piece: no marker after each <|im_end|>
+    whole = tok.render_chat(messages[:-2]) + "c3<|im_end|>"
+    assert traj.tokens == tok.hf.encode(whole, add_special_tokens=False)
+
+
+def test_text_after_tokens_that_are_not_how_their_text_tokenizes_is_tokenized_in_context(tmp_path):
+    # the model writes "a" with a word-start marker before it: its text reads "a", which tokenizes without one,
+    # so the whole rendering does not start with the recorded ids; the tool turn is tokenized after <|im_end|>
+    tok = _word_start_tokenizer(tmp_path)
+    marker, eos = tok.hf.convert_tokens_to_ids("\u2581"), tok.hf.eos_token_id
+    client, traj, _ = client_for(tok, [[marker, tok.hf.convert_tokens_to_ids("a"), eos], "b"])
+    _, messages = run(tool_turns(client, 2))
+    assert messages[1]["content"] == "a" and traj.parts == []
+    check_token_exact(traj, client.records)
+    n_first = len(client.records[0].prompt_ids) + 3
+    template = traj.tokens[n_first:len(client.records[1].prompt_ids)]
+    first_text = tok.render_chat(messages[:1]) + "a<|im_end|>"
+    delta = tok.render_chat(messages[:3])[len(first_text):]  # the tool result and the generation prompt
+    assert template == tok.hf.encode("<|im_end|>" + delta, add_special_tokens=False)[1:] and template[0] != marker
+
+
+class ChunkedModel(ScriptedModel):
+    """Appends each output in two chunks with a pause between them, as the controller's generate does."""
+
+    async def __call__(self, context, sampling, into):
+        self.contexts.append(list(context))
+        ids = self.tok.hf.encode(self.outputs.pop(0), add_special_tokens=False) + [self.tok.hf.eos_token_id]
+        version, self.version = self.version, self.version + 1
+        for chunk in (ids[:2], ids[2:]):
+            into.append_policy(chunk, [-0.5] * len(chunk), [version] * len(chunk))
+            await asyncio.sleep(0.01)
+        return GenerateResult("r", ids, [-0.5] * len(ids), [version] * len(ids), "stop")
+
+
+def test_concurrent_completions_of_one_episode_are_recorded_one_at_a_time(text_tokenizer):
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
+    model = ChunkedModel(text_tokenizer, ["abcd", "wxyz"])
+    client = AgentClient(traj, model, text_tokenizer, None, AgentLimits(SAMPLING, max_turns=4, max_tokens=512))
+    messages = [{"role": "user", "content": "go"}]
+
+    async def both():
+        return await asyncio.gather(client.chat.completions.create(messages=messages),
+                                    client.chat.completions.create(messages=messages))
+
+    first, second = run(both())
+    assert (first.choices[0].message.content, second.choices[0].message.content) == ("abcd", "wxyz")
+    # the second waited for the first; its conversation does not extend the first's answer: a row of its own
+    prompt = text_tokenizer.hf.encode(text_tokenizer.render_chat(messages), add_special_tokens=False)
+    eos = text_tokenizer.hf.eos_token_id
+    assert [r.tokens for r in traj.rows()] == [
+        prompt + text_tokenizer.hf.encode("abcd", add_special_tokens=False) + [eos],
+        prompt + text_tokenizer.hf.encode("wxyz", add_special_tokens=False) + [eos]]
+    check_token_exact(traj, client.records)
+
+
+def test_the_exactness_check_covers_every_token(text_tokenizer):
+    client, traj, _ = client_for(text_tokenizer, ["a1", "b2"])
+    run(tool_turns(client, 2))
+    check_token_exact(traj, client.records)
+    n_first = len(client.records[0].prompt_ids) + len(client.records[0].output_ids)
+    template = slice(n_first - len(traj.prompt_ids), len(client.records[1].prompt_ids) - len(traj.prompt_ids))
+    broken = [("a token after the last completion", lambda t: t.append_tool([5])),
+              ("a template token marked as the policy's", lambda t: t.loss_mask.__setitem__(template.start, 1)),
+              ("a template token with a version", lambda t: t.versions.__setitem__(template.stop - 1, 3)),
+              ("a prompt longer than the first completion saw", lambda t: t.prompt_ids.append(5))]
+    for what, damage in broken:
+        bad = copy.deepcopy(traj)
+        damage(bad)
+        with pytest.raises(RuntimeError, match="not recorded token-exactly"):
+            check_token_exact(bad, client.records)
+            pytest.fail(f"{what} went unnoticed")
+
+
+class FailsFirst(ScriptedModel):
+    """Its first completion appends two tokens, then the engine is lost; the next ones are scripted."""
+
+    async def __call__(self, context, sampling, into):
+        if self.contexts:
+            return await super().__call__(context, sampling, into)
+        self.contexts.append(list(context))
+        into.append_policy([70, 71], [-0.5, -0.5], [3, 3])
+        raise ConnectionError("engine gone")
+
+
+def test_a_completion_that_fails_midway_is_recorded_as_far_as_it_went(text_tokenizer):
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
+    client = AgentClient(traj, FailsFirst(text_tokenizer, ["ok"]), text_tokenizer, None,
+                         AgentLimits(SAMPLING, max_turns=4, max_tokens=512))
+
+    async def episode():  # an agent that carries on after the failure
+        with pytest.raises(ConnectionError):
+            await client.chat.completions.create(messages=[{"role": "user", "content": "go"}])
+        return await client.chat.completions.create(messages=[{"role": "user", "content": "again"}])
+
+    assert run(episode()).choices[0].message.content == "ok"
+    assert traj.response_ids == [70, 71] and [r.finish_reason for r in client.records] == ["error", "stop"]
+    assert len(traj.parts) == 1  # the next completion does not continue the broken row
+    check_token_exact(traj, client.records)
+
+
 def test_limits_and_sampling_are_the_runs(text_tokenizer):
     client, _, _ = client_for(text_tokenizer, ["a", "b"], max_turns=1)
     msgs = [{"role": "user", "content": "go"}]
@@ -251,7 +468,9 @@ def test_a_failing_agent_costs_its_episode_not_the_run(text_tokenizer):
     assert traj.n_policy_tokens == 3  # "ok" + EOS: what it generated stays, with reward 0
 
 
-def test_agent_configuration_is_checked_before_the_run(text_tokenizer, demo_tokenizer_dir, tmp_path):
+def test_agent_configuration_is_checked_before_the_run(text_tokenizer, text_tokenizer_dir):
+    from conftest import run_tokenizer
+
     from megarl.config.schema import AgentConfig
     from megarl.workflows.agent import check_agent_config
 
@@ -262,3 +481,22 @@ def test_agent_configuration_is_checked_before_the_run(text_tokenizer, demo_toke
         check_agent_config(AgentConfig(tools=["agent_fixtures:untyped"]), text_tokenizer)
     with pytest.raises(ConfigError, match="more than the model's max_position_embeddings"):
         check_agent_config(AgentConfig(max_tokens=text_tokenizer.model_max_len + 1), text_tokenizer)
+    with pytest.raises(ConfigError, match="needs a chat template"):
+        check_agent_config(AgentConfig(), run_tokenizer(text_tokenizer_dir, apply_chat_template=False))
+
+
+def test_math_python_reads_the_prompt_under_data_prompt_key(text_tokenizer):
+    from megarl.config.schema import MegaRLConfig
+    from megarl.workflows import build_workflow
+
+    cfg = MegaRLConfig()
+    cfg.data.prompt_key = "problem.text"
+    wf = build_workflow("agent", cfg, text_tokenizer)
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {"problem": {"text": "What is 6*7?"}, "answer": "42"}})
+    model = ScriptedModel(text_tokenizer, ["\\boxed{42}"])
+    run(wf.run(traj, model))
+    wf.close()
+    assert "agent_error" not in traj.meta and wf.stats()["n_agent_failed"] == 0
+    assert text_tokenizer.hf.decode(model.contexts[0]).endswith("<|im_start|>user\nWhat is 6*7?<|im_end|>\n"
+                                                                "<|im_start|>assistant\n")
+    assert traj.meta["final_response"] == "\\boxed{42}"

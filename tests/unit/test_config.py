@@ -145,3 +145,13 @@ def test_settings_that_can_never_form_a_batch_are_refused_naming_the_key():
     validate(load_run_config(None, ["rollout.filter_groups=true", "rollout.group_size=2", "trainer.batch_size=4"]), hf)
     with pytest.raises(ConfigError, match=r"rollout\.max_concurrency=0 must be >= 1"):
         validate(load_run_config(None, ["rollout.max_concurrency=0"]), hf)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollout.group_size=0", r"rollout\.group_size=0 must be >= 1"),
+    ("rollout.group_size=-2", r"rollout\.group_size=-2 must be >= 1"),
+    ("rollout.max_new_tokens=0", r"rollout\.max_new_tokens=0 must be >= 1"),
+])
+def test_sizes_that_leave_nothing_to_train_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(load_run_config(None, [override]), {"max_position_embeddings": 512})

@@ -158,6 +158,8 @@ def test_jsonl_written_by_the_task(tmp_path, demo_tokenizer):
     (['{"prompt_ids": [1, 18], "answer": "1"}'], r"p\.jsonl:1: token ids \[18\] outside the vocabulary"),
     (['{"id": "x", "prompt": "1", "answer": "1"}', '{"id": "x", "prompt": "2", "answer": "2"}'],
      r"p\.jsonl:2: duplicate id 'x'"),
+    (['{"prompt": "1", "answer": "1"}', '{"prompt": "2", "answer": null}'],
+     r"p\.jsonl:2: field 'answer' \(data.answer_key\) is null"),
 ])
 def test_bad_rows_name_file_line_and_key(tmp_path, demo_tokenizer, rows, match):
     path = write_lines(tmp_path / "p.jsonl", rows)

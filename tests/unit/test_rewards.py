@@ -168,6 +168,44 @@ def test_math_equivalence(answer, text, expected):
     assert math_reward(text, answer) == expected
 
 
+GSM8K_EGGS = ("Janet's ducks lay 16 eggs per day. She eats 3 and bakes with 4, so she sells 16 - 3 - 4 = 9 eggs.\n"
+              "At $2 per egg she makes 9 * 2 = $18 every day.\n#### 18")
+
+#: model responses as they come, with the score a careful grader gives each (written by hand): the final
+#: answer is the last \\boxed{} (or \\fbox{}), else the number after the last ``####``, else the response's
+MATH_RESPONSES = [
+    ("8", "First I get \\boxed{5}. No wait, I forgot the carry: \\boxed{8}", 1.0),
+    ("5", "First I get \\boxed{5}. No wait, I forgot the carry: \\boxed{8}", 0.0),
+    ("9", "Is it \\boxed{8} or \\boxed{9}? Checking again, it is \\boxed{9}.", 1.0),
+    ("\\frac{1}{3}", "So \\boxed{\\frac{1}{2}} is wrong, the right one is \\boxed{\\frac{1}{3}}.", 1.0),
+    ("8", "So 3 + 5 = 8.\n#### 8\nThat took 2 steps.", 1.0),
+    ("8", "#### 8 apples, since 4 + 4 = 8 and 2 were not counted", 1.0),
+    ("18", GSM8K_EGGS, 1.0),
+    ("72", "Natalia sold 48/2 = 24 clips in May.\nShe sold 48 + 24 = 72 clips in April and May.\n#### 72", 1.0),
+    ("1234", "The total is 1,000 + 234.\n#### 1,234", 1.0),
+    ("7", "#### 8\nso 7 is not it", 0.0),
+    ("\\frac{1}{2}", "The probability is $\\boxed{\\frac{1}{2}}$.", 1.0),
+    ("\\frac{1}{2}", "Half of the cases: 0.5", 1.0),
+    ("3", "x = 2 fails, x = 3 works.\n\nFinal answer: \\boxed{3}", 1.0),
+    ("2\\sqrt{3}", "The side is \\boxed{\\sqrt{12}}", 1.0),
+    ("10", "The answer is \\boxed{10}. Check: 10 - 3 = 7", 1.0),
+    ("-5", "The smaller root is \\boxed{-5}", 1.0),
+    ("\\frac{3}{4}", "\\boxed{\\dfrac{3}{4}}", 1.0),
+    ("(1, 2)", "The interval is \\boxed{(1,2)}", 1.0),
+    ("\\frac{\\pi}{2}", "The angle is $\\boxed{\\frac{\\pi}{2}}$ radians.", 1.0),
+    ("12", "\\fbox{12}", 1.0),
+    ("8", "I think it is \\boxed{8", 0.0),  # cut off inside the box: no final answer
+    ("42", "I am not sure how to solve this.", 0.0),
+    ("42", "Adding them up gives 42.", 1.0),
+    ("42", "", 0.0),
+]
+
+
+@pytest.mark.parametrize("answer, text, expected", MATH_RESPONSES)
+def test_math_final_answer_of_real_responses(answer, text, expected):
+    assert math_reward(text, answer) == expected
+
+
 def test_math_needs_a_ground_truth():
     with pytest.raises(ValueError, match="ground truth"):
         math_reward("1", None)

@@ -39,3 +39,29 @@ def test_progress_bar_counts_steps(tmp_path):
         logger.log({"step": step, "version": step, "reward_mean": 0.5, "staleness_max": 0, "n_spliced": 0})
     assert logger._bar.tasks[0].completed == 3
     logger.close()
+
+
+STEP = {"version": 2, "reward_mean": 0.25, "staleness_max": 1, "n_spliced": 0}
+
+
+def test_a_piped_run_prints_one_line_per_step(tmp_path, capsys):
+    # under pytest stdout is a pipe, as in `megarl train ... | tee log`: the progress display does not draw there
+    logger = RunLogger(tmp_path, total_steps=3, tensorboard=False, progress="rich", summary_every_s=0)
+    for step in (1, 2, 3):
+        logger.log({"step": step, **STEP, "reward_mean": step / 4})
+    logger.close()
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert [x.split(" elapsed ")[0] for x in lines] == [
+        "step 1/3 v2 reward 0.250 stale max 1 spliced 0",
+        "step 2/3 v2 reward 0.500 stale max 1 spliced 0",
+        "step 3/3 v2 reward 0.750 stale max 1 spliced 0"]
+
+
+def test_piped_summaries_are_spaced_in_time(tmp_path, capsys):
+    # an hour apart: only the first step (the run is alive) and the last one print
+    logger = RunLogger(tmp_path, total_steps=4, tensorboard=False, progress="none", summary_every_s=3600)
+    for step in (1, 2, 3, 4):
+        logger.log({"step": step, **STEP})
+    logger.close()
+    steps = [x.split()[1] for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert steps == ["1/4", "4/4"]

@@ -115,6 +115,15 @@ def test_multi_turn_response_budget_includes_tool_tokens(demo_tokenizer):
     assert len(traj.response_ids) == 4 and traj.finish_reason == "length"
 
 
+def test_multi_turn_tool_answer_that_does_not_fit_is_not_appended(demo_tokenizer):
+    # the first turn spends the whole budget of 4 on a call: its 1-token answer would make the response 5 long
+    gen = scripted_generate((D("212") + [SEP], [0, 0, 0, 0], "stop"), ([EOS], [0], "stop"))
+    workflow = MultiTurnWorkflow(SAMPLING, DigitCountEnv(demo_tokenizer), max_response_len=4)
+    traj = asyncio.run(workflow.run(new_traj(PROMPT), gen))
+    assert len(gen.calls) == 1
+    assert traj.response_ids == D("212") + [SEP] and traj.finish_reason == "length"
+
+
 def test_digit_count_env(demo_tokenizer):
     prompt = chat_prompt("123456789012")
     env = DigitCountEnv(demo_tokenizer)
