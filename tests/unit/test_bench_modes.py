@@ -8,7 +8,8 @@ import pytest
 from megarl.bench import quality, sweep
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.bench.fit import nonneg_lstsq, power_law
-from megarl.errors import ConfigError
+from megarl.bench.run import _prepare_run_dir
+from megarl.errors import ConfigError, MegarlError
 
 
 def approx(x):
@@ -177,3 +178,14 @@ def test_quality_curves_and_final_window():
     json.dumps(rep, allow_nan=False)
     md = quality.render_quality_markdown(rep)
     assert "| behav | 8 | 0.5250 | 0.0354 | 0.5000, 0.5500 | 9.0 |" in md
+
+
+def test_prepare_run_dir_removes_a_run_stopped_before_its_config(tmp_path):
+    d = tmp_path / "cell"
+    d.mkdir()
+    (d / "bench.log").write_text("starting\n")  # run_child's first file; train() had not written config.yaml
+    _prepare_run_dir(d)
+    assert d.is_dir() and list(d.iterdir()) == []
+    (d / "notes.txt").write_text("mine\n")
+    with pytest.raises(MegarlError, match="is not a previous bench run"):
+        _prepare_run_dir(d)
