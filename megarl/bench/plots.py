@@ -137,25 +137,29 @@ def scaling_plot(report: dict[str, Any], path: str | Path) -> None:
 
 def quality_plot(report: dict[str, Any], path: str | Path) -> None:
     """Reward vs step and vs wall time per (strategy, eta): the mean over seeds, shaded from the lowest to
-    the highest seed (megarl/bench/quality.py)."""
+    the highest seed; and the loss's active-token share vs step, mean over seeds (megarl/bench/quality.py)."""
     plt = _pyplot()
     curves = report["quality"]["curves"]
     colors = plt.get_cmap("tab10").colors
-    styles = {}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14.0, 5.5), sharey=True)
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(20.0, 5.5))
+    mid.sharey(left)
     strategies = list(dict.fromkeys(c["strategy"] for c in curves))
     etas = sorted({c["eta"] for c in curves})
     for c in curves:
         color = colors[strategies.index(c["strategy"]) % len(colors)]
-        style = styles.setdefault(c["eta"], ["-", "--", ":", "-."][etas.index(c["eta"]) % 4])
+        style = ["-", "--", ":", "-."][etas.index(c["eta"]) % 4]
         label = f"{c['strategy']} eta={c['eta']}"
-        for ax, x in ((left, c["step"]), (right, c["wall_s"])):
+        for ax, x in ((left, c["step"]), (mid, c["wall_s"])):
             ax.plot(x, c["mean"], linestyle=style, color=color, linewidth=1.8, label=label)
             ax.fill_between(x, c["low"], c["high"], color=color, alpha=0.12, linewidth=0)
+        pts = [(s, a) for s, a in zip(c["step"], c.get("active_frac") or []) if a is not None]
+        right.plot([s for s, _ in pts], [a for _, a in pts], linestyle=style, color=color, linewidth=1.5, label=label)
     left.set(xlabel="optimizer step", ylabel=f"mean batch reward ({report['quality']['smooth']}-step moving average)",
              title="Reward vs step (line: mean over seeds; band: lowest to highest seed)")
-    right.set(xlabel="wall time of the training loop (s)", title="Reward vs wall time (same runs)")
-    for ax in (left, right):
+    mid.set(xlabel="wall time of the training loop (s)", title="Reward vs wall time (same runs)")
+    right.set(xlabel="optimizer step", ylabel="active-token share (kept by the loss)", ylim=(-0.02, 1.02),
+              title="Active-token share vs step (mean over seeds)")
+    for ax in (left, mid, right):
         ax.grid(alpha=0.3)
     right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -43,6 +43,7 @@ except ImportError:  # without it the peak memory is taken from getrusage (_Tree
 from megarl.bench import plots, report
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
+from megarl.config import MegaRLConfig
 from megarl.cpu_affinity import available_cores, format_cores
 from megarl.errors import MegarlError
 from megarl.train import train
@@ -116,12 +117,17 @@ class BenchStrategy(VerifyingStrategy):
 
 
 # -- the child: one strategy, one train() ------------------------------------------------
+def child_config(spec: dict[str, Any]) -> MegaRLConfig:
+    """The run config the child trains with: the spec's config and overrides, its strategy and steps."""
+    return load_run_config(spec["config"], [*spec["overrides"], f"recovery.name={spec['strategy']}",
+                                            f"trainer.total_steps={spec['steps']}", "logging.progress=none",
+                                            "logging.tensorboard=false", f"logging.output_dir={spec['run_dir']}"])
+
+
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec["strategy"]`` for ``spec["steps"]`` steps into ``spec["run_dir"]``; returns the child summary."""
     run_dir = Path(spec["run_dir"])
-    cfg = load_run_config(spec["config"], [*spec["overrides"], f"recovery.name={spec['strategy']}",
-                                           f"trainer.total_steps={spec['steps']}", "logging.progress=none",
-                                           "logging.tensorboard=false", f"logging.output_dir={run_dir}"])
+    cfg = child_config(spec)
     wrapped: list[BenchStrategy] = []
 
     def wrap(inner):
@@ -187,9 +193,10 @@ class _TreeRssSampler(threading.Thread):
 
 
 def _prepare_run_dir(run_dir: Path) -> None:
-    """Metrics files are appended to, so a previous bench run in ``run_dir`` is removed first."""
+    """Metrics files are appended to, so a previous bench run in ``run_dir`` is removed first (one stopped
+    before train() wrote its config.yaml has at least the bench.log :func:`run_child` opens first)."""
     if run_dir.exists():
-        if any(run_dir.iterdir()) and not (run_dir / "config.yaml").exists():
+        if any(run_dir.iterdir()) and not any((run_dir / f).exists() for f in ("config.yaml", "bench.log")):
             raise MegarlError(f"{run_dir} exists and is not a previous bench run; choose another --output")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)

@@ -19,7 +19,9 @@ def register(sub) -> None:
     p.add_argument("--config", default="configs/bench_cpu.yaml", help="run config shared by every strategy")
     p.add_argument("--strategies", default=None,
                    help="comma-separated strategy names, 'all' or 'none' (default: all; with --quality: behav, "
-                        "recompute, loglinear, ewma, snapshot, interrupt_sync; with --compare-sync alone: none)")
+                        "recompute, loglinear, ewma, snapshot, interrupt_sync; with --compare-sync alone: none). "
+                        "--quality also takes variants: NAME:KEY=VALUE[;KEY=VALUE...] sets recovery.NAME.KEY, e.g. "
+                        "'behav,ewma,ewma:auto_reset=false' (quote the ';')")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps per run (default: trainer.total_steps)")
     p.add_argument("--output", required=True,
@@ -36,10 +38,15 @@ def register(sub) -> None:
                    help="--sweep: model YAMLs or names under configs/models/ (default tiny_qwen3, tiny_qwen3_s, "
                         "tiny_qwen3_m, tiny_qwen3_moe_m)")
     p.add_argument("--etas", default=None, help="--sweep / --quality: comma-separated etas (default 1,2,4,8 / 1,8)")
-    p.add_argument("--quality", action="store_true", help="strategy x eta x seed learning curves (quality.png)")
+    p.add_argument("--quality", action="store_true",
+                   help="strategy x eta x seed learning curves (quality.png); re-run with the same --output to "
+                        "resume: finished runs are reused")
     p.add_argument("--seeds", type=int, default=None, help="--quality: seeds per cell (default 3)")
     p.add_argument("--final-window", type=int, default=None,
                    help="--quality: steps of the final-window reward (default a tenth of the steps, at least 5)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="--quality: reward for 'steps to threshold' (default half the best cell's mean final-window "
+                        "reward)")
     p.add_argument("--estimate-only", action="store_true", help="--sweep / --quality: print the estimate and stop")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the comparison with the true logp_old (max_abs_err_vs_exact becomes null)")
@@ -91,10 +98,18 @@ def run(args) -> int:
             from megarl.launch.placement import load_hf_config, param_counts
 
             etas = _ints(args.etas, "--etas") if args.etas else list(quality.DEFAULT_ETAS)
-            strategies = _strategies(args.strategies, ",".join(quality.DEFAULT_STRATEGIES))
+            from megarl.bench.variants import parse_strategies
+            from megarl.builder import strategy_names
+
+            variants = parse_strategies(args.strategies or ",".join(quality.DEFAULT_STRATEGIES),
+                                        lambda extra: load_run_config(args.config, [*overrides, *extra]),
+                                        strategy_names("all"))
             seeds = quality.DEFAULT_SEEDS if args.seeds is None else args.seeds
-            n_runs = len(strategies) * len(etas) * seeds
+            cells = quality.plan(args.config, variants, etas, seeds, steps, args.output, overrides)
+            n_runs = sum(c["records"] is None for c in cells)
             estimate = n_runs * sweep.estimate_run_seconds(param_counts(load_hf_config(cfg)[0])[1], steps)
+            if n_runs < len(cells):
+                print(f"{len(cells) - n_runs} of {len(cells)} runs finished before under {args.output}: reused")
         print(f"{n_runs} runs of {steps} steps: about {_hms(estimate)} on an idle 2-core machine "
               f"(megarl/bench/sweep.py ESTIMATE_*)", flush=True)
         if args.estimate_only:
@@ -107,8 +122,8 @@ def run(args) -> int:
             print(f"wrote {args.output}/report.json, report.md, scaling.png")
         else:
             window = args.final_window or max(5, steps // 10)
-            rep = quality.run_quality(args.config, strategies, etas, seeds, steps, args.output, overrides,
-                                      run=run_strategy, meta=meta, window=window)
+            rep = quality.run_quality(args.config, variants, etas, seeds, steps, args.output, overrides,
+                                      run=run_strategy, meta=meta, window=window, threshold=args.threshold)
             rep["meta"]["loadavg_end"] = machine_meta()["loadavg_start"]
             write_report(Path(args.output), rep, quality.render_quality_markdown(rep))
             print(f"wrote {args.output}/report.json, report.md, quality.png")

@@ -1,7 +1,8 @@
 """The real `megarl bench` console script: 2 strategies x 3 steps with the vLLM CPU engine, started
 without VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS; then each further mode in its smoke setting (2 steps,
 tiny batches, the HF engine, which starts in seconds): --compare-sync and --sweep (four runs each) and
---quality (two). Benchmarks are commands; these tests check that they run and write what they promise, not numbers.
+--quality (two, then the same command again, which reuses both). Benchmarks are commands; these tests
+check that they run and write what they promise, not numbers.
 
 Each strategy is a full run (engine start-up ~20-50 s), so each test takes ~1-2 minutes.
 """
@@ -131,3 +132,12 @@ def test_quality_smoke(tmp_path):
     assert all(c["step"] == [1, 2] for c in rep["quality"]["curves"])
     assert (out / "quality.png").read_bytes()[:8] == PNG
     assert "| behav | 8 |" in (out / "report.md").read_text()
+    (row,) = final
+    assert row["steps_to_threshold"]["of"] == 2 and row["r_d_abs_logp_mean"] is None  # behav's anchor is not exact
+    assert 0 <= row["active_frac_min"] <= 1 and rep["quality"]["vs_behav"] == []
+    assert all((out / "runs" / f"behav_eta8_seed{s}" / "done.json").exists() for s in (0, 1))
+    # the same command again: both runs finished, so nothing starts and the report is the same
+    p = _bench(tmp_path, "--quality", "--strategies", "behav", "--etas", "8", "--seeds", "2", "--output",
+               str(out), *SMOKE)
+    assert "2 of 2 runs finished before" in p.stdout and "0 runs of 2 steps" in p.stdout
+    assert json.loads((out / "report.json").read_text())["quality"]["final"] == final

@@ -1,14 +1,16 @@
 """The bench's modes on hand-made records: --compare-sync's runs, the fits, the sweep's rows, growth verdicts
-and report, the quality curves and table (hand-computed numbers)."""
+and report, the quality curves, table, statistics, strategy variants and resumed grids (hand-computed numbers)."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from megarl.bench import quality, sweep
+from megarl.bench import quality, quality_stats, sweep, variants
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.bench.fit import nonneg_lstsq, power_law
-from megarl.errors import ConfigError
+from megarl.bench.run import _prepare_run_dir
+from megarl.errors import ConfigError, MegarlError
 
 
 def approx(x):
@@ -177,3 +179,212 @@ def test_quality_curves_and_final_window():
     json.dumps(rep, allow_nan=False)
     md = quality.render_quality_markdown(rep)
     assert "| behav | 8 | 0.5250 | 0.0354 | 0.5000, 0.5500 | 9.0 |" in md
+
+
+def test_steps_to_threshold_and_its_summary_over_seeds():
+    assert quality_stats.steps_to_threshold([0.1, 0.3, 0.5, 0.4], 0.5) == 3  # reaching it exactly counts
+    assert quality_stats.steps_to_threshold([0.1, 0.3, 0.5, 0.4], 0.6) is None
+    s = quality_stats.threshold_summary([3, None, 5])  # median of 3, 5, never: 5
+    assert s == {"per_seed": [3, None, 5], "reached": 2, "of": 3, "median": 5.0, "mean": 4.0}
+    s = quality_stats.threshold_summary([3, None, None])  # the median seed never got there
+    assert s["median"] is None and s["mean"] == 3.0 and s["reached"] == 1
+    assert quality_stats.threshold_summary([None, None])["mean"] is None
+    # through the table: smoothed (2 steps) rewards [0, .1, .3, .5] and [.2, .2, .2, .2]
+    seeds = [_run([0.0, 0.2, 0.4, 0.6]), _run([0.2, 0.2, 0.2, 0.2])]
+    (row,) = quality.final_table({("behav", 1): seeds}, window=2, smooth=2, threshold=0.25)
+    assert row["steps_to_threshold"]["per_seed"] == [3, None]
+    # default threshold: half the best mean final-window reward, (0.5 + 0.2) / 2 / 2 = 0.175 -> steps 3 and 1
+    (row,) = quality.final_table({("behav", 1): seeds}, window=2, smooth=2)
+    assert row["steps_to_threshold"]["per_seed"] == [3, 1] and row["steps_to_threshold"]["median"] == 2.0
+
+
+def test_bootstrap_interval_identical_seeds_has_zero_width():
+    iv = quality_stats.bootstrap_diff([0.3, 0.3, 0.3], [0.1, 0.1])
+    assert iv["diff"] == approx(0.2) and iv["low"] == approx(0.2) and iv["high"] == approx(0.2)
+    assert quality_stats.bootstrap_diff([0.3], [0.1, 0.2]) is None  # one seed: no interval
+
+
+def _exact_quantiles(a, b, level=0.9):
+    """The bootstrap distribution by enumerating every resample of a and of b (equally likely)."""
+    import itertools
+    import statistics
+
+    diffs = sorted(statistics.fmean(x) - statistics.fmean(y) for x in itertools.product(a, repeat=len(a))
+                   for y in itertools.product(b, repeat=len(b)))
+    cdf = lambda v: sum(d <= v + 1e-12 for d in diffs) / len(diffs)  # noqa: E731
+    lo = min(d for d in diffs if cdf(d) >= (1 - level) / 2)
+    hi = min(d for d in diffs if cdf(d) >= (1 + level) / 2)
+    return lo, hi
+
+
+def test_bootstrap_interval_matches_exhaustive_enumeration():
+    # a = [0, 1, 1]: the resampled mean is 0, 1/3, 2/3, 1 with chances 1/27, 6/27, 12/27, 8/27, so the 5% quantile
+    # is 1/3 (1/27 < 0.05) and the 95% quantile 1 (1/27 + 6/27 + 12/27 = 0.70 < 0.95); b = [0, 0] never moves
+    assert _exact_quantiles([0, 1, 1], [0, 0]) == (approx(1 / 3), approx(1.0))
+    iv = quality_stats.bootstrap_diff([0.0, 1.0, 1.0], [0.0, 0.0])
+    assert (iv["low"], iv["diff"], iv["high"]) == (approx(1 / 3), approx(2 / 3), approx(1.0))
+    assert quality_stats.bootstrap_diff([0.0, 1.0, 1.0], [0.0, 0.0]) == iv  # fixed RNG seed: reproducible
+    # b varies too: 1 - mean(b*) with b = [0, 1] is 1, 0.5, 0 with chances 1/4, 1/2, 1/4
+    assert _exact_quantiles([1, 1], [0, 1]) == (approx(0.0), approx(1.0))
+    iv = quality_stats.bootstrap_diff([1.0, 1.0], [0.0, 1.0])
+    assert (iv["low"], iv["diff"], iv["high"]) == (approx(0.0), approx(0.5), approx(1.0))
+    assert iv["level"] == 0.9 and iv["n_resamples"] == 2000
+
+
+def _diag_run(rewards, active, masked, r_d=None, gap=0.01):
+    recs = _run(rewards)
+    for i, r in enumerate(recs):
+        r.update({"active_frac": active[i], "behav_w/masked_frac": masked[i],
+                  "abs_logp_anchor_minus_behav_mean": gap, "behav_w/downweighted_frac": 0.0})
+        if r_d is not None:
+            r["r_d/abs_logp_mean"] = r_d[i]
+    return recs
+
+
+def test_cell_diagnostics_r_d_active_and_masked_share():
+    a = _diag_run([0.1, 0.2, 0.3], [1.0, 0.5, 0.8], [0.0, 0.5, 0.2], r_d=[0.1, 0.3, 0.2], gap=0.02)
+    b = _diag_run([0.1, 0.2, 0.3, 0.4], [1.0, 0.7, 0.6, 0.1], [0.0, 0.3, 0.4, 0.9])  # a step more; no r_d
+    d = quality_stats.cell_diagnostics([a, b], 3)
+    assert d["active_frac_curve"] == approx([1.0, 0.6, 0.7]) and d["active_frac_min"] == approx(0.6)
+    assert d["active_frac_min_any_seed"] == approx(0.1)  # every logged step counts here, also b's fourth
+    assert d["r_d_abs_logp_mean"] == approx(0.2)  # only a logged it
+    assert d["abs_logp_anchor_minus_behav_mean"] == approx((3 * 0.02 + 4 * 0.01) / 7)
+    assert d["masked_frac_mean"] == approx(2.3 / 7) and d["masked_frac_max"] == approx(0.9)
+    assert d["ewma_active_frac_pre_min"] is None and d["downweighted_frac_mean"] == 0.0
+
+
+def test_quality_report_differences_to_behav():
+    behav = [_diag_run([0.1, 0.2], [1, 1], [0, 0]), _diag_run([0.3, 0.4], [1, 1], [0, 0])]  # final (w=1) .2, .4
+    ewma = [_diag_run([0.5, 0.5], [1, 0.5], [0, 0.5], r_d=[0.1, 0.1]),
+            _diag_run([0.5, 0.7], [1, 0.5], [0, 0.5], r_d=[0.1, 0.3])]  # final .5, .7
+    cells = {("behav", 8): behav, ("ewma(auto_reset=false)", 8): ewma, ("ewma(auto_reset=false)", 1): ewma}
+    rep = quality.build_quality_report(cells, window=1, smooth=1, meta={"config": "q.yaml", "steps": 2})
+    json.dumps(rep, allow_nan=False)
+    (d,) = rep["quality"]["vs_behav"]  # eta 1 has no behav: no difference
+    assert (d["strategy"], d["eta"], d["diff"]) == ("ewma(auto_reset=false)", 8, approx(0.3))
+    # resampled means: ewma .5/.6/.7 and behav .2/.3/.4 with chances 1/4, 1/2, 1/4 each; the difference is
+    # 0.1 with chance 1/16 > 5% and 0.5 with chance 1/16
+    assert (d["interval"]["low"], d["interval"]["high"]) == (approx(0.1), approx(0.5))
+    assert rep["quality"]["threshold"] == approx(0.3)  # half of ewma's 0.6
+    assert rep["quality"]["curves"][1]["active_frac"] == approx([1.0, 0.5])
+    md = quality.render_quality_markdown(rep)
+    assert "| ewma(auto_reset=false) | 8 | +0.3000 | [+0.1000, +0.5000] |" in md
+    assert "| behav | 8 | not logged (inexact anchor) | 1.00e-02 | 1.0000 | 1.0000 | 0.0000 | 0.0000 |" in md
+    assert "| ewma(auto_reset=false) | 8 | 1.50e-01 | 1.00e-02 | 0.5000 | 0.5000 | 0.2500 | 0.0000 |" in md
+    # steps to 0.3 with no smoothing: behav seeds never / 1, ewma 1 and 1
+    assert "| behav | 8 | 1/2 | not reached | 1.0 | not reached, 1 |" in md
+
+
+# -- quality: strategy variants ------------------------------------------------------------------
+QCFG = "configs/bench_quality_cpu.yaml"
+NAMES = ["behav", "ewma", "snapshot"]
+
+
+def test_variant_parser_labels_dirs_and_overrides():
+    checked = []
+    vs = variants.parse_strategies("behav, ewma:auto_reset=false,ewma:tau=0.3;auto_reset=true", checked.append,
+                                   NAMES)
+    assert [v.label for v in vs] == ["behav", "ewma(auto_reset=false)", "ewma(tau=0.3, auto_reset=true)"]
+    assert [v.dirname for v in vs] == ["behav", "ewma-auto_reset-false", "ewma-tau-0.3-auto_reset-true"]
+    assert checked[1] == ["recovery.name=ewma", "recovery.ewma.auto_reset=false"]
+    assert vs[2].overrides() == ["recovery.ewma.tau=0.3", "recovery.ewma.auto_reset=true"]
+    assert [v.label for v in variants.parse_strategies("all", checked.append, NAMES)] == NAMES
+    assert variants.parse_strategies("none", checked.append, NAMES) == []
+    assert variants.Variant("ewma", (("x", "a/b c"),)).dirname == "ewma-x-a_b_c"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("ewma:auto_reset", r"option 'auto_reset' is not key=value; options are separated by ';'"),
+    ("ewma:", "has no option after ':'"),
+    (":tau=1", "has no strategy name"),
+    ("ewma:tau=1;tau=2", "sets tau twice"),
+    ("ewma,behav,ewma", r"'ewma' and 'ewma' are the same run \(label 'ewma'\)"),
+    ("ewma:x=a/b,ewma:x=a_b", r"'ewma\(x=a/b\)' and 'ewma\(x=a_b\)' are the same run \(dirname 'ewma-x-a_b'\)"),
+    (",", "names no strategy"),
+])
+def test_variant_parser_syntax_errors(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        variants.parse_strategies(spec, lambda extra: None, NAMES)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("behav,ewma:bogus=1", r"--strategies item 'ewma:bogus=1': unknown config key recovery\.ewma\.bogus; "
+                           r"valid keys: .*auto_reset"),
+    ("ewma:auto_reset=maybe", r"recovery\.ewma\.auto_reset='maybe' has the wrong type: expected bool"),
+    ("ewmaa", r"--strategies item 'ewmaa': recovery\.name='ewmaa' is not a recovery strategy; valid: behav"),
+])
+def test_variant_parser_checks_with_the_config_loader(spec, message):
+    from megarl.builder import load_run_config
+
+    with pytest.raises(ConfigError, match=message):
+        variants.parse_strategies(spec, lambda extra: load_run_config(QCFG, extra), NAMES)
+
+
+# -- quality: resuming a grid --------------------------------------------------------------------
+class FakeRun:
+    """Stands in for run_strategy: records each call, writes the run's metrics.jsonl; stops the grid (as a
+    Ctrl-C would) at call number ``stop_at``."""
+
+    def __init__(self, steps, stop_at=None):
+        self.steps, self.stop_at, self.calls = steps, stop_at, []
+
+    def __call__(self, spec):
+        if len(self.calls) + 1 == self.stop_at:
+            raise KeyboardInterrupt
+        self.calls.append(spec["run_dir"].rsplit("/", 1)[-1])
+        seed = int(spec["run_dir"][-1])
+        recs = _diag_run([0.1 * seed + 0.01 * s for s in range(self.steps)], [1.0] * self.steps, [0.0] * self.steps)
+        run_dir = Path(spec["run_dir"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return {"records": recs}
+
+
+def _grid(tmp_path, run, overrides=(), log=None):
+    vs = variants.parse_strategies("behav,ewma:auto_reset=false", lambda extra: None, NAMES)
+    return quality.run_quality(QCFG, vs, [8], 2, 3, str(tmp_path), list(overrides), run=run, meta={"steps": 3},
+                               window=2, log=log or (lambda *_: None))
+
+
+def test_quality_grid_resumes_after_a_stop(tmp_path):
+    first = FakeRun(3, stop_at=3)
+    with pytest.raises(KeyboardInterrupt):  # stopped while the third run was going
+        _grid(tmp_path, first)
+    assert first.calls == ["behav_eta8_seed0", "behav_eta8_seed1"]
+    done = json.loads((tmp_path / "runs" / "behav_eta8_seed1" / "done.json").read_text())
+    assert done["config"]["recovery"]["name"] == "behav" and done["config"]["trainer"]["seed"] == 1
+    lines, again = [], FakeRun(3)
+    rep = _grid(tmp_path, again, log=lines.append)
+    assert again.calls == ["ewma-auto_reset-false_eta8_seed0", "ewma-auto_reset-false_eta8_seed1"]
+    assert lines[0] == f"reusing 2 of 4 runs finished before under {tmp_path / 'runs'}"
+    assert lines[1] == f"[1/4] behav eta=8 seed=0: finished before, reused ({tmp_path / 'runs' / 'behav_eta8_seed0'})"
+    assert rep["meta"]["reused_runs"] == 2
+    done = json.loads((tmp_path / "runs" / "ewma-auto_reset-false_eta8_seed0" / "done.json").read_text())
+    assert done["config"]["recovery"]["ewma"]["auto_reset"] is False and done["label"] == "ewma(auto_reset=false)"
+    # behav seeds: final window (steps 2, 3) of 0.01, 0.02 and 0.11, 0.12 -> 0.015 and 0.115
+    assert rep["quality"]["final"][0]["per_seed"] == approx([0.015, 0.115])
+
+    third = FakeRun(3)
+    assert _grid(tmp_path, third)["quality"]["final"] == rep["quality"]["final"] and third.calls == []
+    # a run without its done.json (stopped after it logged every step) and one whose metrics lack a step run again
+    (tmp_path / "runs" / "behav_eta8_seed0" / "done.json").unlink()
+    metrics = tmp_path / "runs" / "behav_eta8_seed1" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))
+    fourth = FakeRun(3)
+    _grid(tmp_path, fourth)
+    assert fourth.calls == ["behav_eta8_seed0", "behav_eta8_seed1"]
+    # another config: nothing is reused
+    fifth = FakeRun(3)
+    _grid(tmp_path, fifth, overrides=["trainer.lr=1e-3"])
+    assert len(fifth.calls) == 4
+
+
+def test_prepare_run_dir_removes_a_run_stopped_before_its_config(tmp_path):
+    d = tmp_path / "cell"
+    d.mkdir()
+    (d / "bench.log").write_text("starting\n")  # run_child's first file; train() had not written config.yaml
+    _prepare_run_dir(d)
+    assert d.is_dir() and list(d.iterdir()) == []
+    (d / "notes.txt").write_text("mine\n")
+    with pytest.raises(MegarlError, match="is not a previous bench run"):
+        _prepare_run_dir(d)
