@@ -18,8 +18,9 @@ live routing where routes are unknown, so :func:`install` gives each router's
 instance a ``get_replay_topk`` that mixes the two. Megatron's routers see the
 tokens sequence-first (``[s * b, experts]`` for an ``[s, b, h]`` input), which is
 how :func:`replaying` lays the targets out. Under sequence parallelism each
-tensor-parallel rank routes its own slice of the sequence; that split is not
-implemented yet and is refused.
+tensor-parallel rank routes its own contiguous slice of the sequence
+(:func:`forward_routes` cuts it); expert parallelism dispatches tokens after
+routing, so every rank routes its own tokens and replays them unchanged.
 
 The probabilities of the replayed experts are the router's own scores at those
 ids (gathered), so the gradient reaches the router as in a live forward.
@@ -53,14 +54,22 @@ def routers(model_chunks) -> list[tuple[int, object]]:
 
 
 def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: int,
-                   sequence_parallel: bool) -> torch.Tensor | None:
-    """A micro-batch's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None."""
+                   sequence_split: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """This rank's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None.
+
+    ``sequence_split`` = (tp rank, tp size) under sequence parallelism: each tensor-parallel rank routes its
+    contiguous slice of the (padded) sequence, as megatron scatters it, so it replays the routes of that slice.
+    """
     if routes is None:
         return None
-    if not n_moe_layers or sequence_parallel:
-        raise InputError("routes to replay need an MoE model without sequence parallelism (tp=1); this one "
-                         + ("is dense" if not n_moe_layers else "splits the sequence over tp ranks"))
-    return torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)
+    if not n_moe_layers:
+        raise InputError("the batch carries MoE routes to replay but the model is dense")
+    routes = torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)
+    if sequence_split is None:
+        return routes
+    rank, size = sequence_split
+    chunk = (n + pad) // size
+    return routes[:, rank * chunk:(rank + 1) * chunk]
 
 
 def _mixed_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
