@@ -264,7 +264,9 @@ class LoggingConfig:
     wandb_project: str = "megarl"
     """Weights & Biases project name."""
     save_every: int = 0
-    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = only at the end); `megarl train --resume RUN_DIR` continues from the newest."""
+    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = by logging.save_every_s only); `megarl train --resume RUN_DIR` continues from the newest. A run also checkpoints at the end, on SIGTERM/SIGINT (then exits with code 75) and before an error stops it."""
+    save_every_s: float = 1800.0
+    """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
     keep_last: int = 2
     """Checkpoints kept (the newest ones; 0 = all)."""
     resume: str = ""
