@@ -308,3 +308,44 @@ def test_runner_lets_the_dedicated_scorer_finish_before_the_trainer():
     assert run_commands([cmd("dedicated", "dedicated", "pass", True), trainer], poll_s=0.05) == 0
     assert run_commands([cmd("dedicated", "dedicated", "raise SystemExit(3)", True), trainer], poll_s=0.05) == 3
     assert run_commands([cmd("engine0", "engine", "pass", True), trainer], poll_s=0.05) == 1
+
+
+def test_runner_passes_sigterm_to_the_trainer_and_returns_its_exit_code(tmp_path):
+    """SIGTERM to `megarl launch` reaches the trainer first (it checkpoints and exits with 75); the engine it
+    needs until then is stopped after it, and the launch exits with the trainer's 75."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    log = tmp_path / "order.log"
+
+    def on_term(name, code):
+        return (f"import signal, sys, time\n"
+                f"def bye(*_):\n    open({str(log)!r}, 'a').write('{name}\\n'); sys.exit({code})\n"
+                f"signal.signal(signal.SIGTERM, bye)\nopen({str(log)!r} + '.{name}', 'w').close()\n"
+                f"time.sleep(60)\n")
+
+    driver = textwrap.dedent(f"""
+        import sys
+        from megarl.launch.role_commands import RoleCommand
+        from megarl.launch.runner import run_commands
+        sys.exit(run_commands([RoleCommand("engine0", "engine", "", (sys.executable, "-c", {on_term("engine", 0)!r}),
+                                           True),
+                               RoleCommand("trainer", "trainer", "", (sys.executable, "-c", {on_term("trainer", 75)!r}),
+                                           False)], poll_s=0.05))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"order.log.{n}").exists() for n in ("engine", "trainer")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert log.read_text().split() == ["trainer", "engine"]
