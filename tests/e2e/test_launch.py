@@ -138,7 +138,8 @@ def test_engine_role_takes_kv_cache_and_threads_from_the_config(ckpt, tmp_path):
     from megarl.rollout.client import free_port, stop_engine_process
 
     port = free_port()
-    env = {k: v for k, v in _env(MEGARL_ROLE="engine", MEGARL_SERVER_PORT=str(port)).items() if k not in ENGINE_VARS}
+    env = {k: v for k, v in _env(MEGARL_ROLE="engine", MEGARL_SERVER_PORT=str(port),
+                                 MEGARL_SERVER_HOST="127.0.0.1").items() if k not in ENGINE_VARS}
     log = tmp_path / "engine_role.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([PY, "-m", "megarl.train", "--config", "configs/tiny_cpu.yaml",

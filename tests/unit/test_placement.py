@@ -349,3 +349,53 @@ def test_runner_passes_sigterm_to_the_trainer_and_returns_its_exit_code(tmp_path
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert log.read_text().split() == ["trainer", "engine"]
+
+
+def test_a_launched_engine_serves_on_its_node_address_not_on_every_address(monkeypatch):
+    import socket
+
+    import megarl.commands.train as train_cmd
+
+    seen = {}
+
+    async def fake_serve(checkpoint, backend, **kw):
+        seen.update(kw)
+
+    monkeypatch.setattr(train_cmd, "serve", fake_serve)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"node03": "10.0.0.3", "node04": "127.0.1.1"}[name])
+    cfg = load_run_config(CFG_TINY, ["rollout.backend=hf"])
+    env = {"MEGARL_ROLE": "engine", "MEGARL_SERVER_PORT": "8000", "MEGARL_SERVER_HOST": "node03"}
+    train_cmd.serve_role(cfg, current_role(env))
+    assert (seen["host"], seen["port"]) == ("10.0.0.3", 8000)
+    # a node whose name resolves to a loopback address on itself could not be reached there: all addresses
+    train_cmd.serve_role(cfg, current_role({**env, "MEGARL_SERVER_HOST": "node04"}))
+    assert seen["host"] == "0.0.0.0"
+
+
+def test_engines_with_own_commands_share_the_run_key_through_the_environment(monkeypatch):
+    from megarl.launch.engine_key_env import ensure_engine_key
+
+    monkeypatch.delenv("MEGARL_ENGINE_KEY", raising=False)
+    plan = plan_for(CFG_30B, nodes=4)
+    engines = [e for e in plan.engines if not e.spawned]
+    assert engines
+    for launcher in ("torchrun", "slurm", "mpirun"):
+        cmds = {c.name: c for c in render(plan, launcher, python="py")}
+        assert not any("MEGARL_ENGINE_KEY=" in a for c in cmds.values() for a in c.argv), launcher
+        assert _env_of(cmds["engine0"])["MEGARL_SERVER_HOST"] == engines[0].host, launcher
+    mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
+    assert "-x MEGARL_ENGINE_KEY" in mpi["trainer"].shell() and "-x MEGARL_ENGINE_KEY" in mpi["engine0"].shell()
+    env = {}
+    ensure_engine_key(plan, "slurm", env)  # a fresh secret the commands inherit
+    assert len(env["MEGARL_ENGINE_KEY"]) == 48
+    other = {}
+    ensure_engine_key(plan, "slurm", other)
+    assert other["MEGARL_ENGINE_KEY"] != env["MEGARL_ENGINE_KEY"]
+    mine = {"MEGARL_ENGINE_KEY": "exported"}
+    ensure_engine_key(plan, "mpirun", mine)
+    assert mine == {"MEGARL_ENGINE_KEY": "exported"}
+    with pytest.raises(ConfigError, match="with torchrun every node runs its own `megarl launch`"):
+        ensure_engine_key(plan, "torchrun", {})
+    spawned = {}
+    ensure_engine_key(plan_for(CFG_TINY), "torchrun", spawned)  # the trainer's own engines: a key of their own
+    assert spawned == {}
