@@ -136,6 +136,8 @@ class RolloutConfig:
     """An engine that does not answer /health within this many seconds is taken for dead and restarted."""
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
+    publish_timeout_s: float = 600.0
+    """Seconds each engine has to load a published version (disk or broadcast); one that has not finished by then is taken for wedged, restarted (it loads that version) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
 
 
 @dataclass

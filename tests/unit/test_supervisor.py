@@ -221,3 +221,33 @@ def test_broadcast_goes_to_the_live_engines_with_ranks_in_order():
         await sup.close()
 
     asyncio.run(main())
+
+
+def test_an_engine_that_wedges_while_loading_weights_is_restarted_with_that_version():
+    """A publish has a deadline (rollout.publish_timeout_s): the engine that misses it is restarted and loads the
+    version there; the others keep what they loaded and the publish returns."""
+    async def main():
+        sup, engines, launched, stopped = make(publish_timeout_s=0.3)
+        await sup.start()
+
+        async def wedged(path, version):
+            await asyncio.Event().wait()  # never finishes loading
+
+        engines[1].update_weights_from_disk = wedged
+        await asyncio.wait_for(sup.update_weights_from_disk("/run/weights/v1", 1), 5)
+        assert engines[0].version == 1 and stopped == [1001]
+        for _ in range(100):
+            if sup.stats()["n_engine_restarts"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert launched[0].updates == [("/run/weights/v1", 1)]
+        assert sup.stats() == {"n_engine_failures": 1, "n_engine_restarts": 1, "n_engines_live": 2}
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_a_publish_deadline_is_in_the_config():
+    from megarl.builder import load_run_config
+
+    assert load_run_config(None, []).rollout.publish_timeout_s == 600.0
