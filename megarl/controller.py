@@ -48,6 +48,7 @@ from megarl.buffer import Group, PublishedVersion, ReplayBuffer
 from megarl.data import Prompt
 from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
+from megarl.group_tasks import gather_or_cancel
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.interruptible import InterruptibleGeneration
 from megarl.run_stop import RunStops
@@ -160,7 +161,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, RunStops):
             return traj
 
         try:
-            trajs = await asyncio.gather(*(one(t) for t in group.trajectories))
+            trajs = await gather_or_cancel(*(one(t) for t in group.trajectories))  # a failure stops the siblings
         except Exception as e:
             log.exception("group %s failed; its samples are dropped", group.group_id)
             self.counters["n_dropped"] += len(group.trajectories)
