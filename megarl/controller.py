@@ -248,7 +248,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, RunStops):
         old = self.version
         if self.cfg.rollout.interruptible:
             await self.router.abort_all()
-        await self.generation.drained()  # aborted requests return their partial tokens
+        await self.generation.drained(self.cfg.rollout.publish_timeout_s)  # aborted requests return their partials
         t_stopped = time.perf_counter()
         partials = [r for g in self.buffer.running_groups.values() for t in g.trajectories for r in t.rows()
                     if r.response_ids and not r.finished]

@@ -137,7 +137,7 @@ class RolloutConfig:
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
     publish_timeout_s: float = 600.0
-    """Seconds each engine has to load a published version (disk or broadcast); one that has not finished by then is taken for wedged, restarted (it loads that version) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
+    """Seconds each engine has to load a published version (disk or broadcast), and to return the requests a publish aborted; an engine that has not by then is taken for wedged, restarted (it loads that version; its requests are sent again) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
 
 
 @dataclass

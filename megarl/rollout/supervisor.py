@@ -17,7 +17,9 @@
 
 publish:     every engine's weight update (disk or broadcast) has rollout.publish_timeout_s; an engine
                  that misses it is failed and restarted like a dead one (it then loads that version),
-                 the others keep what they loaded, and the publish returns.
+                 the others keep what they loaded, and the publish returns. The same deadline holds for
+                 the requests a publish aborted: engines still holding some after it are restarted
+                 (fail_busy), which returns those requests as lost.
 
 A request that fails on an engine that still answers /health is a real error
 (e.g. the engine refused it) and is raised as is; only a request whose engine
@@ -265,6 +267,12 @@ class EngineSupervisor:
             return
         if not health.get("ok", True):  # e.g. vLLM's engine core died behind a live HTTP server
             self._fail(slot, incarnation, f"/health reports the engine is not ok: {health}")
+
+    def fail_busy(self, reason: str) -> None:
+        """Fail (restart) every live engine that holds requests: closing its client returns them as lost."""
+        for slot in self._live():
+            if slot.in_flight:
+                self._fail(slot, slot.incarnation, reason)
 
     def stats(self) -> dict[str, int]:
         """Per-run totals for the step record."""

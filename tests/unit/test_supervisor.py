@@ -251,3 +251,55 @@ def test_a_publish_deadline_is_in_the_config():
     from megarl.builder import load_run_config
 
     assert load_run_config(None, []).rollout.publish_timeout_s == 600.0
+
+
+class WedgedEngine(FakeEngine):
+    """Answers /health and abort, but a request never returns, until its client is closed (then the
+    connection drops, as an HTTP client's in-flight request does when its session closes)."""
+
+    def __init__(self, pid):
+        super().__init__(pid)
+        self._closed = asyncio.Event()
+
+    async def generate(self, req):
+        await self._closed.wait()
+        raise EngineError("engine unreachable (ServerDisconnectedError: Server disconnected)")
+
+    async def close(self):
+        self._closed.set()
+
+
+def test_a_publish_whose_drain_misses_the_deadline_restarts_the_engine_holding_the_requests():
+    """An engine that keeps a request after a publish's abort: the wait for it ends at rollout.publish_timeout_s,
+    the supervisor restarts that engine, the request comes back as lost and is sent again after the publish."""
+    from megarl.rollout.interruptible import InterruptibleGeneration
+    from megarl.types import SamplingParams, Trajectory
+
+    async def main():
+        wedged = WedgedEngine(1000)
+        launched, stopped = [], []
+
+        def launch(i):
+            e = FakeEngine(2000 + len(launched))
+            launched.append(e)
+            return e.proc, e
+
+        sup = EngineSupervisor([(wedged.proc, wedged)], launch=launch, weights=("/ckpt", 0), health_interval_s=60.0,
+                               health_timeout_s=1.0, stop=lambda proc, timeout: stopped.append(proc.pid))
+        await sup.start()
+        gen = InterruptibleGeneration(sup, max_concurrency=4, seed=0, counters={"n_interrupted": 0,
+                                                                                "n_engine_resubmits": 0})
+        traj = Trajectory(traj_id="g0-0", group_id="g0", prompt_ids=[1, 5, 2])
+        turn = asyncio.create_task(gen.generate(traj, [1, 5, 2], SamplingParams(max_new_tokens=4)))
+        await asyncio.sleep(0.05)
+        gen.close()  # a publish: stop, abort, wait for the requests in flight
+        await sup.abort_all()
+        await asyncio.wait_for(gen.drained(timeout_s=0.3), 5)
+        assert stopped == [1000] and gen.n_inflight == 0
+        gen.open()
+        result = await asyncio.wait_for(turn, 5)
+        assert result.output_ids == [4] and launched and sup.stats()["n_engine_restarts"] == 1
+        assert gen.counters["n_engine_resubmits"] == 1
+        await sup.close()
+
+    asyncio.run(main())
