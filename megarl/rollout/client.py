@@ -38,7 +38,8 @@ class EngineClient:
 
     def __init__(self, url: str, timeout_s: float = 60.0, key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._headers = auth_headers(engine_key_from_env() if key is None else key)
+        self.key = engine_key_from_env() if key is None else key
+        self._headers = auth_headers(self.key)
         self.timeout_s = timeout_s  # control calls; generate and update_weights wait as long as they take
         self._session: aiohttp.ClientSession | None = None
         self._loop = None
