@@ -142,6 +142,8 @@ class RolloutConfig:
     """An engine that does not answer /health within this many seconds is taken for dead and restarted."""
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
+    publish_timeout_s: float = 600.0
+    """Seconds each engine has to load a published version (disk or broadcast), and to return the requests a publish aborted; an engine that has not by then is taken for wedged, restarted (it loads that version; its requests are sent again) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
 
 
 @dataclass
@@ -272,7 +274,9 @@ class LoggingConfig:
     wandb_project: str = "megarl"
     """Weights & Biases project name."""
     save_every: int = 0
-    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = only at the end); `megarl train --resume RUN_DIR` continues from the newest."""
+    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = by logging.save_every_s only); `megarl train --resume RUN_DIR` continues from the newest. A run also checkpoints at the end, on SIGTERM/SIGINT (then exits with code 75) and before an error stops it."""
+    save_every_s: float = 1800.0
+    """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
     keep_last: int = 2
     """Checkpoints kept (the newest ones; 0 = all)."""
     max_save_failures: int = 3

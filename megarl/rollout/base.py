@@ -105,6 +105,9 @@ class RouterProtocol(Engine, Protocol):
     def stats(self) -> dict[str, int]:
         """Per-run totals for the step record (engine failures, restarts, live engines)."""
 
+    def fail_busy(self, reason: str) -> None:
+        """The engines holding requests missed a deadline (``reason``): restart them, or raise an EngineError."""
+
 
 class PhaseClock:
     """Seconds spent in each phase of a weight update (:data:`UPDATE_PHASES`); a phase may be entered twice."""
