@@ -44,10 +44,20 @@ def load_agent(name: str):
     return fn
 
 
-def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
+def check_agent_config(agent_cfg: Any, tokenizer: Any, http: bool = False) -> None:
     """What ``build_workflow("agent", ...)`` would refuse, checked before the run starts anything: the agent
-    function, every tool (importable, with a describable signature) and the template's tool support."""
-    load_agent(agent_cfg.fn)
+    function (``http``: the agent_http workflow's command), every tool (importable, with a describable signature)
+    and the template's tool support."""
+    if http:
+        from megarl.workflows.agent_http import parse_command  # agent_http imports this module
+
+        parse_command(agent_cfg.command)
+        if agent_cfg.tools:
+            raise ConfigError(f"agent.tools={list(agent_cfg.tools)}: megarl runs these for rollout.workflow=agent; "
+                              f"an agent_http command runs its own tools (it sends their schemas as tools=); "
+                              f"set agent.tools=[]")
+    else:
+        load_agent(agent_cfg.fn)
     if agent_cfg.max_turns < 1:
         raise ConfigError(f"agent.max_turns={agent_cfg.max_turns} must be >= 1")
     for entry in agent_cfg.tools:
