@@ -53,6 +53,19 @@ def error_response(status: int, message: str, type_: str, code: str) -> web.Resp
                              status=status, headers={"x-should-retry": "false"})
 
 
+@web.middleware
+async def _openai_shaped(request: web.Request, handler):
+    """Unknown paths and methods get an OpenAI-shaped error too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, f"{request.method} {request.path}: {e.reason}; megarl serves POST "
+                                        f"/v1/chat/completions and GET /v1/models", "invalid_request_error",
+                              "not_found" if e.status == 404 else "method_not_allowed")
+
+
 class AgentHttpServer:
     """The endpoint: ``await start()``, then :meth:`open_session` per episode and :meth:`close_session` after it."""
 
@@ -69,7 +82,7 @@ class AgentHttpServer:
         return f"http://{host}:{self.port}/v1"
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[_openai_shaped])
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)

@@ -87,6 +87,8 @@ def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
         async with aiohttp.ClientSession() as http:
             async with http.post(server.base_url + "/chat/completions", json={"messages": []}) as r:
                 no_key = (r.status, (await r.json())["error"]["code"], r.headers["x-should-retry"])
+            async with http.post(server.base_url + "/completions", json={}) as r:
+                not_served = (r.status, (await r.json())["error"]["code"])
         async with api(server, "megarl-not-a-key") as oa:
             with pytest.raises(openai.AuthenticationError) as unknown:
                 await oa.models.list()
@@ -95,10 +97,11 @@ def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
             await server.close_session(session)
             with pytest.raises(openai.AuthenticationError) as finished:
                 await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        return no_key, unknown.value, finished.value
+        return no_key, not_served, unknown.value, finished.value
 
-    no_key, unknown, finished = asyncio.run(serving(main))
+    no_key, not_served, unknown, finished = asyncio.run(serving(main))
     assert no_key == (401, "missing_api_key", "false")  # the openai package must not resend it
+    assert not_served == (404, "not_found")
     assert unknown.status_code == 401 and unknown.code == "invalid_api_key"
     assert finished.status_code == 401 and finished.code == "session_finished"
     assert len(model.contexts) == 1  # the refused request never reached the engine
@@ -111,7 +114,7 @@ class BlockingModel(ScriptedModel):
         return await super().__call__(context, sampling, into)
 
 
-def test_a_second_completion_while_one_runs_gets_409_and_is_not_retried(text_tokenizer):
+def test_a_second_completion_while_one_runs_gets_409(text_tokenizer):
     model = BlockingModel(text_tokenizer, ["a", "b"])
     traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
     client = AgentClient(traj, model, text_tokenizer, None, AgentLimits(SAMPLING, max_turns=8, max_tokens=1024))
