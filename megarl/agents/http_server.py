@@ -145,19 +145,15 @@ class AgentHttpServer:
             return error_response(409, "a completion of this session is still running: an episode's completions "
                                        "are one conversation, send them one after another", "invalid_request_error",
                                   "concurrent_completion")
-        try:
-            body = await request.json()
-        except ValueError as e:
-            return error_response(400, f"the request body is not JSON: {e}", "invalid_request_error", "invalid_json")
-        client = session.client
-        try:
-            kwargs, stop_ids = completion_kwargs(body, client.tokenizer)
-        except RequestError as e:
-            return error_response(400, str(e), "invalid_request_error", e.code)
-        session.busy = True
+        session.busy = True  # before the first await: a second request arriving meanwhile gets 409
         session.idle.clear()
-        limits = client.limits
+        client, limits = session.client, session.client.limits
         try:
+            try:
+                kwargs, stop_ids = completion_kwargs(await request.json(), client.tokenizer)
+            except ValueError as e:  # not JSON, or a RequestError
+                return error_response(400, f"the request body is not JSON: {e}" if not isinstance(e, RequestError)
+                                      else str(e), "invalid_request_error", getattr(e, "code", "invalid_json"))
             if stop_ids:  # this request's stop tokens on top of the run's (one completion at a time per session)
                 client.limits = replace(limits, sampling=replace(
                     limits.sampling, stop_token_ids=[*limits.sampling.stop_token_ids, *stop_ids]))
@@ -165,9 +161,11 @@ class AgentHttpServer:
         except AgentLimitError as e:
             session.error = session.error or f"AgentLimitError: {e}"
             return error_response(400, str(e), "invalid_request_error", "agent_budget_exceeded")
-        except (InputError, ValueError) as e:  # a bad conversation or sampling setting: the agent is told
-            return error_response(400, str(e), "invalid_request_error", "invalid_messages")
-        except Exception as e:  # megarl failed: the episode fails, the run goes on
+        except Exception as e:
+            if isinstance(e, (InputError, ValueError)) or type(e).__module__.startswith("jinja2"):
+                # a conversation, setting or message the chat template refuses: the agent is told and goes on
+                return error_response(400, str(e), "invalid_request_error", "invalid_request")
+            # megarl failed: the episode fails, the run goes on
             log.exception("agent completion failed")
             session.error = session.error or f"{type(e).__name__}: {e}"
             return error_response(500, f"megarl failed to complete: {type(e).__name__}: {e}", "server_error",

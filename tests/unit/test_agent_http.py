@@ -136,6 +136,34 @@ def test_a_second_completion_while_one_runs_gets_409(text_tokenizer):
     assert len(model.contexts) == 1 and len(client.records) == 1
 
 
+def test_a_completion_whose_body_is_still_arriving_already_holds_the_session(text_tokenizer):
+    client, _, model = client_for(text_tokenizer, ["a", "b"])
+
+    async def main(server):
+        session, release = server.open_session(client), asyncio.Event()
+
+        async def slow_body():
+            yield b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]'
+            await release.wait()
+            yield b"}"
+
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {session.key}"}) as http:
+            first = asyncio.create_task(http.post(server.base_url + "/chat/completions", data=slow_body()))
+            for _ in range(200):  # until the server reads the first request's body
+                await asyncio.sleep(0.01)
+                if session.busy:
+                    break
+            async with api(server, session.key) as oa:
+                with pytest.raises(openai.ConflictError) as second:
+                    await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            release.set()
+            async with await first as r:
+                return r.status, second.value.code
+
+    assert asyncio.run(serving(main)) == (200, "concurrent_completion")
+    assert len(model.contexts) == 1
+
+
 def test_bad_requests_get_400_and_the_session_goes_on(text_tokenizer):
     client, traj, model = client_for(text_tokenizer, ["fine"])
     user = [{"role": "user", "content": "hi"}]
