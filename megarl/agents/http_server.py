@@ -41,6 +41,7 @@ class Session:
     client: AgentClient
     error: str | None = None
     busy: bool = False
+    row: dict | None = None  # what a long-lived agent service is handed with the key (http_service.py)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -66,11 +67,21 @@ async def _openai_shaped(request: web.Request, handler):
                               "not_found" if e.status == 404 else "method_not_allowed")
 
 
+def bearer(request: web.Request) -> str:
+    """The request's ``Authorization: Bearer`` key ('' when it has none)."""
+    auth = request.headers.get("Authorization", "")
+    return auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
+
+
 class AgentHttpServer:
     """The endpoint: ``await start()``, then :meth:`open_session` per episode and :meth:`close_session` after it."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, model: str = "megarl") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, model: str = "megarl", service_key: str = "") -> None:
+        from megarl.agents.http_service import EpisodeOffers  # it builds on this module
+
         self.host, self.port, self.model = host, port, model
+        #: episodes waiting for a long-lived agent service (POST /sessions with ``service_key``)
+        self.offers = EpisodeOffers(self, service_key)
         self._sessions: dict[str, Session] = {}
         self._issued = 0  # keys are megarl-<n>-<secret>: one below this that is not live has finished
         self._runner: web.AppRunner | None = None
@@ -85,6 +96,7 @@ class AgentHttpServer:
         app = web.Application(client_max_size=64 << 20, middlewares=[_openai_shaped])
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        self.offers.add_routes(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -115,8 +127,10 @@ class AgentHttpServer:
 
     # -- handlers --------------------------------------------------------------------------------
     def _session(self, request: web.Request) -> Session | web.Response:
-        auth = request.headers.get("Authorization", "")
-        key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
+        return self.lookup(bearer(request))
+
+    def lookup(self, key: str) -> Session | web.Response:
+        """The live session of ``key``, or the 401 that refuses it."""
         if not key:
             return error_response(401, "no API key: send the episode's key as 'Authorization: Bearer <key>' "
                                        "(OPENAI_API_KEY)", "invalid_request_error", "missing_api_key")
@@ -185,12 +199,12 @@ class SharedServers:
     def __init__(self) -> None:
         self._open: dict[tuple, list] = {}  # (loop, host, port) -> [server, users]
 
-    async def acquire(self, host: str, port: int, model: str) -> AgentHttpServer:
+    async def acquire(self, host: str, port: int, model: str, service_key: str = "") -> AgentHttpServer:
         key = (id(asyncio.get_running_loop()), host, port)
         if port and key in self._open:
             self._open[key][1] += 1
             return self._open[key][0]
-        server = AgentHttpServer(host, port, model)
+        server = AgentHttpServer(host, port, model, service_key)
         await server.start()
         if port:
             self._open[key] = [server, 1]

@@ -185,11 +185,13 @@ class AgentConfig:
     command: str = ""
     """rollout.workflow=agent_http: the program run once per episode (shell-split, no shell), with the data row as JSON on stdin and OPENAI_BASE_URL / OPENAI_API_KEY in its environment; the last line of its stdout is the final answer (scored by reward.fn) or a JSON object {"reward": r}."""
     timeout_s: float = 300.0
-    """rollout.workflow=agent_http: time limit of one episode's command; past it the command is killed and the episode fails (n_agent_failed)."""
+    """rollout.workflow=agent_http: time limit of one episode's command (killed past it) or of an agent service's episode (agent.serve); past it the episode fails (n_agent_failed)."""
     http_host: str = "127.0.0.1"
     """Address megarl's OpenAI-compatible agent endpoint listens on (rollout.workflow=agent_http); 0.0.0.0 exposes it on the cluster network (each episode's API key is its only authorization)."""
     http_port: int = 0
     """Port of the agent endpoint; 0 = a free port (the command learns it from OPENAI_BASE_URL)."""
+    serve: bool = False
+    """rollout.workflow=agent_http without a command: each episode waits for a long-lived agent service, which claims it with POST /sessions (Authorization: Bearer $MEGARL_AGENT_SERVICE_KEY; it gets the row and the episode's key) and ends it with POST /sessions/<key>/reward ({"reward": r} or {"answer": text}) within agent.timeout_s; needs a fixed agent.http_port."""
 
 
 @dataclass

@@ -49,9 +49,9 @@ def check_agent_config(agent_cfg: Any, tokenizer: Any, http: bool = False) -> No
     function (``http``: the agent_http workflow's command), every tool (importable, with a describable signature)
     and the template's tool support."""
     if http:
-        from megarl.workflows.agent_http import parse_command  # agent_http imports this module
+        from megarl.workflows.agent_http import agent_source  # agent_http imports this module
 
-        parse_command(agent_cfg.command)
+        agent_source(agent_cfg)
         if agent_cfg.tools:
             raise ConfigError(f"agent.tools={list(agent_cfg.tools)}: megarl runs these for rollout.workflow=agent; "
                               f"an agent_http command runs its own tools (it sends their schemas as tools=); "

@@ -12,6 +12,10 @@ past ``agent.max_turns`` / ``agent.max_tokens`` fails the episode exactly as
 a failing in-process agent does (megarl/workflows/agent.py: reward 0, counted
 in ``n_agent_failed``). At most ``rollout.max_concurrency`` commands run at once.
 
+With ``agent.serve=true`` no command runs: each episode waits for a
+long-lived agent service to claim it (megarl/agents/http_service.py) and to
+report its reward or answer within ``agent.timeout_s``.
+
 The episode is an :class:`AgentWorkflow` episode whose agent is the command:
 recording, token-exactness checks and counts are the in-process workflow's.
 """
@@ -35,6 +39,8 @@ from megarl.workflows.base import GenerateFn
 
 #: stderr kept in a failed command's error
 STDERR_TAIL = 400
+#: the environment variable holding the secret an agent service claims episodes with (agent.serve)
+SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
 
 
 class AgentCommandError(RuntimeError):
@@ -54,6 +60,24 @@ def parse_command(command: str) -> list[str]:
         raise ConfigError(f"agent.command={command!r}: program {argv[0]!r} is not found (not on PATH, or not "
                           f"executable)")
     return argv
+
+
+def agent_source(agent_cfg: Any) -> tuple[list[str] | None, str]:
+    """What runs the episodes: ``agent.command``'s argv, or None and the service key (``agent.serve``, the key
+    from $MEGARL_AGENT_SERVICE_KEY); ConfigError for a setting that cannot work."""
+    if not agent_cfg.serve:
+        return parse_command(agent_cfg.command), ""
+    if agent_cfg.command:
+        raise ConfigError(f"agent.serve=true and agent.command={agent_cfg.command!r}: episodes are either run as a "
+                          f"command or claimed by an agent service; set one")
+    key = os.environ.get(SERVICE_KEY_ENV, "")
+    if len(key) < 16:
+        raise ConfigError(f"agent.serve=true needs ${SERVICE_KEY_ENV}: a secret of at least 16 characters that the "
+                          f"agent service sends to claim episodes (POST /sessions)")
+    if not agent_cfg.http_port:
+        raise ConfigError("agent.serve=true needs a fixed agent.http_port: the agent service must know where to "
+                          "claim episodes")
+    return None, key
 
 
 async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str], timeout_s: float) -> str:
@@ -101,10 +125,12 @@ def parse_answer(stdout: str) -> tuple[str, float | None]:
 class AgentHttpWorkflow(AgentWorkflow):
     """Runs ``agent.command`` for one trajectory against the endpoint (module docstring)."""
 
-    def __init__(self, argv: list[str], tokenizer: Any, limits: AgentLimits, *, host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 300.0, max_concurrency: int = 8) -> None:
+    def __init__(self, argv: list[str] | None, tokenizer: Any, limits: AgentLimits, *, host: str = "127.0.0.1",
+                 port: int = 0, timeout_s: float = 300.0, max_concurrency: int = 8, service_key: str = "") -> None:
+        """``argv`` None: episodes wait for a long-lived agent service holding ``service_key`` (http_service.py)."""
         super().__init__(self._episode, tokenizer, None, limits)
         self.argv, self.host, self.port, self.timeout_s = argv, host, port, timeout_s
+        self.service_key = service_key
         self.max_concurrency = max_concurrency
         self.server: AgentHttpServer | None = None
         self._starting: asyncio.Lock | None = None
@@ -121,21 +147,36 @@ class AgentHttpWorkflow(AgentWorkflow):
             self._slots = asyncio.Semaphore(self.max_concurrency)
         async with self._starting:
             if self.server is None:
-                self.server = await SHARED.acquire(self.host, self.port, self.tokenizer.source)
+                self.server = await SHARED.acquire(self.host, self.port, self.tokenizer.source, self.service_key)
 
     async def _episode(self, client: AgentClient, row: dict[str, Any]) -> float | None:
         session = self.server.open_session(client)
         try:
-            async with self._slots:
-                out = await run_command(self.argv, row, {"OPENAI_BASE_URL": self.server.base_url,
-                                                         "OPENAI_API_KEY": session.key}, self.timeout_s)
+            if self.argv is None:
+                answer, reward = await self._served(session, row)
+            else:
+                async with self._slots:
+                    out = await run_command(self.argv, row, {"OPENAI_BASE_URL": self.server.base_url,
+                                                             "OPENAI_API_KEY": session.key}, self.timeout_s)
         finally:
             await self.server.close_session(session)
         if session.error is not None:  # a completion past the budget, or megarl failed: the episode fails
             raise AgentCommandError(session.error)
-        answer, reward = parse_answer(out)
+        if self.argv is not None:
+            answer, reward = parse_answer(out)
         client.final_text = answer  # what reward.fn scores when the command gives no reward
         return reward
+
+    async def _served(self, session, row: dict[str, Any]) -> tuple[str, float | None]:
+        """Offer the episode to an agent service and wait for its outcome (at most agent.timeout_s)."""
+        outcome = self.server.offers.offer(session, row)
+        try:
+            return await asyncio.wait_for(outcome, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise AgentCommandError(f"no agent service claimed and ended the episode within agent.timeout_s="
+                                    f"{self.timeout_s:g}s (POST /sessions, then POST /sessions/<key>/reward)") from None
+        finally:
+            self.server.offers.withdraw(session)
 
     async def aclose(self) -> None:
         if self.server is not None:

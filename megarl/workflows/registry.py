@@ -9,7 +9,7 @@ from megarl.agents.tools import ToolService
 from megarl.errors import ConfigError
 from megarl.types import SamplingParams
 from megarl.workflows.agent import AgentWorkflow, load_agent
-from megarl.workflows.agent_http import AgentHttpWorkflow, parse_command
+from megarl.workflows.agent_http import AgentHttpWorkflow, agent_source
 from megarl.workflows.base import ToolEnv, Workflow
 from megarl.workflows.multi_turn import MultiTurnWorkflow
 from megarl.workflows.single_turn import SingleTurnWorkflow
@@ -63,8 +63,10 @@ def _agent(cfg: Any, tokenizer: Any) -> Workflow:
 
 def _agent_http(cfg: Any, tokenizer: Any) -> Workflow:
     a = cfg.agent
-    return AgentHttpWorkflow(parse_command(a.command), tokenizer, _agent_limits(cfg, tokenizer), host=a.http_host,
-                             port=a.http_port, timeout_s=a.timeout_s, max_concurrency=cfg.rollout.max_concurrency)
+    argv, service_key = agent_source(a)
+    return AgentHttpWorkflow(argv, tokenizer, _agent_limits(cfg, tokenizer), host=a.http_host, port=a.http_port,
+                             timeout_s=a.timeout_s, max_concurrency=cfg.rollout.max_concurrency,
+                             service_key=service_key)
 
 
 WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn,

@@ -88,7 +88,9 @@ def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
             async with http.post(server.base_url + "/chat/completions", json={"messages": []}) as r:
                 no_key = (r.status, (await r.json())["error"]["code"], r.headers["x-should-retry"])
             async with http.post(server.base_url + "/completions", json={}) as r:
-                not_served = (r.status, (await r.json())["error"]["code"])
+                not_served = [(r.status, (await r.json())["error"]["code"])]
+            async with http.post(server.base_url[:-len("/v1")] + "/sessions", json={}) as r:  # no agent.serve
+                not_served.append((r.status, (await r.json())["error"]["code"]))
         async with api(server, "megarl-not-a-key") as oa:
             with pytest.raises(openai.AuthenticationError) as unknown:
                 await oa.models.list()
@@ -101,7 +103,7 @@ def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
 
     no_key, not_served, unknown, finished = asyncio.run(serving(main))
     assert no_key == (401, "missing_api_key", "false")  # the openai package must not resend it
-    assert not_served == (404, "not_found")
+    assert not_served == [(404, "not_found")] * 2
     assert unknown.status_code == 401 and unknown.code == "invalid_api_key"
     assert finished.status_code == 401 and finished.code == "session_finished"
     assert len(model.contexts) == 1  # the refused request never reached the engine
@@ -310,3 +312,71 @@ def test_workflows_on_one_fixed_port_share_one_endpoint(text_tokenizer):
         return shared, status
 
     assert asyncio.run(main()) == (True, 401)
+
+
+# -- long-lived agent services ------------------------------------------------------------------
+SERVICE_KEY = "s3cret-service-key-0123"
+
+
+def test_an_agent_service_claims_episodes_and_reports_their_outcomes(text_tokenizer, monkeypatch):
+    import megarl.agents.http_service as http_service
+
+    monkeypatch.setattr(http_service, "CLAIM_WAIT_S", 0.3)
+    limits = AgentLimits(SAMPLING, max_turns=3, max_tokens=1024)
+    wf = AgentHttpWorkflow(None, text_tokenizer, limits, timeout_s=30.0, service_key=SERVICE_KEY)
+    late = AgentHttpWorkflow(None, text_tokenizer, limits, timeout_s=0.5, service_key=SERVICE_KEY)
+
+    async def post(http, path, key, body=None):
+        async with http.post(wf.server.base_url[:-len("/v1")] + path, json=body or {},
+                             headers={"Authorization": f"Bearer {key}"}) as r:
+            return r.status, (await r.json() if r.status != 204 else None)
+
+    async def main():
+        await wf.start()
+        trajs = [Trajectory(f"g0-{j}", "g0", [1], meta={"row": {"prompt": "p", "j": j}}, logp_old=[]) for j in (0, 1)]
+        async with aiohttp.ClientSession() as http:
+            wrong = await post(http, "/sessions", "not-the-key")
+            idle = await post(http, "/sessions", SERVICE_KEY)  # no episode waiting: 204 after the wait
+            runs = [asyncio.create_task(wf.run(t, ScriptedModel(text_tokenizer, ["ok"]))) for t in trajs]
+            claims = [(await post(http, "/sessions", SERVICE_KEY))[1] for _ in trajs]
+            by_row = {c["row"]["j"]: c for c in claims}
+            async with openai.AsyncOpenAI(base_url=by_row[0]["base_url"], api_key=by_row[0]["key"]) as oa:
+                reply = await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "p"}])
+            bad = await post(http, f"/sessions/{by_row[0]['key']}/reward", by_row[0]["key"], {"reward": "high"})
+            reports = [await post(http, f"/sessions/{by_row[0]['key']}/reward", "", {"reward": 0.75}),
+                       await post(http, f"/sessions/{by_row[1]['key']}/reward", "", {"answer": "\\boxed{3}"})]
+            await asyncio.gather(*runs)
+            again = await post(http, f"/sessions/{by_row[0]['key']}/reward", "", {"reward": 1.0})
+        await wf.aclose()
+        await late.start()
+        timed_out = await late.run(Trajectory("g1-0", "g1", [1], meta={"row": {}}, logp_old=[]),
+                                   ScriptedModel(text_tokenizer, []))
+        await late.aclose()
+        return wrong, idle, reply, bad, reports, again, trajs, timed_out
+
+    wrong, idle, reply, bad, reports, again, (t0, t1), timed_out = asyncio.run(main())
+    assert wrong[0] == 401 and idle == (204, None) and reply.choices[0].message.content == "ok"
+    assert bad[0] == 400 and bad[1]["error"]["code"] == "invalid_reward"
+    assert reports == [(200, {"ok": True})] * 2
+    assert again[0] == 401 and again[1]["error"]["code"] == "session_finished"
+    assert t0.reward == 0.75 and t0.n_policy_tokens == 3  # "ok" and EOS, recorded as the episode's
+    assert t1.reward is None and t1.meta["final_response"] == "\\boxed{3}"  # reward.fn scores it
+    assert wf.stats()["n_agent_failed"] == 0 and wf.stats()["n_agent_turns"] == 1
+    assert timed_out.reward == 0.0 and "no agent service claimed and ended the episode within agent.timeout_s=0.5s" \
+        in timed_out.meta["agent_error"] and late.stats()["n_agent_failed"] == 1
+
+
+def test_agent_service_configuration_is_checked(monkeypatch):
+    from megarl.config.schema import AgentConfig
+    from megarl.errors import ConfigError
+    from megarl.workflows.agent_http import agent_source
+
+    monkeypatch.delenv("MEGARL_AGENT_SERVICE_KEY", raising=False)
+    with pytest.raises(ConfigError, match="needs \\$MEGARL_AGENT_SERVICE_KEY"):
+        agent_source(AgentConfig(serve=True, http_port=8400))
+    monkeypatch.setenv("MEGARL_AGENT_SERVICE_KEY", SERVICE_KEY)
+    with pytest.raises(ConfigError, match="needs a fixed agent.http_port"):
+        agent_source(AgentConfig(serve=True))
+    with pytest.raises(ConfigError, match="either run as a command or claimed by an agent service"):
+        agent_source(AgentConfig(serve=True, http_port=8400, command="python a.py"))
+    assert agent_source(AgentConfig(serve=True, http_port=8400)) == (None, SERVICE_KEY)
