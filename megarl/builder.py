@@ -251,10 +251,14 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
         stack.callback(logger.close)
         workflow = _workflow(cfg, inputs.tokenizer)
         stack.callback(workflow.close)  # an agent's tool workers
+        if hasattr(workflow, "aclose"):  # an agent endpoint listening on this loop
+            stack.push_async_callback(workflow.aclose)
         evaluator = None
         if inputs.eval_dataset is not None:
             eval_workflow = _eval_workflow(cfg, inputs.tokenizer)
             stack.callback(eval_workflow.close)
+            if hasattr(eval_workflow, "aclose"):
+                stack.push_async_callback(eval_workflow.aclose)
             evaluator = Evaluator(inputs.eval_dataset.prompts(), eval_workflow, scorer,
                                   n_samples=cfg.eval.n_samples, pass_threshold=cfg.eval.pass_threshold)
         # built before any resume loads a checkpoint: the KL reference is the run's initial weights

@@ -189,6 +189,6 @@ def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
                                                  path=cfg.eval.path, shuffle=False)
     elif cfg.eval.every:
         log.warning("eval.every=%d has no effect: eval.path is empty (no evaluation in this run)", cfg.eval.every)
-    if cfg.rollout.workflow == "agent":  # the agent, its tools and the template, before anything starts
-        check_agent_config(cfg.agent, tokenizer)
+    if cfg.rollout.workflow in ("agent", "agent_http"):  # the agent, its tools and the template, before anything starts
+        check_agent_config(cfg.agent, tokenizer, http=cfg.rollout.workflow == "agent_http")
     return RunInputs(tokenizer, dataset, eval_dataset)
