@@ -200,6 +200,21 @@ def test_routing_replay_is_refused_where_it_is_not_wired():
     check_routing_replay(load_run_config(None, base), moe_hf)
     with pytest.raises(ConfigError, match="needs an MoE model"):
         check_routing_replay(load_run_config(None, base), {"model_type": "qwen3"})
-    for extra in ("rollout.backend=vllm", "parallel.tp=2", "recovery.name=dedicated"):
+    check_routing_replay(load_run_config(None, [*base, "recovery.name=dedicated", "parallel.tp=2"]), moe_hf)
+    for extra in ("rollout.backend=vllm", "placement.trainer_ranks=2"):
         with pytest.raises(ConfigError, match=f"with {extra} is not supported yet"):
             check_routing_replay(load_run_config(None, [*base, extra]), moe_hf)
+
+
+def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
+    from recovery._dedicated_scorer import _score
+
+    trainer, _ = moe
+    routes = [as_lists(hand_routes(len(s))) for s in SEQS]
+    expected = trainer.logprobs(batch_of(routes))
+    # the job of the first row's second segment (response tokens 3..6), with the routes up to its end
+    job = {"traj_id": "t0", "start": 3, "end": 6, "version": 0, "prompt_ids": SEQS[0][:2],
+           "response_ids": SEQS[0][2:8], "routes": routes[0][:8]}
+    (_, start, end, logps), = _score(trainer, [job])
+    assert (start, end) == (3, 6)
+    assert torch.allclose(torch.tensor(logps), expected[0, 1 + 3:1 + 6], atol=1e-6)
