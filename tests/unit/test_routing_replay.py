@@ -77,7 +77,7 @@ def hand_routes(n: int) -> torch.Tensor:
     return torch.tensor([[[t % 4, (t + 1) % 4], [(3 - t) % 4, (1 - t) % 4]] for t in range(n)])
 
 
-def live_routes(hf, seq: list[int]) -> torch.Tensor:
+def hf_live_routes(hf, seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([seq]), output_router_logits=True)
     return torch.stack([r.topk(K, dim=-1).indices for r in out.router_logits], dim=1)
@@ -103,7 +103,7 @@ def test_a_replayed_forward_equals_a_forward_whose_routers_are_forced_to_those_e
 def test_replaying_the_live_routes_changes_no_log_prob(moe):
     trainer, hf = moe
     live = trainer.logprobs(batch_of(None))
-    replayed = trainer.logprobs(batch_of([as_lists(live_routes(hf, s)) for s in SEQS]))
+    replayed = trainer.logprobs(batch_of([as_lists(hf_live_routes(hf, s)) for s in SEQS]))
     assert torch.allclose(replayed, live, atol=1e-6), (replayed - live).abs().max()
     for b, seq in enumerate(SEQS):
         assert torch.allclose(live[b, : len(seq) - 1], hf_logprobs(hf, seq), atol=2e-6)
@@ -218,3 +218,36 @@ def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
     (_, start, end, logps), = _score(trainer, [job])
     assert (start, end) == (3, 6)
     assert torch.allclose(torch.tensor(logps), expected[0, 1 + 3:1 + 6], atol=1e-6)
+
+
+def test_route_disagreement_on_hand_numbers():
+    from megarl.models.routing_replay import route_disagreement
+
+    # one row, three positions, two layers, top-2; the last position is unknown to the engine
+    engine = torch.tensor([[[[0, 1], [2, 3]], [[1, 0], [2, 3]], [[-1, -1], [-1, -1]]]])
+    trainer = torch.tensor([[[[1, 0], [2, 3]], [[1, 2], [3, 2]], [[0, 1], [0, 1]]]])
+    m = route_disagreement(engine, trainer)
+    # position 0: same sets in both layers (order does not matter); position 1: layer 0 differs
+    assert m == {"routes/n_tokens": 2.0, "routes/n_decisions": 4.0, "routes/decisions_differ_frac": 0.25,
+                 "routes/tokens_differ_frac": 0.5}
+
+
+def test_live_routes_are_the_routers_own_choices(moe):
+    from megarl.models.routing_replay import live_routes
+
+    trainer, hf = moe
+    batch = batch_of(None)
+    live = live_routes(trainer, batch)
+    assert live.shape == (2, len(SEQS[0]) - 1, LAYERS, K)
+    for b, seq in enumerate(SEQS):
+        n = len(seq) - 1
+        want = hf_live_routes(hf, seq)[:n]
+        assert torch.equal(live[b, :n].sort(-1).values, want.sort(-1).values.to(torch.int16)), want
+        assert (live[b, n:] == -1).all()
+    # replaying does not disturb what the routers are left with: a plain forward afterwards is live again
+    assert torch.allclose(trainer.logprobs(batch), trainer.logprobs(batch_of(None)))
+
+
+def test_routes_survive_a_checkpoint_of_the_trajectory():
+    t = Trajectory("t", "g", [1, 5], [6], [0.0], [0], [1], routes=[[[0, 1]], [[2, 3]], []])
+    assert Trajectory.from_dict(t.to_dict()).routes == t.routes
