@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.errors import InputError
-from megarl.types import TrainBatch, Trajectory
+from megarl.types import TrainBatch, Trajectory, routes_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 9, 9, 4, 6, 11, 2]]  # two rows, different lengths
@@ -67,7 +67,7 @@ def batch_of(routes_per_row: list | None) -> TrainBatch:
     trajs = []
     for i, seq in enumerate(SEQS):
         n = len(seq) - 2
-        routes = None if routes_per_row is None else routes_per_row[i]
+        routes = None if routes_per_row is None else routes_tensor(routes_per_row[i])
         trajs.append(Trajectory(f"t{i}", "g", seq[:2], seq[2:], [0.0] * n, [0] * n, [1] * n, routes=routes))
     return TrainBatch.from_trajectories(trajs, version=0)
 
@@ -155,12 +155,13 @@ def test_a_resubmitted_request_keeps_its_prefix_routes():
     t = Trajectory("t", "g", [1, 5], [])
     first = [[[0, 1]], [[1, 2]], [[2, 3]], []]  # prompt (2) + 2 generated; the last one was never fed back
     t.merge_routes(first)
-    assert t.routes == first
+    assert t.routes.dtype == torch.int16 and t.routes.tolist() == [[[0, 1]], [[1, 2]], [[2, 3]], [[-1, -1]]]
     # after the publish the engine re-prefills prompt + partial under the new weights, routing them differently,
     # and generates two more tokens
     again = [[[3, 0]], [[3, 1]], [[3, 2]], [[0, 3]], [[1, 3]], []]
     t.merge_routes(again)
-    assert t.routes == [[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]], [[1, 3]], []]
+    # the never-fed last token of the first request is filled in; the rest of the prefix keeps its routes
+    assert t.routes.tolist() == [[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]], [[1, 3]], [[-1, -1]]]
     t.merge_routes(None)  # an engine that returned none changes nothing
     assert len(t.routes) == 6
 
@@ -183,7 +184,7 @@ def test_the_hf_engine_returns_its_routes_and_replaying_them_reproduces_logp_beh
     assert len(res.routes) == n and res.routes[-1] == [] and all(len(r) == LAYERS for r in res.routes[:-1])
     assert all(len(set(experts)) == K for r in res.routes[:-1] for experts in r)
     traj = Trajectory("r", "g", [1, 5, 6, 7], res.output_ids, res.logp_behav, res.versions,
-                      [1] * len(res.output_ids), routes=res.routes)
+                      [1] * len(res.output_ids), routes=routes_tensor(res.routes))
     batch = TrainBatch.from_trajectories([traj], version=0)
     assert batch.routes.shape == (1, n - 1, LAYERS, K) and batch.routes.dtype == torch.int16
     logp = trainer.logprobs(batch)[0, 3:n - 1]
@@ -214,7 +215,7 @@ def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
     expected = trainer.logprobs(batch_of(routes))
     # the job of the first row's second segment (response tokens 3..6), with the routes up to its end
     job = {"traj_id": "t0", "start": 3, "end": 6, "version": 0, "prompt_ids": SEQS[0][:2],
-           "response_ids": SEQS[0][2:8], "routes": routes[0][:8]}
+           "response_ids": SEQS[0][2:8], "routes": routes_tensor(routes[0][:8])}
     (_, start, end, logps), = _score(trainer, [job])
     assert (start, end) == (3, 6)
     assert torch.allclose(torch.tensor(logps), expected[0, 1 + 3:1 + 6], atol=1e-6)
@@ -249,5 +250,5 @@ def test_live_routes_are_the_routers_own_choices(moe):
 
 
 def test_routes_survive_a_checkpoint_of_the_trajectory():
-    t = Trajectory("t", "g", [1, 5], [6], [0.0], [0], [1], routes=[[[0, 1]], [[2, 3]], []])
-    assert Trajectory.from_dict(t.to_dict()).routes == t.routes
+    t = Trajectory("t", "g", [1, 5], [6], [0.0], [0], [1], routes=routes_tensor([[[0, 1]], [[2, 3]], []]))
+    assert torch.equal(Trajectory.from_dict(t.to_dict()).routes, t.routes)
