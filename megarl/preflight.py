@@ -160,14 +160,13 @@ def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:
     if not is_moe(hf):
         raise ConfigError(f"rollout.routing_replay=true needs an MoE model; {cfg.model.checkpoint} is dense "
                           f"(its config.json names no experts): set rollout.routing_replay=false")
-    unwired = {"rollout.backend=vllm": cfg.rollout.backend == "vllm",
-               f"parallel.tp={cfg.parallel.tp}": cfg.parallel.tp > 1,
+    unwired = {f"parallel.tp={cfg.parallel.tp}": cfg.parallel.tp > 1,
                f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1,
                "recovery.name=dedicated": cfg.recovery.name == "dedicated"}
     for setting, hit in unwired.items():
         if hit:
             raise ConfigError(f"rollout.routing_replay=true with {setting} is not supported yet: routes are "
-                              f"recorded by the hf engine and replayed by one trainer rank without tensor "
+                              f"replayed by one trainer rank without tensor "
                               f"parallelism, and they do not reach the dedicated scorer; use rollout.backend=hf, "
                               f"tp=1, one trainer rank and another strategy, or rollout.routing_replay=false")
 

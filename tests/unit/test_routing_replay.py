@@ -198,8 +198,9 @@ def test_routing_replay_is_refused_where_it_is_not_wired():
     moe_hf = {"model_type": "qwen3_moe", "num_local_experts": 4}
     base = ["rollout.routing_replay=true", "rollout.backend=hf"]
     check_routing_replay(load_run_config(None, base), moe_hf)
+    check_routing_replay(load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=vllm"]), moe_hf)
     with pytest.raises(ConfigError, match="needs an MoE model"):
         check_routing_replay(load_run_config(None, base), {"model_type": "qwen3"})
-    for extra in ("rollout.backend=vllm", "parallel.tp=2", "recovery.name=dedicated"):
+    for extra in ("parallel.tp=2", "recovery.name=dedicated"):
         with pytest.raises(ConfigError, match=f"with {extra} is not supported yet"):
             check_routing_replay(load_run_config(None, [*base, extra]), moe_hf)
