@@ -51,7 +51,7 @@ from megarl.errors import EngineError, InputError
 from megarl.models.hf_config import is_moe
 from megarl.platform.amx import REQUEST_ENV, request_amx
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
-from megarl.rollout.vllm_routes import ROUTES_ARG, routes_from_rows, unpack_rows
+from megarl.rollout.vllm_routes import ROUTES_ARG, native_routes, routes_from_rows, unpack_rows
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -254,9 +254,11 @@ class VLLMEngine:
         if final is None:
             raise EngineError(f"vLLM returned no output for request {req.request_id}")
         result = self._to_result(req.request_id, final.outputs[0])
-        if routes is not None:
-            rows = final.outputs[0].routed_experts if routes == "native" else captured
-            result.routes = routes_from_rows(rows, len(req.prompt_ids) + len(result.output_ids))
+        n_positions = len(req.prompt_ids) + len(result.output_ids)
+        if routes == "native":
+            result.routes = native_routes(final.outputs[0].routed_experts, n_positions)
+        elif routes == "capture":
+            result.routes = routes_from_rows(captured, n_positions)
         return result
 
     def _to_result(self, request_id: str, c) -> GenerateResult:

@@ -10,7 +10,10 @@ of expert ids, row ``i`` for input position ``start + i`` of prompt + output;
   (uint8 with at most 256 experts, else uint16) covering positions
   ``routed_experts_prompt_start`` .. the one before the last token, which is
   never fed back. vLLM fills prefix-cached prompt positions from its own
-  store, and an aborted request returns the rows of the steps it ran.
+  store, and an aborted request returns the rows of the steps it ran; a
+  preempted request loses rows, and a result whose rows are not one per fed
+  position gets no routes (:func:`native_routes`; the caller counts it in
+  ``n_routes_missing``).
 - **Captured** (vLLM on CPU, whose build refuses the native output): megarl's
   worker extension hooks each MoE layer's router (the ``capture_fn`` vLLM's
   routers call with the top-k ids of every token row, before any expert-map
@@ -54,6 +57,14 @@ def routes_from_rows(rows, n_positions: int, start: int = 0) -> list[list[list[i
         if (row >= 0).all():
             routes[pos] = row.tolist()
     return routes
+
+
+def native_routes(rows, n_positions: int) -> list[list[list[int]]] | None:
+    """``GenerateResult.routes`` from vLLM's ``routed_experts`` (requested from position 0), or None when its
+    rows are not one per fed position (vLLM drops a preempted request's rows): they could not be placed."""
+    if rows is not None and len(rows) != n_positions - 1:
+        return None
+    return routes_from_rows(rows, n_positions)
 
 
 def pack_rows(rows: np.ndarray | None) -> tuple[list[int], bytes] | None:

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.vllm_routes import RouteRecorder, Span, pack_rows, routes_from_rows, split_step, unpack_rows
+from megarl.rollout.vllm_routes import (
+    RouteRecorder,
+    Span,
+    native_routes,
+    pack_rows,
+    routes_from_rows,
+    split_step,
+    unpack_rows,
+)
 
 
 def test_native_rows_become_per_position_routes():
@@ -24,6 +32,11 @@ def test_native_rows_become_per_position_routes():
     assert routes_from_rows(gap, 4) == [[[0, 1]], [], [[2, 3]], []]
     # rows past the last position (a token fed before an abort dropped its successor) are not kept
     assert routes_from_rows(gap, 2) == [[[0, 1]], []]
+    # vLLM's own output must hold one row per fed position; otherwise (a preempted request's lost rows) its
+    # rows cannot be placed and the request has no routes
+    assert native_routes(rows, 5) == routes
+    assert native_routes(rows[1:], 5) is None and native_routes(rows, 6) is None
+    assert native_routes(None, 3) == [[], [], []]  # aborted before its first step
 
 
 def test_a_step_with_one_request_in_prefill_and_one_decoding():
