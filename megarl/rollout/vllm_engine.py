@@ -231,8 +231,9 @@ class VLLMEngine:
 
         check_request(req, self.vocab_size)
         max_new = effective_max_new_tokens(req, self.max_model_len)
-        if max_new == 0:
-            return GenerateResult(req.request_id, [], [], [], "length")
+        if max_new == 0:  # nothing to generate, nothing routed (as the hf engine answers)
+            return GenerateResult(req.request_id, [], [], [], "length",
+                                  routes=[[] for _ in req.prompt_ids] if req.return_routes and self._moe else None)
         # vLLM needs unique ids among live requests; callers reuse theirs when resubmitting
         rid = f"{req.request_id}#{next(self._ids)}"
         routes = await self._routes_for(req)

@@ -105,23 +105,39 @@ def test_engines_start_for_routes_only_with_routing_replay_on_vllm():
     assert not wants_routed_experts(load_run_config(None, ["rollout.backend=vllm"]).rollout)
 
 
-def test_a_gpu_engine_started_without_routed_experts_refuses_a_request_for_routes(tmp_path):
-    import asyncio
+def _unstarted_engine(tmp_path, model: str):
+    """A VLLMEngine around no vLLM (what runs before vLLM is asked) on a tiny checkpoint."""
     from pathlib import Path
 
-    from megarl.errors import InputError
     from megarl.models.tiny import write_tiny_checkpoint
     from megarl.rollout.vllm_engine import VLLMEngine
     from megarl.rollout.weight_spec import read_config
+
+    ckpt = write_tiny_checkpoint(Path(__file__).resolve().parents[2] / f"configs/models/{model}.yaml",
+                                 tmp_path / model, seed=0)
+    return VLLMEngine(None, str(ckpt), read_config(ckpt), 0)
+
+
+def test_a_gpu_engine_started_without_routed_experts_refuses_a_request_for_routes(tmp_path):
+    import asyncio
+
+    from megarl.errors import InputError
     from megarl.types import GenerateRequest, SamplingParams
 
-    root = Path(__file__).resolve().parents[2] / "configs/models"
-    moe = write_tiny_checkpoint(root / "tiny_qwen3_moe.yaml", tmp_path / "moe", seed=0)
-    dense = write_tiny_checkpoint(root / "tiny_qwen3.yaml", tmp_path / "dense", seed=0)
     req = GenerateRequest("r", [1, 2], SamplingParams(), return_routes=True)
-    engine = VLLMEngine(None, str(moe), read_config(moe), 0)
+    engine = _unstarted_engine(tmp_path, "tiny_qwen3_moe")
     engine._routes_source = None  # what create leaves on GPU without routed_experts=True
     with pytest.raises(InputError, match="started without routed experts.*--routed-experts"):
         asyncio.run(engine._routes_for(req))
     # a dense model has no routes to give: the request is served without them
-    assert asyncio.run(VLLMEngine(None, str(dense), read_config(dense), 0)._routes_for(req)) is None
+    assert asyncio.run(_unstarted_engine(tmp_path, "tiny_qwen3")._routes_for(req)) is None
+
+
+def test_a_request_with_nothing_to_generate_routes_nothing(tmp_path):
+    # answered before vLLM is asked, as the hf engine answers it: every position without routes
+    import asyncio
+
+    from megarl.types import GenerateRequest, SamplingParams
+
+    nothing = GenerateRequest("f", [1, 2, 3], SamplingParams(max_new_tokens=0), return_routes=True)
+    assert asyncio.run(_unstarted_engine(tmp_path, "tiny_qwen3_moe").generate(nothing)).routes == [[], [], []]
