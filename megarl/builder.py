@@ -40,7 +40,7 @@ from megarl.publish import make_publisher
 from megarl.resume import ResumePoint, restore
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
-from megarl.rollout.base import logprob_temperature
+from megarl.rollout.base import logprob_temperature, wants_routed_experts
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
 from megarl.rollout.supervisor import EngineSupervisor
 from megarl.run_log import RunLogger
@@ -131,8 +131,9 @@ class _EngineStarts:
         ro = self.cfg.rollout
         log_name = f"engine{i}.log" if not self.launches[i] else f"engine{i}.restart{self.launches[i]}.log"
         self.launches[i] += 1
+        routes = ["--routed-experts"] if wants_routed_experts(ro) else []
         return launch_engine_process(str(self.ckpt), ro.backend, ro.base_port + i if ro.base_port else None,
-                                     extra_args=["--dtype", self.cfg.engine_dtype],
+                                     extra_args=["--dtype", self.cfg.engine_dtype, *routes],
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
                                      cpu_cores=self.cfg.placement.cpu_affinity.engines,
                                      log_path=str(self.run_dir / log_name))

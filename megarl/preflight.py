@@ -160,13 +160,12 @@ def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:
     if not is_moe(hf):
         raise ConfigError(f"rollout.routing_replay=true needs an MoE model; {cfg.model.checkpoint} is dense "
                           f"(its config.json names no experts): set rollout.routing_replay=false")
-    unwired = {"rollout.backend=vllm": cfg.rollout.backend == "vllm",
-               f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1}
+    unwired = {f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1}
     for setting, hit in unwired.items():
         if hit:
             raise ConfigError(f"rollout.routing_replay=true with {setting} is not supported yet: routes are "
-                              f"recorded by the hf engine and replayed by one trainer rank so far; use "
-                              f"rollout.backend=hf and one trainer rank, or rollout.routing_replay=false")
+                              f"replayed by one trainer rank so far; use one trainer rank, or "
+                              f"rollout.routing_replay=false")
 
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:

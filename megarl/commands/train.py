@@ -12,7 +12,7 @@ import socket
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
 from megarl.launch.roles import RoleEnv, current_role
-from megarl.rollout.base import engine_options
+from megarl.rollout.base import engine_options, wants_routed_experts
 from megarl.rollout.engine_key import is_loopback
 from megarl.rollout.server import serve
 
@@ -65,9 +65,10 @@ def serve_role(cfg, role: RoleEnv) -> None:
         if tp and cfg.rollout.backend != "vllm":
             raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
                               f"(the hf engine runs one worker); set placement.engine_tp=1")
+        routes = {"routed_experts": True} if wants_routed_experts(cfg.rollout) else {}
         resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=engine_host(role), port=role.server_port,
-                          dtype=cfg.engine_dtype, **resources, **tp))
+                          dtype=cfg.engine_dtype, **resources, **tp, **routes))
         return
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 

@@ -179,6 +179,12 @@ def check_request(req: GenerateRequest, vocab_size: int) -> None:
                          f"(got {s.temperature}, {s.top_p}, {s.top_k})")
 
 
+def wants_routed_experts(rollout) -> bool:
+    """Whether engines start with vLLM's routed-experts output (``rollout``: the run's RolloutConfig): with
+    rollout.routing_replay on the vllm backend, whose GPU engines return MoE routes only when started for them."""
+    return rollout.routing_replay and rollout.backend == "vllm"
+
+
 def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: list[int] | tuple = ()) -> dict:
     """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``,
     ``placement.cpu_affinity.engines`` or the same-named command flags), so that no engine megarl starts depends

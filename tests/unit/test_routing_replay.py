@@ -199,10 +199,12 @@ def test_routing_replay_is_refused_where_it_is_not_wired():
     moe_hf = {"model_type": "qwen3_moe", "num_local_experts": 4}
     base = ["rollout.routing_replay=true", "rollout.backend=hf"]
     check_routing_replay(load_run_config(None, base), moe_hf)
+    check_routing_replay(load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=vllm"]), moe_hf)
     with pytest.raises(ConfigError, match="needs an MoE model"):
         check_routing_replay(load_run_config(None, base), {"model_type": "qwen3"})
     check_routing_replay(load_run_config(None, [*base, "recovery.name=dedicated", "parallel.tp=2"]), moe_hf)
-    for extra in ("rollout.backend=vllm", "placement.trainer_ranks=2"):
+    check_routing_replay(load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=vllm"]), moe_hf)
+    for extra in ("placement.trainer_ranks=2",):
         with pytest.raises(ConfigError, match=f"with {extra} is not supported yet"):
             check_routing_replay(load_run_config(None, [*base, extra]), moe_hf)
 
