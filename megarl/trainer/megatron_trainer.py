@@ -377,9 +377,9 @@ class MegatronTrainer:
         the optimizer is left as it is (a scorer of old versions has none)."""
         load_hf_weights(self.model, ckpt_dir, self.hf_config, self.config)
 
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, *, to_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (HF name, full tensor); a collective every rank must consume (see bridge.export_hf_weights)."""
-        return export_hf_weights(self.model, self.hf_config, self.config)
+        return export_hf_weights(self.model, self.hf_config, self.config, to_host=to_host)
 
     def save_hf_checkpoint(self, out_dir: str):
         """Write an HF checkpoint (config.json + model.safetensors) of the current weights; rank 0 writes."""
