@@ -7,7 +7,9 @@ config and serves that role instead of training.
 from __future__ import annotations
 
 import asyncio
+import os
 
+from megarl import batch_invariant
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
 from megarl.launch.roles import RoleEnv, current_role
@@ -64,6 +66,7 @@ def serve_role(cfg, role: RoleEnv) -> None:
             raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
                               f"(the hf engine runs one worker); set placement.engine_tp=1")
         resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
+        os.environ.update(batch_invariant.engine_env(cfg))  # read by vLLM in this process and its engine core
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
                           dtype=cfg.engine_dtype, **resources, **tp))
         return

@@ -47,6 +47,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
 from megarl.models import routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
@@ -76,7 +77,7 @@ class MegatronTrainer:
                  grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
-                 sequence_parallel: bool = False, temperature: float = 1.0):
+                 sequence_parallel: bool = False, temperature: float = 1.0, batch_invariant: bool = False):
         if lr_decay not in LR_DECAY_STYLES:
             raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if lr_decay in ("linear", "cosine") and not total_steps:
@@ -103,6 +104,8 @@ class MegatronTrainer:
                                                  sequence_parallel=sequence_parallel)
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
+        if batch_invariant:  # rollout.batch_invariant (megarl/batch_invariant.py): before the model is built
+            enable_in_trainer(self.config)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.grad_clip = float(grad_clip)
         self._opt_args = dict(lr=lr, betas=betas, weight_decay=weight_decay, adam_eps=adam_eps, min_lr=min_lr,
