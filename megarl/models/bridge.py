@@ -15,7 +15,8 @@ The adaptations, each needed on megarl's stack:
   keeps ``pre_mlp_layernorm``, which mbridge's MoE mapping expects), and
   ``mlp.experts.local_experts.{e}.linear_fcN.weight`` (SequentialMLP,
   ``moe_grouped_gemm=False``) -> grouped ``mlp.experts.linear_fcN.weight{e}``.
-  Layer and expert indices become global (PP offset, EP offset) there too.
+  Layer and expert indices become global (PP offset, EP offset) there too,
+  the grouped experts' own ``weight{e}`` (TEGroupedMLP, ``moe_grouped_gemm``) included.
 * Config. mbridge builds its own TransformerConfig from the HF config and
   reads ``rope_theta`` as a top-level attribute (transformers 5 moved it into
   ``rope_parameters``) and sets ``moe_router_pre_softmax=False`` regardless of
@@ -56,6 +57,7 @@ from megarl.trainer.parallel import global_rank
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP: local index
 
 
 def _mbridge_class(hf: dict):
@@ -104,7 +106,10 @@ def canonical_name(local_name: str, *, moe: bool, layer_offset: dict[int, int] |
         name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
     e = _LOCAL_EXPERT.search(name)
     if e:
-        name = name[: e.start()] + f".mlp.experts.{e.group(2)}.weight{int(e.group(1)) + expert_offset}"
+        return name[: e.start()] + f".mlp.experts.{e.group(2)}.weight{int(e.group(1)) + expert_offset}"
+    g = _GROUPED_EXPERT.search(name)
+    if g and expert_offset:
+        name = name[: g.start()] + f".mlp.experts.{g.group(1)}.weight{int(g.group(2)) + expert_offset}"
     return name
 
 
