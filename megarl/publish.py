@@ -154,7 +154,7 @@ class BroadcastPublisher:
         tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
         await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}", hf)
         self._buckets = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
-        del tensors  # the buckets hold the only copy from here on
+        del tensors  # emptied by the packing: the buckets hold the only copy from here on
         self._ensure_sender()
 
     async def apply(self, version: int) -> dict:
@@ -251,7 +251,14 @@ class BroadcastPublisher:
 
 
 def _pack_shared(tensors: list, bucket_bytes: int) -> list:
-    return list(iter_buckets(tensors, bucket_bytes, share=True))
+    """The tensors packed into shared-memory buckets, emptying ``tensors`` as they are packed: host memory
+    holds one copy of the model plus one bucket at most, not two copies."""
+    def drain():
+        tensors.reverse()
+        while tensors:
+            yield tensors.pop()
+
+    return list(iter_buckets(drain(), bucket_bytes, share=True))
 
 
 def make_publisher(cfg, trainer, router, weights_dir: Path):

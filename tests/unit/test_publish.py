@@ -177,3 +177,21 @@ def test_a_sender_step_past_its_deadline_is_killed():
         sender.send(info, [], timeout_s=2.0).result(timeout=60)
     assert not sender.proc.is_alive() and sender.proc.exitcode == -9  # SIGKILL
     assert time.perf_counter() - t0 < 30
+
+
+def test_broadcast_prepare_packs_into_shared_buckets_without_a_second_copy(tmp_path):
+    """prepare() leaves the export in shared-memory buckets (the sender process reads them without a copy)
+    and empties the exported list as it packs, so host memory never holds the model twice."""
+    import torch
+
+    from megarl.publish import _pack_shared
+    from megarl.rollout.weight_sync import rows_bytes
+
+    tensors = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, 5)), ("c", torch.zeros(2, 2))]
+    buckets = _pack_shared(tensors, bucket_bytes=64)
+    assert tensors == []
+    assert [[row[0] for row in rows] for rows, _, _ in buckets] == [["a"], ["b"], ["c"]]  # 24, 60, 16 bytes
+    assert all(payload.is_shared() for _, _, payload in buckets)
+    assert [rows_bytes(rows) for rows, _, _ in buckets] == [24, 60, 16]
+    assert [payload.numel() for _, _, payload in buckets] == [32, 64, 16]  # each tensor 16-byte aligned
+    assert torch.equal(buckets[1][2][:60].view(torch.float32).reshape(3, 5), torch.ones(3, 5))
