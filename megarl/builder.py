@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megarl import batch_invariant
 from megarl.advantages import advantage_fn
 from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.checkpoint import Checkpointer, SingleRankStates, run_settings
@@ -92,7 +93,8 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path) -> MegatronTrainer:
                            lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
                            total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype,
                            sequence_parallel=cfg.parallel.sequence_parallel,
-                           temperature=logprob_temperature(cfg.rollout.temperature))
+                           temperature=logprob_temperature(cfg.rollout.temperature),
+                           batch_invariant=cfg.rollout.batch_invariant)
 
 
 def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
@@ -136,6 +138,7 @@ class _EngineStarts:
                                      extra_args=["--dtype", self.cfg.engine_dtype, *routes],
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
                                      cpu_cores=self.cfg.placement.cpu_affinity.engines,
+                                     env=batch_invariant.engine_env(self.cfg) or None,
                                      log_path=str(self.run_dir / log_name))
 
     async def started(self) -> list:

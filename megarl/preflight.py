@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl import batch_invariant
 from megarl.checkpoint import check_run_settings, find_latest_checkpoint, read_manifest
 from megarl.config import MegaRLConfig, save_config
 from megarl.cpu_affinity import check_affinity
@@ -151,6 +152,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"trainer cannot reproduce from full logits, so r_d is biased; set rollout.top_p=1 and "
                           f"rollout.top_k=-1, or loss.allow_truncated_sampling=true to train anyway")
     check_routing_replay(cfg, hf)
+    batch_invariant.check(cfg)
 
 
 def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:

@@ -12,7 +12,8 @@ weight-sync numbers, and the engines' own stall phases (``engine_abort_s``,
   HF checkpoint to ``weights/v{v}``, ``apply`` has every engine load it.
 * :class:`BroadcastPublisher` (``rollout.weight_sync=broadcast``): ``prepare``
   exports the HF tensors into memory, ``apply`` streams them to the engines
-  over a gloo/NCCL group (megarl/rollout/weight_sync.py) in
+  over a gloo/NCCL group (megarl/rollout/weight_sync.py), from a sender process
+  the trainer can kill (megarl/rollout/broadcast_sender.py), in
   ``rollout.bucket_mb`` buckets.
 
 Both leave ``weights/v{v}`` on disk for the published version: the
@@ -29,7 +30,6 @@ import concurrent.futures
 import logging
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -38,9 +38,9 @@ import torch
 from megarl.errors import EngineError
 from megarl.launch.roles import current_role
 from megarl.models.bridge import write_hf_checkpoint
+from megarl.rollout.broadcast_sender import SenderProcess
 from megarl.rollout.client import free_port
-from megarl.rollout.weight_spec import tensor_specs
-from megarl.rollout.weight_sync import WeightBroadcaster
+from megarl.rollout.weight_sync import WeightBroadcaster, iter_buckets, rows_bytes
 
 log = logging.getLogger("megarl.publish")
 
@@ -122,6 +122,11 @@ class BroadcastPublisher:
     engines load the disk copy instead, so the version still lands everywhere.
     ``timeout_s`` bounds each step of the group (joining, one bucket): an
     engine lost before it joined holds that publish up to this long.
+
+    The sending itself runs in a process of its own (megarl/rollout/broadcast_sender.py),
+    which holds the group's communicator: under NCCL a lost engine aborts that process, not
+    this one, and a step past its deadline gets it killed. ``prepare`` packs the export into
+    shared-memory buckets the sender reads without a copy, and starts the sender off the stall.
     """
 
     def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
@@ -137,35 +142,39 @@ class BroadcastPublisher:
         self.timeout_s = timeout_s
         self.n_groups = 0
         self.n_fallbacks = 0
-        self._tensors: list | None = None
-        self._group = None  # WeightBroadcaster
+        self._buckets: list | None = None  # (meta rows, meta bytes, payload) of the prepared version
+        self._group = None  # WeightBroadcaster naming the group; the sender process holds its communicator
         self._members: tuple | None = None  # the live engines the group was made for
-        self._sender: concurrent.futures.Future | None = None
+        self._broadcaster_cls = WeightBroadcaster  # what the sender makes its group with
+        self._proc: SenderProcess | None = None
+        self._sending: concurrent.futures.Future | None = None
 
     async def prepare(self, version: int) -> None:
-        self._tensors = None  # the previous version's export is not needed any more
+        self._buckets = None  # the previous version's export is not needed any more
         tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
         await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}", hf)
-        self._tensors = tensors
+        self._buckets = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
+        del tensors  # emptied by the packing: the buckets hold the only copy from here on
+        self._ensure_sender()
 
     async def apply(self, version: int) -> dict:
         """Send ``version``; returns the step record's ``weight_sync_bytes`` (0: no engine took the stream),
         ``weight_sync_groups`` (groups made so far), ``weight_sync_fallbacks`` (publishes that went by disk)
         and the engines' stall phases."""
-        tensors, self._tensors = self._tensors, None
-        if tensors is None:
+        buckets, self._buckets = self._buckets, None
+        if buckets is None:
             raise RuntimeError(f"BroadcastPublisher.apply({version}) without prepare({version})")
         current = self.weights_dir / f"v{version}"
         t0 = time.perf_counter()
-        self._sender = None
+        self._sending = None
+        specs = [(name, shape, dtype) for rows, _, _ in buckets for name, shape, dtype, _ in rows]
         try:
-            phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, tensors),
-                                                                     tensor_specs(tensors), version,
-                                                                     weights=(str(current), version))
-            stats = await self._sent()
+            phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, buckets),
+                                                                     specs, version, weights=(str(current), version))
+            stats = await self._sent(buckets)
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
-            self._drop_group()
+            self._abandon()
             self.n_fallbacks += 1
             phases = await self.router.update_weights_from_disk(str(current), version)
             stats = None
@@ -176,7 +185,7 @@ class BroadcastPublisher:
         return {"weight_sync_bytes": stats["bytes"] if stats else 0, "weight_sync_groups": self.n_groups,
                 "weight_sync_fallbacks": self.n_fallbacks, **(phases or {})}
 
-    def _open(self, members: list, tensors: list) -> dict | None:
+    def _open(self, members: list, buckets: list) -> dict | None:
         """Called by the router under its publish lock with the live engines; starts sending.
 
         ``members``: ``(index, incarnation, n_workers)`` of each engine; a group is
@@ -184,69 +193,72 @@ class BroadcastPublisher:
         """
         if not members:
             return None
+        self._ensure_sender()  # before the group: a sender that died took its group with it
         if self._group is None or tuple(members) != self._members:
-            self._drop_group()
+            # the sender leaves the old group when it is handed a new group id
             port = self.port if self.port and not self.n_groups else free_port(self.host)
             world = 1 + sum(n_workers for _, _, n_workers in members)
-            self._group = WeightBroadcaster(self.host, port, world, backend=self.backend, timeout_s=self.timeout_s)
+            self._group = self._broadcaster_cls(self.host, port, world, backend=self.backend,
+                                                timeout_s=self.timeout_s)
             self._members = tuple(members)
             self.n_groups += 1
             log.info("weight broadcast group %d: %s:%d, %d engine(s), world %d, %s", self.n_groups, self.host, port,
                      len(members), world, self._group.backend)
-        group = self._group
+        info = self._group.group_info()
+        self._sending = self._proc.send(info, [(bytes(meta.numpy()), payload) for _, meta, payload in buckets],
+                                        self.timeout_s)
+        return info
 
-        def send() -> dict:
-            try:
-                return group.broadcast(tensors, self.bucket_bytes)
-            except BaseException:
-                # a lost engine fails the send at once; closing the trainer's end makes the engines still
-                # receiving fail now too (they would otherwise wait for the next bucket until the timeout)
-                group.close()
-                raise
+    def _ensure_sender(self) -> None:
+        if self._proc is None or not self._proc.alive():
+            if self._proc is not None:
+                self._proc.kill()
+                self._group = self._members = None  # its group died with it
+            cuda = torch.cuda.is_available() and (self.backend or "nccl") == "nccl"
+            self._proc = SenderProcess(self._broadcaster_cls, torch.cuda.current_device() if cuda else None)
 
-        self._sender = _in_thread(send)
-        return group.group_info()
-
-    async def _sent(self) -> dict | None:
+    async def _sent(self, buckets: list) -> dict | None:
         """The sender's stats once every engine that answered has the whole stream.
 
         An engine returns only after the end marker, so once the router call
         succeeded the sender is done or still waits on an engine lost during
         this publish (restarted from the disk copy); that group is dropped.
         """
-        if self._sender is None:  # no live engine: restarted ones load the disk copy
+        if self._sending is None:  # no live engine: restarted ones load the disk copy
             return None
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._sender)), 5.0)
+            seconds = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._sending)), 5.0)
         except Exception as e:  # noqa: BLE001 - timed out or failed on a lost engine; the others are updated
             log.warning("weight broadcast to a lost engine did not complete (%s: %s); new group next publish",
                         type(e).__name__, e)
-            self._drop_group()
+            self._abandon()
             return None
+        return {"tensors": sum(len(rows) for rows, _, _ in buckets),
+                "bytes": sum(rows_bytes(rows) for rows, _, _ in buckets), "seconds": seconds}
 
-    def _drop_group(self) -> None:
-        group, sender = self._group, self._sender
+    def _abandon(self) -> None:
+        """Kill the sender (and with it the group): a lost engine's group is never reused."""
+        if self._proc is not None:
+            self._proc.kill()
+        self._proc = None
         self._group = self._members = None
-        if group is not None and (sender is None or sender.done()):
-            group.close()
-        # else: the sending thread still uses it; it ends at the group's timeout and the group with it
 
     def close(self) -> None:
-        self._drop_group()
+        if self._proc is not None:
+            self._proc.close()
+        self._proc = None
+        self._group = self._members = None
 
 
-def _in_thread(fn, *args) -> concurrent.futures.Future:
-    """Run ``fn`` in a daemon thread: one blocked on a lost engine must not hold up the process exit."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
+def _pack_shared(tensors: list, bucket_bytes: int) -> list:
+    """The tensors packed into shared-memory buckets, emptying ``tensors`` as they are packed: host memory
+    holds one copy of the model plus one bucket at most, not two copies."""
+    def drain():
+        tensors.reverse()
+        while tensors:
+            yield tensors.pop()
 
-    def run() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting publisher
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="megarl-weight-broadcast", daemon=True).start()
-    return fut
+    return list(iter_buckets(drain(), bucket_bytes, share=True))
 
 
 def make_publisher(cfg, trainer, router, weights_dir: Path):

@@ -7,8 +7,10 @@ config and serves that role instead of training.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
+from megarl import batch_invariant
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
 from megarl.launch.roles import RoleEnv, current_role
@@ -67,6 +69,7 @@ def serve_role(cfg, role: RoleEnv) -> None:
                               f"(the hf engine runs one worker); set placement.engine_tp=1")
         routes = {"routed_experts": True} if wants_routed_experts(cfg.rollout) else {}
         resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
+        os.environ.update(batch_invariant.engine_env(cfg))  # read by vLLM in this process and its engine core
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=engine_host(role), port=role.server_port,
                           dtype=cfg.engine_dtype, **resources, **tp, **routes))
         return

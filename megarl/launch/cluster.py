@@ -5,7 +5,8 @@ Sources, in the order :func:`detect` tries them:
 - simulated: ``--nodes N --gpus-per-node G`` (dry runs anywhere);
 - Slurm: ``SLURM_JOB_NODELIST`` (expanded by ``scontrol show hostnames`` when
   it is installed, else by :func:`expand_nodelist`), ``SLURM_NNODES``,
-  ``SLURM_GPUS_ON_NODE`` / ``SLURM_GPUS_PER_NODE``;
+  ``SLURM_GPUS_ON_NODE`` / ``SLURM_GPUS_PER_NODE``, the job's memory per node
+  (:func:`_slurm_mem_mb`);
 - inside an MPI job: ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_LOCAL_SIZE``;
 - inside a torchrun job: ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``;
 - this machine alone.
@@ -37,6 +38,9 @@ class Allocation:
     notes: tuple[str, ...] = field(default=())
     cpus_per_node: int | None = None
     """CPU cores per node when the source reports them (Slurm: SLURM_CPUS_ON_NODE)."""
+    mem_per_node_mb: int | None = None
+    """Host memory per node the job holds, MB (Slurm: SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU x cores, or
+    for a job that holds whole nodes without a memory request, 90% of this node's MemTotal)."""
 
     @property
     def n_nodes(self) -> int:
@@ -171,8 +175,28 @@ def from_slurm(env: dict[str, str] | None = None) -> Allocation | None:
     if n and n.isdigit() and int(n) != len(hosts):
         notes.append(f"SLURM_NNODES={n} but SLURM_JOB_NODELIST names {len(hosts)} hosts; using the host list")
     cpus = env.get("SLURM_CPUS_ON_NODE", "")
+    cpus_per_node = int(cpus) if cpus.isdigit() else None
     return Allocation(tuple(hosts), _slurm_gpus_per_node(env), "slurm", env.get("SLURM_JOB_ID", ""), tuple(notes),
-                      int(cpus) if cpus.isdigit() else None)
+                      cpus_per_node, _slurm_mem_mb(env, cpus_per_node))
+
+
+def _slurm_mem_mb(env: dict[str, str], cpus_per_node: int | None, meminfo: str = "/proc/meminfo") -> int | None:
+    """The job's memory per node in MB: what each srun step gets a share of (role_commands._slurm_mem).
+
+    A job without a memory request that holds whole nodes (``--exclusive``, as launch/slurm.sbatch asks)
+    reports none; it owns the node's memory then, read here on the batch host (one of the job's nodes,
+    which are alike), less 10% that Slurm keeps for the node itself (RealMemory is below MemTotal).
+    """
+    if env.get("SLURM_MEM_PER_NODE", "").isdigit():
+        return int(env["SLURM_MEM_PER_NODE"])
+    if env.get("SLURM_MEM_PER_CPU", "").isdigit() and cpus_per_node:
+        return int(env["SLURM_MEM_PER_CPU"]) * cpus_per_node
+    try:
+        with open(meminfo) as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kb * 9 // 10 // 1024
 
 
 def _from_world(world: int, local: int, first: str, source: str) -> Allocation:

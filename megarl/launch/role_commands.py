@@ -171,28 +171,51 @@ def _slurm_cpus(plan, gpus: int) -> list[str]:
     return [f"--cpus-per-task={max(1, cpus * gpus // G)}"]
 
 
+def _slurm_mem(plan, gpus: int) -> list[str]:
+    """A GPU step's share of the node's host memory. Without it a step asks for all of the job's memory on
+    its node, and a second step on that node (two engines, or an engine beside trainer ranks) waits for the
+    first to end wherever memory is a consumable resource."""
+    mem, G = plan.allocation.mem_per_node_mb, plan.allocation.gpus_per_node
+    if plan.device != "gpu" or not mem or not G:
+        return []
+    return [f"--mem={max(1, mem * gpus // G)}M"]
+
+
+def _node_rank_script(hosts, argv_before: list[str], argv_after: list[str]) -> str:
+    """``bash -c`` text that runs torchrun with this node's rank in ``hosts`` as ``--node-rank``.
+
+    The rank comes from the Slurm node name (SLURMD_NODENAME), so node rank 0, where trainer rank 0 (the
+    controller) runs, is ``hosts[0]``: the host the rendezvous and the engines' weight broadcast address
+    name. torchrun's c10d rendezvous would order nodes its own way (sorted host names), not the plan's.
+    """
+    cases = " ".join(f"{shlex.quote(h)}) r={i};;" for i, h in enumerate(hosts))
+    return (f'case "$SLURMD_NODENAME" in {cases} *) echo "megarl: node $SLURMD_NODENAME is not a trainer host '
+            f'({",".join(hosts)})" >&2; exit 1;; esac; exec {shlex.join(argv_before)} --node-rank="$r" '
+            f"{shlex.join(argv_after)}")
+
+
 def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
     t = plan.trainer
     gpu = plan.device == "gpu"
-    job = plan.allocation.job_id or "dryrun"
     env = role_env(plan, "trainer", set_visible_devices=False)
     srun = ["srun", f"--nodes={len(t.hosts)}", f"--ntasks={len(t.hosts)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(t.hosts)}", *([f"--gres=gpu:{t.ranks_per_node}"] if gpu else []),
-            *_slurm_cpus(plan, t.ranks_per_node),
+            *_slurm_cpus(plan, t.ranks_per_node), *_slurm_mem(plan, t.ranks_per_node),
             "--exact", "--kill-on-bad-exit=1", "--job-name=megarl-trainer"]
-    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(t.hosts)}",
-                f"--nproc-per-node={t.ranks_per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}",
-                f"--rdzv-id=megarl-{job}"]
-    out = [RoleCommand("trainer", "trainer", "", tuple(srun + _env_prefix(env) + torchrun
-                                                       + _entry(plan, python, check=check, module_flag=True)), False)]
+    # static node ranks: rank 0 on the plan's first trainer host, where MASTER_ADDR and the engines point
+    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(t.hosts)}"]
+    rest = [f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}",
+            f"--nproc-per-node={t.ranks_per_node}", *_entry(plan, python, check=check, module_flag=True)]
+    out = [RoleCommand("trainer", "trainer", "", tuple(srun + _env_prefix(env)
+                                                       + ["bash", "-c", _node_rank_script(t.hosts, torchrun, rest)]),
+                       False)]
     if check:
         return out
     for s in plan.servers:
         if s.spawned:
             continue
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *([f"--gres=gpu:{s.tp}"] if gpu else []),
-                *_slurm_cpus(plan, s.tp),
+                *_slurm_cpus(plan, s.tp), *_slurm_mem(plan, s.tp),
                 "--exact", f"--job-name=megarl-{s.name}"]
         prog = _entry(plan, python, check=False)
         env = role_env(plan, s.role, s, set_visible_devices=False)

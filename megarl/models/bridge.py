@@ -15,7 +15,8 @@ The adaptations, each needed on megarl's stack:
   keeps ``pre_mlp_layernorm``, which mbridge's MoE mapping expects), and
   ``mlp.experts.local_experts.{e}.linear_fcN.weight`` (SequentialMLP,
   ``moe_grouped_gemm=False``) -> grouped ``mlp.experts.linear_fcN.weight{e}``.
-  Layer and expert indices become global (PP offset, EP offset) there too.
+  Layer and expert indices become global (PP offset, EP offset) there too,
+  the grouped experts' own ``weight{e}`` (TEGroupedMLP, ``moe_grouped_gemm``) included.
 * Config. mbridge builds its own TransformerConfig from the HF config and
   reads ``rope_theta`` as a top-level attribute (transformers 5 moved it into
   ``rope_parameters``) and sets ``moe_router_pre_softmax=False`` regardless of
@@ -56,6 +57,7 @@ from megarl.trainer.parallel import global_rank
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP: local index
 
 
 def _mbridge_class(hf: dict):
@@ -104,7 +106,10 @@ def canonical_name(local_name: str, *, moe: bool, layer_offset: dict[int, int] |
         name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
     e = _LOCAL_EXPERT.search(name)
     if e:
-        name = name[: e.start()] + f".mlp.experts.{e.group(2)}.weight{int(e.group(1)) + expert_offset}"
+        return name[: e.start()] + f".mlp.experts.{e.group(2)}.weight{int(e.group(1)) + expert_offset}"
+    g = _GROUPED_EXPERT.search(name)
+    if g and expert_offset:
+        name = name[: g.start()] + f".mlp.experts.{g.group(1)}.weight{int(g.group(2)) + expert_offset}"
     return name
 
 
@@ -230,7 +235,8 @@ def _meta(canon: str, param, tied: bool) -> dict:
 
 
 @torch.no_grad()
-def export_hf_weights(model_chunks, hf: dict, config=None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model_chunks, hf: dict, config=None, *,
+                      to_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(hf_name, full tensor)`` pairs of the whole model, on EVERY rank.
 
     A collective: every rank of the job must consume the iterator to the end,
@@ -240,6 +246,9 @@ def export_hf_weights(model_chunks, hf: dict, config=None) -> Iterator[tuple[str
     converted to HF layout by mbridge and yielded as a contiguous CPU tensor,
     one parameter at a time (peak extra memory: one full parameter).
     With tied embeddings the last stage's ``output_layer`` copy is not yielded.
+    ``to_host=False``: the tensors stay where the model is and are not copied (an unsharded one is the
+    parameter's own storage, valid until the next optimizer step): for ranks that only take part in the
+    gathers, and for a consumer that packs them on the device itself.
     """
     from megatron.core import parallel_state as ps
 
@@ -265,7 +274,7 @@ def export_hf_weights(model_chunks, hf: dict, config=None) -> Iterator[tuple[str
                 dist.broadcast(tensor, src=src, group=pp_group)
             if meta["skip"]:
                 continue
-            yield from _gather_and_convert(bridge, meta, tensor, r, n_local_experts)
+            yield from _gather_and_convert(bridge, meta, tensor, r, n_local_experts, to_host)
 
 
 def _gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
@@ -276,7 +285,7 @@ def _gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
     return parts
 
 
-def _gather_and_convert(bridge, meta: dict, tensor: torch.Tensor, r: dict, n_local_experts: int):
+def _gather_and_convert(bridge, meta: dict, tensor: torch.Tensor, r: dict, n_local_experts: int, to_host: bool):
     from megatron.core import parallel_state as ps
 
     name = meta["name"]
@@ -295,7 +304,7 @@ def _gather_and_convert(bridge, meta: dict, tensor: torch.Tensor, r: dict, n_loc
         merged = bridge._weight_merge_across_tp(full_name, shards, like) if size > 1 else shards[0]
         hf_names, hf_tensors = bridge._weight_to_hf_format(full_name, merged)
         for hf_name, hf_tensor in zip(hf_names, hf_tensors):
-            yield hf_name, hf_tensor.detach().to("cpu").contiguous().clone()
+            yield hf_name, hf_tensor.detach().to("cpu").contiguous().clone() if to_host else hf_tensor.detach()
 
 
 def save_hf_checkpoint(model_chunks, out_dir: str | os.PathLike, hf: dict, config=None) -> Path | None:
@@ -307,8 +316,8 @@ def save_hf_checkpoint(model_chunks, out_dir: str | os.PathLike, hf: dict, confi
     """
     rank = global_rank()
     tensors = {}
-    for name, tensor in export_hf_weights(model_chunks, hf, config):
-        if rank == 0:  # the others only take part in the gathers
+    for name, tensor in export_hf_weights(model_chunks, hf, config, to_host=rank == 0):
+        if rank == 0:  # the others only take part in the gathers, without host copies
             tensors[name] = tensor
     if rank == 0:
         write_hf_checkpoint(tensors, out_dir, hf)

@@ -86,14 +86,14 @@ class WeightBroadcaster:
     """
 
     def __init__(self, host: str, port: int, world_size: int, backend: str | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, group_id: str | None = None) -> None:
         if world_size < 2:
             raise EngineError(f"weight broadcast needs world_size >= 2 (trainer + engines), got {world_size}")
         self.host, self.port, self.world_size = host, port, world_size
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
         # lets engines tell a new group on a reused port from the one they joined before
-        self.group_id = uuid.uuid4().hex
+        self.group_id = group_id or uuid.uuid4().hex
         self._pg = self._store = None
         self.device = None
 
@@ -116,34 +116,26 @@ class WeightBroadcaster:
         """Send every tensor, in order, then the end marker; returns {tensors, bytes, seconds}."""
         t0, n_tensors, n_bytes = time.perf_counter(), 0, 0
         self.connect()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in named_tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                self._send_bucket(bucket)
-                bucket, size = [], 0
-            bucket.append((name, tensor.detach()))
-            size += nbytes + _ALIGN
-            n_tensors, n_bytes = n_tensors + 1, n_bytes + nbytes
-        if bucket:
-            self._send_bucket(bucket)
-        _bcast(self._pg, torch.zeros(2, dtype=torch.int64, device=self.device))
+        for rows, meta, payload in iter_buckets(named_tensors, bucket_bytes, self.device):
+            self.send_bucket(meta, payload)
+            n_tensors, n_bytes = n_tensors + len(rows), n_bytes + rows_bytes(rows)
+        self.end_stream()
         return {"tensors": n_tensors, "bytes": n_bytes, "seconds": time.perf_counter() - t0}
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        meta, offset = [], 0
-        for name, t in bucket:
-            meta.append([name, list(t.shape), dtype_name(t.dtype), offset])
-            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        payload = torch.empty(offset, dtype=torch.uint8, device=self.device)
-        for (_name, t), (_, _, _, off) in zip(bucket, meta):
-            flat = t.contiguous().reshape(-1).view(torch.uint8)
-            payload[off:off + flat.numel()].copy_(flat)
-        meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)
-        _bcast(self._pg, torch.tensor([offset, meta_bytes.numel()], dtype=torch.int64, device=self.device))
-        _bcast(self._pg, meta_bytes)
+    def send_bucket(self, meta: torch.Tensor, payload: torch.Tensor) -> None:
+        """One packed bucket (see :func:`iter_buckets`); on CUDA, returns once the bucket has left this GPU."""
+        meta, payload = meta.to(self.device), payload.to(self.device)
+        _bcast(self._pg, torch.tensor([payload.numel(), meta.numel()], dtype=torch.int64, device=self.device))
+        _bcast(self._pg, meta)
         _bcast(self._pg, payload)
+        if self.device.type == "cuda":
+            # NCCL's wait() only orders the stream: without this, timing and progress would mean nothing
+            torch.cuda.synchronize(self.device)
+
+    def end_stream(self) -> None:
+        _bcast(self._pg, torch.zeros(2, dtype=torch.int64, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         if self._pg is None:
@@ -153,6 +145,54 @@ class WeightBroadcaster:
         except Exception:  # already torn down by a failed peer; nothing left to release
             pass
         self._pg = self._store = None
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 device=None, share: bool = False) -> Iterator[tuple[list, torch.Tensor, torch.Tensor]]:
+    """Pack tensors into buckets of at most ``bucket_bytes``: ``(meta rows, meta bytes, payload)`` each.
+
+    One tensor larger than ``bucket_bytes`` gets a bucket of its own. ``device``: where each payload is
+    assembled (None: where the first tensor of the bucket lives), so a GPU trainer packs on its GPU.
+    ``share``: host payloads go to shared memory as they are made, so handing them to another
+    process (megarl/rollout/broadcast_sender.py) copies nothing.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield _pack(bucket, device, share)
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes + _ALIGN
+    if bucket:
+        yield _pack(bucket, device, share)
+
+
+def _pack(bucket: list[tuple[str, torch.Tensor]], device, share: bool) -> tuple[list, torch.Tensor, torch.Tensor]:
+    meta, offset = [], 0
+    for name, t in bucket:
+        meta.append([name, list(t.shape), dtype_name(t.dtype), offset])
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    payload = torch.empty(offset, dtype=torch.uint8, device=device if device is not None else bucket[0][1].device)
+    if share and payload.device.type == "cpu":
+        payload.share_memory_()  # still empty: nothing to copy yet
+    for (_name, t), (_, _, _, off) in zip(bucket, meta):
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        payload[off:off + flat.numel()].copy_(flat)
+    meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+    return meta, meta_bytes, payload
+
+
+def rows_bytes(meta: list) -> int:
+    """The tensors' bytes in a bucket's meta rows (without alignment padding)."""
+    total = 0
+    for _name, shape, dtype, _offset in meta:
+        numel = 1
+        for s in shape:
+            numel *= s
+        total += numel * getattr(torch, dtype).itemsize
+    return total
 
 
 def receive_named_tensors(pg, device) -> Iterator[tuple[str, torch.Tensor]]:

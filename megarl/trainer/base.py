@@ -31,8 +31,9 @@ class TrainerProtocol(Protocol):
     def train_step(self, batch: TrainBatch, loss_fn: Callable[..., Any]) -> dict[str, float]:
         """One optimizer step on ``batch`` (``skipped`` = 1.0 in the metrics when none was applied)."""
 
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of every weight; a collective: consume it to the end."""
+    def export_hf_weights(self, *, to_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight; a collective: consume it to the end.
+        ``to_host=False``: left where the model is, uncopied."""
 
     def exported_hf_config(self) -> dict:
         """config.json of the exported weights (their dtype included)."""

@@ -47,6 +47,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
 from megarl.models import routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
@@ -76,7 +77,7 @@ class MegatronTrainer:
                  grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
-                 sequence_parallel: bool = False, temperature: float = 1.0):
+                 sequence_parallel: bool = False, temperature: float = 1.0, batch_invariant: bool = False):
         if lr_decay not in LR_DECAY_STYLES:
             raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if lr_decay in ("linear", "cosine") and not total_steps:
@@ -103,6 +104,8 @@ class MegatronTrainer:
                                                  sequence_parallel=sequence_parallel)
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
+        if batch_invariant:  # rollout.batch_invariant (megarl/batch_invariant.py): before the model is built
+            enable_in_trainer(self.config)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.grad_clip = float(grad_clip)
         self._opt_args = dict(lr=lr, betas=betas, weight_decay=weight_decay, adam_eps=adam_eps, min_lr=min_lr,
@@ -378,9 +381,9 @@ class MegatronTrainer:
         the optimizer is left as it is (a scorer of old versions has none)."""
         load_hf_weights(self.model, ckpt_dir, self.hf_config, self.config)
 
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, *, to_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (HF name, full tensor); a collective every rank must consume (see bridge.export_hf_weights)."""
-        return export_hf_weights(self.model, self.hf_config, self.config)
+        return export_hf_weights(self.model, self.hf_config, self.config, to_host=to_host)
 
     def save_hf_checkpoint(self, out_dir: str):
         """Write an HF checkpoint (config.json + model.safetensors) of the current weights; rank 0 writes."""

@@ -319,7 +319,7 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
         elif kind == "save_hf_checkpoint":
             trainer.save_hf_checkpoint(event[1])
         elif kind == "export_hf_weights":
-            for _ in trainer.export_hf_weights():
+            for _ in trainer.export_hf_weights(to_host=False):  # only the gathers: no host copy to discard
                 pass
         elif kind == "save_state":
             _run_on_all(channel, lambda path=event[1]: save_rank_state(path, trainer, strategy.state_dict()))

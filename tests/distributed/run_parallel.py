@@ -83,8 +83,10 @@ def run_mode(mode: str, ckpts: dict, out: Path) -> None:
     result["logprobs"] = trainer.logprobs(batch).tolist()
     reference = load_file(os.path.join(ckpts[model], "model.safetensors"))
     exported = dict(trainer.export_hf_weights())
-    result["export_exact"] = (set(exported) == set(reference)
-                              and all(torch.equal(exported[k], reference[k]) for k in reference))
+    kept = dict(trainer.export_hf_weights(to_host=False))  # what follower ranks take part in: no host copies
+    result["export_exact"] = (set(exported) == set(reference) == set(kept)
+                              and all(torch.equal(exported[k], reference[k]) for k in reference)
+                              and all(torch.equal(kept[k], reference[k]) for k in reference))
     result["metrics"] = trainer.train_step(batch, nll_loss)
     result["logprobs_after"] = trainer.logprobs(batch).tolist()
     result["version"] = trainer.version

@@ -72,17 +72,19 @@ def test_launch_dry_run_json_and_errors():
 def test_slurm_sbatch_dry_run_without_slurm():
     p = run(["bash", "launch/slurm.sbatch", "--dry-run", "--config", CFG_30B])
     assert p.returncode == 0, p.stderr
-    assert "no allocation found: simulated the 4 node(s)" in p.stdout and "--rdzv-id=megarl-dryrun" in p.stdout
+    assert "no allocation found: simulated the 4 node(s)" in p.stdout
+    assert 'node01) r=0;; node02) r=1;;' in p.stdout and "--master-addr=node01 --master-port=29500" in p.stdout
     # inside a (pretend) allocation: hosts, job id and cores come from Slurm's variables
     p = run(["bash", "launch/slurm.sbatch", "--dry-run", "--config", CFG_30B, "--recovery", "ewma"],
             SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[101-104]", SLURM_NNODES="4", SLURM_GPUS_ON_NODE="8",
-            SLURM_CPUS_ON_NODE="96", SLURM_SUBMIT_DIR=str(ROOT), PATH=os.environ["PATH"] + ":/nonexistent")
+            SLURM_CPUS_ON_NODE="96", SLURM_MEM_PER_NODE="1024000", SLURM_SUBMIT_DIR=str(ROOT),
+            PATH=os.environ["PATH"] + ":/nonexistent")
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "slurm job 4242: 4 node(s) x 8 GPUs (gpu[101-104])" in out
-    assert "--nodelist=gpu101,gpu102 --gres=gpu:8 --cpus-per-task=96" in out
-    assert "--rdzv-endpoint=gpu101:29500 --rdzv-id=megarl-4242" in out
-    assert "--nodelist=gpu104 --gres=gpu:4 --cpus-per-task=48" in out
+    assert "--nodelist=gpu101,gpu102 --gres=gpu:8 --cpus-per-task=96 --mem=1024000M" in out
+    assert "--master-addr=gpu101 --master-port=29500" in out
+    assert "--nodelist=gpu104 --gres=gpu:4 --cpus-per-task=48 --mem=512000M" in out
     assert "recovery.name=ewma" in out
 
 

@@ -53,6 +53,9 @@ def test_local_spec_names_become_mbridge_names():
     for name in ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
                  "decoder.layers.0.mlp.experts.linear_fc1.weight2"):
         assert canonical_name(name, moe=True) == name
+    # grouped experts (TEGroupedMLP, moe_grouped_gemm=True) are numbered per EP rank too: global = offset + local
+    assert canonical_name("decoder.layers.0.mlp.experts.linear_fc1.weight2", moe=True, expert_offset=4) == \
+        "decoder.layers.0.mlp.experts.linear_fc1.weight6"
 
 
 def test_dense_layer_names(megatron):

@@ -174,8 +174,8 @@ def test_commands_per_launcher():
     assert [c.name for c in slurm] == ["trainer", "engine0", "engine1", "engine2", "engine3"]
     tr = slurm[0].shell()
     for piece in ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=g1,g2 --gres=gpu:8 --cpus-per-task=96",
-                  "MEGARL_ENGINE_ADDRS=g3:8100,g3:8101,g4:8100,g4:8101", "--rdzv-endpoint=g1:29500",
-                  "--rdzv-id=megarl-42", "--nnodes=2 --nproc-per-node=8"):
+                  "MEGARL_ENGINE_ADDRS=g3:8100,g3:8101,g4:8100,g4:8101", "--master-addr=g1 --master-port=29500",
+                  '--nnodes=2 --node-rank="$r"', "--nproc-per-node=8"):
         assert piece in tr
     assert "--nodelist=g3 --gres=gpu:4 --cpus-per-task=48" in slurm[1].shell()
     assert "MEGARL_WEIGHT_SYNC_RANK=5" in slurm[2].shell() and slurm[2].server
@@ -187,9 +187,48 @@ def test_commands_per_launcher():
     assert "-n 16" in mpi[0].shell() and "--host g1:8,g2:8" in mpi[0].shell()
     assert "MASTER_PORT=29500" in mpi[0].shell()
     check = render(plan, "slurm", python="py", bootstrap_check=True)
-    assert len(check) == 1 and check[0].argv[-1] == "megarl.launch.rendezvous_check"
+    assert len(check) == 1 and check[0].argv[-1].endswith(" -m megarl.launch.rendezvous_check")
     with pytest.raises(ConfigError, match="launcher 'ssh'"):
         render(plan, "ssh", python="py")
+
+
+def test_slurm_trainer_node_rank_follows_the_plan_not_sorted_host_names():
+    """Slurm's node order is not sorted by name (here gpu-b before gpu-a); node rank 0 (the controller, where
+    MASTER_ADDR and MEGARL_WEIGHT_SYNC_ADDR point) must be the plan's first trainer host on every node."""
+    import os
+    import subprocess
+
+    alloc = cluster.from_slurm({"SLURM_JOB_NODELIST": "gpu-b,gpu-a,gpu-c,gpu-d", "SLURM_GPUS_ON_NODE": "8",
+                                "SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "96", "SLURM_MEM_PER_NODE": "1024000"})
+    plan = plan_for(CFG_30B, alloc=alloc)
+    trainer = render(plan, "slurm", python="echo")[0]
+    assert plan.master_addr == "gpu-b" and "MEGARL_WEIGHT_SYNC_ADDR=gpu-b:29600" in trainer.argv
+    bash = trainer.argv.index("bash")
+    assert trainer.argv[bash + 1] == "-c"
+    for node, rank in (("gpu-b", 0), ("gpu-a", 1)):
+        out = subprocess.run(["bash", "-c", trainer.argv[bash + 2]], capture_output=True, text=True,
+                             env={**os.environ, "SLURMD_NODENAME": node})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[:8] == ["-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                                          "--master-addr=gpu-b", "--master-port=29500", "--nproc-per-node=8", "-m"]
+    out = subprocess.run(["bash", "-c", trainer.argv[bash + 2]], capture_output=True, text=True,
+                         env={**os.environ, "SLURMD_NODENAME": "gpu-c"})
+    assert out.returncode == 1 and "node gpu-c is not a trainer host (gpu-b,gpu-a)" in out.stderr
+
+
+def test_slurm_steps_take_a_share_of_the_node_memory():
+    """Every srun step asks for its GPUs' share of the job's memory per node, so two engine steps on one node
+    do not each ask for all of it (the second would wait for the first to end)."""
+    env = {"SLURM_JOB_NODELIST": "g[1-4]", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "96"}
+    assert cluster.from_slurm({**env, "SLURM_MEM_PER_NODE": "1024000"}).mem_per_node_mb == 1024000
+    assert cluster.from_slurm({**env, "SLURM_MEM_PER_CPU": "8000"}).mem_per_node_mb == 96 * 8000
+    assert cluster._slurm_mem_mb({}, None, meminfo="/nonexistent") is None
+    cmds = render(plan_for(CFG_30B, alloc=cluster.from_slurm({**env, "SLURM_MEM_PER_NODE": "1024000"})), "slurm",
+                  python="py")
+    assert "--gres=gpu:8 --cpus-per-task=96 --mem=1024000M --exact" in cmds[0].shell()
+    engines = [c for c in cmds if c.role == "engine"]
+    assert [c.shell().count("--nodelist=g3 --gres=gpu:4 --cpus-per-task=48 --mem=512000M --exact")
+            for c in engines] == [1, 1, 0, 0]
 
 
 # -- misfits, with their numbers --------------------------------------------------------------------

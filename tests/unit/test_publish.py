@@ -58,59 +58,69 @@ def engine_matches(ckpt: Path, res) -> float:
     return float((ref - torch.tensor(res.logp_behav)).abs().max())
 
 
-def test_broadcast_failing_mid_publish_falls_back_to_the_disk_copy(tmp_path, monkeypatch):
-    """A real HF engine process; the trainer's send fails after the engine joined the group.
+def test_engine_lost_mid_publish_under_nccl_semantics_leaves_the_trainer_alive(tmp_path, monkeypatch):
+    """Real HF engine processes; one is killed after the first bucket, and the sending side then fails
+    the way NCCL does (its process ends, no ``except`` runs: broadcast_faults.WatchdogBroadcaster).
 
-    The engine learns it at once (the trainer closes its end; no wait for the
-    group's timeout), the publish still lands by the disk copy, and the next
-    publish makes a new group the same engine joins.
+    The trainer (this process) survives; the surviving engine learns at once (the sender's sockets
+    close with it; no wait for the group's timeout) and loads the disk copy, the killed one restarts
+    from it; the next publish makes a new group both engines join.
     """
+    from broadcast_faults import KILL_ENV, WatchdogBroadcaster
+
+    import megarl.publish
     from megarl.models.tiny import write_tiny_checkpoint
     from megarl.rollout.client import launch_engine_process
     from megarl.rollout.supervisor import EngineSupervisor
-    from megarl.rollout.weight_sync import WeightBroadcaster
 
     model = REPO / "configs/models/tiny_qwen3.yaml"
     base, other = (write_tiny_checkpoint(model, tmp_path / name, seed=seed) for name, seed in (("v0", 0), ("v1", 1)))
-    proc, client = launch_engine_process(str(base), "hf", log_path=str(tmp_path / "engine.log"))
-    send_bucket = WeightBroadcaster._send_bucket
 
-    def failing_send(self, bucket):
-        raise RuntimeError("trainer-side failure")
+    def launch(i: int):
+        return launch_engine_process(str(base), "hf", log_path=str(tmp_path / f"engine{i}.log"))
+
+    engines = [launch(0), launch(1)]
+    monkeypatch.setenv(KILL_ENV, f"{engines[0][0].pid}:{tmp_path / 'killed'}")
+    monkeypatch.setattr(megarl.publish, "WeightBroadcaster", WatchdogBroadcaster)
 
     async def main():
-        sup = EngineSupervisor([(proc, client)], launch=None, weights=(str(base), 0))
+        sup = EngineSupervisor(engines, launch=launch, weights=(str(base), 0))
         await sup.start()
         weights_dir = tmp_path / "weights"
-        pub = BroadcastPublisher(CheckpointExporter(Path(other)), sup, weights_dir, bucket_mb=1, timeout_s=60)
+        pub = BroadcastPublisher(CheckpointExporter(Path(other)), sup, weights_dir, timeout_s=60)
+        pub.bucket_bytes = 16 << 10  # several buckets for the tiny model, so the engine dies mid-stream
         try:
-            monkeypatch.setattr(WeightBroadcaster, "_send_bucket", failing_send)
             await pub.prepare(1)
+            assert len(pub._buckets) >= 3
             t0 = time.perf_counter()
             first = await pub.apply(1)
             fallback_s = time.perf_counter() - t0
             sync = {k: v for k, v in first.items() if k.startswith("weight_sync")}
             assert sync == {"weight_sync_bytes": 0, "weight_sync_groups": 1, "weight_sync_fallbacks": 1}
-            assert first["engine_reload_s"] > 0  # the stall phases of the disk load that replaced the broadcast
-            res1 = await sup.generate(REQUEST)
-            monkeypatch.setattr(WeightBroadcaster, "_send_bucket", send_bucket)
+            assert (tmp_path / "killed").exists() and engines[0][0].poll() is not None
+            for _ in range(600):  # the killed engine restarts from the disk copy
+                if sup.n_restarts:
+                    break
+                await asyncio.sleep(0.1)
+            assert sup.n_restarts == 1 and sup.weights == (str(weights_dir / "v1"), 1)
+            res1 = [await sup.generate(REQUEST) for _ in range(2)]
             pub.trainer = CheckpointExporter(Path(base))
             await pub.prepare(2)
             second = await pub.apply(2)
             assert second["weight_sync_bytes"] > 0 and second["weight_sync_groups"] == 2
-            res2 = await sup.generate(REQUEST)
+            assert second["weight_sync_fallbacks"] == 1
+            res2 = [await sup.generate(REQUEST) for _ in range(2)]
             assert sorted(p.name for p in weights_dir.iterdir()) == ["v2"], "older disk copies are removed"
-            assert sup.weights == (str(weights_dir / "v2"), 2)
             return fallback_s, res1, res2
         finally:
             pub.close()
             await sup.close()
 
     fallback_s, res1, res2 = asyncio.run(main())
-    print(f"\nfailed broadcast + disk fallback: {fallback_s:.2f} s")
-    assert fallback_s < 30, f"the engine waited for the group's timeout ({fallback_s:.1f} s)"
-    assert set(res1.versions) == {1} and engine_matches(Path(other), res1) < 1e-4
-    assert set(res2.versions) == {2} and engine_matches(Path(base), res2) < 1e-4
+    print(f"\nengine lost mid-publish + disk fallback: {fallback_s:.2f} s")
+    assert fallback_s < 30, f"the surviving engine waited for the group's timeout ({fallback_s:.1f} s)"
+    assert all(set(r.versions) == {1} and engine_matches(Path(other), r) < 1e-4 for r in res1)
+    assert all(set(r.versions) == {2} and engine_matches(Path(base), r) < 1e-4 for r in res2)
 
 
 def test_engine_dtype_is_rollout_dtype_else_model_dtype(tmp_path, monkeypatch):
@@ -142,9 +152,46 @@ def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path):
         assert written.keys() == fp32.keys()
         assert all(torch.equal(written[k], fp32[k].to(torch.bfloat16)) for k in fp32)
         assert json.loads((pub.weights_dir / "v3" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert {t.dtype for _, t in pub._tensors} == {torch.bfloat16}  # what the broadcast sends
+    assert {dtype for rows, _, _ in pub._buckets for _, _, dtype, _ in rows} == {"bfloat16"}  # what is sent
     assert trainer.hf_config.get("dtype", "float32") == "float32"  # the trainer's own config is left alone
     # same dtype: the trainer's own export, untouched
     same = BroadcastPublisher(trainer, None, tmp_path / "same", engine_dtype="float32")
     asyncio.run(same.prepare(1))
-    assert all(t.dtype == torch.float32 for _, t in same._tensors)
+    assert {dtype for rows, _, _ in same._buckets for _, _, dtype, _ in rows} == {"float32"}
+    same.close()
+
+
+def test_a_sender_step_past_its_deadline_is_killed():
+    """The trainer waits for each step of the sender with a deadline; a hung collective costs that
+    deadline, not the trainer: the sender process is killed and the publish fails over."""
+    import pytest
+    from broadcast_faults import HangingBroadcaster
+
+    from megarl.errors import EngineError
+    from megarl.rollout.broadcast_sender import SenderProcess
+
+    sender = SenderProcess(HangingBroadcaster)
+    info = HangingBroadcaster("127.0.0.1", 1, 2, backend="gloo", timeout_s=2.0).group_info()
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError, match=r"step 1 of 2 past its 2 s deadline"):
+        sender.send(info, [], timeout_s=2.0).result(timeout=60)
+    assert not sender.proc.is_alive() and sender.proc.exitcode == -9  # SIGKILL
+    assert time.perf_counter() - t0 < 30
+
+
+def test_broadcast_prepare_packs_into_shared_buckets_without_a_second_copy(tmp_path):
+    """prepare() leaves the export in shared-memory buckets (the sender process reads them without a copy)
+    and empties the exported list as it packs, so host memory never holds the model twice."""
+    import torch
+
+    from megarl.publish import _pack_shared
+    from megarl.rollout.weight_sync import rows_bytes
+
+    tensors = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, 5)), ("c", torch.zeros(2, 2))]
+    buckets = _pack_shared(tensors, bucket_bytes=64)
+    assert tensors == []
+    assert [[row[0] for row in rows] for rows, _, _ in buckets] == [["a"], ["b"], ["c"]]  # 24, 60, 16 bytes
+    assert all(payload.is_shared() for _, _, payload in buckets)
+    assert [rows_bytes(rows) for rows, _, _ in buckets] == [24, 60, 16]
+    assert [payload.numel() for _, _, payload in buckets] == [32, 64, 16]  # each tensor 16-byte aligned
+    assert torch.equal(buckets[1][2][:60].view(torch.float32).reshape(3, 5), torch.ones(3, 5))

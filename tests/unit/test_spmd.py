@@ -93,3 +93,45 @@ def test_strategy_that_never_reads_live_trajectories_ships_none(ckpt, tmp_path):
     trainer.fake_step()
     strat.after_optimizer_step(8, {})
     assert [e[3] for e in channel.sent if e[0] == "hook"] == [None, None]
+
+
+def test_followers_export_without_host_copies():
+    """A follower rank only takes part in the export's gathers and discards what it yields: it asks for
+    the tensors where they are (on a GPU trainer: no device -> host copy of the whole model per rank)."""
+    import torch
+
+    from megarl.trainer.spmd import FollowerView, follow
+
+    calls = []
+
+    class Trainer:
+        def export_hf_weights(self, **kw):
+            calls.append(kw)
+            return iter([("w", torch.zeros(2))])
+
+    class Channel:
+        events = [("export_hf_weights",), ("stop",)]
+
+        def recv(self):
+            return self.events.pop(0)
+
+    follow(Trainer(), None, Channel(), None, FollowerView())
+    assert calls == [{"to_host": False}]
+
+
+def test_export_on_the_device_copies_nothing(ckpt):
+    """``to_host=False``: the same tensors as the host export, and the unsharded ones are the parameters'
+    own storage (nothing materialized); ``to_host=True`` gives copies of their own."""
+    import torch
+
+    from megarl.models.bridge import export_hf_weights
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(str(ckpt), micro_batch_tokens=48)
+    params = {p.data_ptr() for chunk in trainer.model for p in chunk.parameters()}
+    kept = list(export_hf_weights(trainer.model, trainer.hf_config, trainer.config, to_host=False))
+    host = list(trainer.export_hf_weights())
+    assert [n for n, _ in kept] == [n for n, _ in host]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kept, host))
+    norm = "model.norm.weight"
+    assert dict(kept)[norm].data_ptr() in params and dict(host)[norm].data_ptr() not in params

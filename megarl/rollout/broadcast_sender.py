@@ -1,0 +1,147 @@
+"""The trainer's end of the weight broadcast, in a process of its own that the trainer can kill.
+
+A collective that fails is survivable with gloo (an exception the publisher
+catches), not with NCCL: when a peer is lost, NCCL's watchdog tears the
+process holding the communicator down before any ``except`` runs, and
+``work.wait()`` returns once the work is queued, not delivered. So the
+trainer never holds the broadcast's communicator. A :class:`SenderProcess`
+(spawned, so CUDA is safe in it) does: the trainer hands it the packed
+buckets (shared memory on CPU, CUDA IPC handles on GPU: no copy), and waits
+for each step's acknowledgement (joining the group, then each bucket, then
+the end marker) with a deadline of ``timeout_s``. On CUDA a bucket is
+acknowledged only once it has left the GPU (megarl/rollout/weight_sync.py).
+
+A sender that misses a deadline, fails, or dies (an NCCL abort) is killed.
+Its sockets close with it, so engines still receiving fail at once, the
+publisher falls back to the disk copy, and the next publish starts a fresh
+sender. The trainer process itself is never touched by a lost engine.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers the tensor reducers that share memory, not copy it
+
+from megarl.errors import EngineError
+
+log = logging.getLogger("megarl.publish")
+
+
+class SenderProcess:
+    """A spawned process that owns the broadcast group and sends what it is handed, step by step.
+
+    ``broadcaster_cls``: the :class:`~megarl.rollout.weight_sync.WeightBroadcaster` (or a subclass,
+    importable by name) the sender makes its group with. ``device_index``: the CUDA device the
+    sender uses (the trainer rank's own), None on CPU.
+    """
+
+    def __init__(self, broadcaster_cls, device_index: int | None = None) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, broadcaster_cls, device_index),
+                                name="megarl-weight-sender", daemon=True)
+        self.proc.start()
+        child.close()
+        self._busy: concurrent.futures.Future | None = None
+
+    def alive(self) -> bool:
+        return self.proc.is_alive() and (self._busy is None or self._busy.done())
+
+    def send(self, group_info: dict, buckets: list, timeout_s: float) -> concurrent.futures.Future:
+        """Broadcast ``buckets`` (``(meta bytes, payload)`` pairs) in the group ``group_info`` names.
+
+        Returns a future of the sender's seconds; it fails with :class:`EngineError` (and the sender
+        is killed) when a step misses ``timeout_s``, fails, or the sender dies.
+        """
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._busy = fut
+
+        def run() -> None:
+            try:
+                self._conn.send(("send", group_info, buckets))
+                steps = len(buckets) + 2  # joined, each bucket, done
+                for step in range(steps):
+                    msg = self._recv(timeout_s, step, steps)
+                    if msg[0] == "error":
+                        raise EngineError(f"weight sender failed: {msg[1]}")
+                    if msg[0] == "done":
+                        fut.set_result(msg[1])
+                        return
+                raise EngineError("weight sender sent more steps than buckets")
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting publisher
+                self.kill()
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="megarl-weight-sender-watch", daemon=True).start()
+        return fut
+
+    def _recv(self, timeout_s: float, step: int, steps: int):
+        if not self._conn.poll(timeout_s):
+            raise EngineError(f"weight broadcast step {step + 1} of {steps} past its {timeout_s:g} s deadline "
+                              "(an engine lost or stalled); sender killed")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(5.0)
+            raise EngineError(f"weight sender died at step {step + 1} of {steps} (exit code {self.proc.exitcode}; "
+                              "NCCL aborts the process that holds a failed communicator)") from None
+
+    def kill(self) -> None:
+        """Stop the sender now; the group's sockets close with it."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5.0)
+        self._conn.close()
+
+    def close(self) -> None:
+        """Let an idle sender leave its group cleanly; kill it otherwise."""
+        if self.alive():
+            try:
+                self._conn.send(("close",))
+                self.proc.join(5.0)
+            except OSError:
+                pass
+        self.kill()
+
+
+def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
+    """The sender's loop: one message per publish, one acknowledgement per step."""
+    if device_index is not None:
+        torch.cuda.set_device(device_index)
+    group = None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the trainer is gone
+            break
+        if msg[0] == "close":
+            break
+        _, info, buckets = msg
+        try:
+            t0 = time.perf_counter()
+            if group is None or group.group_id != info["group_id"]:
+                if group is not None:
+                    group.close()
+                group = broadcaster_cls(info["host"], int(info["port"]), int(info["world_size"]),
+                                        backend=info["backend"], timeout_s=float(info["timeout_s"]),
+                                        group_id=info["group_id"])
+                group.connect()
+            conn.send(("joined",))
+            for meta, payload in buckets:
+                group.send_bucket(torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload)
+                conn.send(("bucket",))
+            group.end_stream()
+            del buckets
+            conn.send(("done", time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - reported, then the process ends
+            try:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+            finally:
+                os._exit(1)  # sockets close with the process: engines still receiving fail now
+    if group is not None:
+        group.close()
