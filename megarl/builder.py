@@ -92,7 +92,8 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path) -> MegatronTrainer:
                            lr_warmup_steps=cfg.trainer.lr_warmup_steps, lr_decay=cfg.trainer.lr_decay,
                            total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype,
                            sequence_parallel=cfg.parallel.sequence_parallel,
-                           temperature=logprob_temperature(cfg.rollout.temperature))
+                           temperature=logprob_temperature(cfg.rollout.temperature),
+                           recompute=cfg.trainer.recompute)
 
 
 def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
