@@ -42,6 +42,7 @@ from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
+from megarl.rollout.local_gpus import engine_gpu_env
 from megarl.rollout.supervisor import EngineSupervisor
 from megarl.run_log import RunLogger
 from megarl.tokenizer import RunTokenizer
@@ -93,7 +94,7 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path) -> MegatronTrainer:
                            total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype,
                            sequence_parallel=cfg.parallel.sequence_parallel,
                            temperature=logprob_temperature(cfg.rollout.temperature),
-                           recompute=cfg.trainer.recompute)
+                           recompute=cfg.trainer.recompute, allow_local_spec=cfg.model.allow_local_spec)
 
 
 def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
@@ -136,6 +137,8 @@ class _EngineStarts:
                                      extra_args=["--dtype", self.cfg.engine_dtype],
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
                                      cpu_cores=self.cfg.placement.cpu_affinity.engines,
+                                     # a GPU of its own on a multi-GPU machine, never the trainer's GPU 0
+                                     env=engine_gpu_env(i, ro.n_engines),
                                      log_path=str(self.run_dir / log_name))
 
     async def started(self) -> list:

@@ -26,6 +26,8 @@ class ModelConfig:
     """HF tokenizer directory (or hub name) of the run; empty = `checkpoint`. One tokenizer serves data, stopping, rewards, samples and evaluation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of trainer and engines (float32 on CPU for exact log-prob parity)."""
+    allow_local_spec: bool = False
+    """On CUDA, build the trainer with megatron's local (pure torch) layers when TransformerEngine is missing or broken, instead of stopping with an error. The local attention keeps full score matrices (rows x heads x length^2): far more memory at long rows (`megarl plan` counts them)."""
 
 
 @dataclass
@@ -326,6 +328,8 @@ class PlacementConfig:
     """Port of the trainer -> engines weight broadcast group on the first trainer node (rollout.weight_sync=broadcast); 0 = 29600."""
     engine_port: int = 8100
     """First HTTP port of the engines that run as their own command (one more per engine on the same node)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GB (gpu only): `megarl plan` refuses a layout whose trainer, engine or dedicated-scorer GPU would need more (H100: 80, H200: 141)."""
     model_config: str = ""
     """YAML of HF config.json fields that plans are validated against when model.checkpoint has no config.json on this machine (dry runs away from the cluster's disk)."""
     cpu_affinity: CpuAffinityConfig = field(default_factory=CpuAffinityConfig)

@@ -12,10 +12,10 @@ from megarl.models.build import build_gpt_model
 
 
 def build_chunks(hf_config: dict, config, temperature: float, *, use_distributed_optimizer: bool,
-                 forward_only: bool = False) -> list:
+                 forward_only: bool = False, allow_local_spec: bool = False) -> list:
     """``[model]`` of this rank: DDP(Float16Module(GPTModel)) for training (Float16Module only under bf16),
     Float16Module(GPTModel) or GPTModel with frozen parameters when ``forward_only``."""
-    gpt = build_gpt_model(hf_config, config, temperature)
+    gpt = build_gpt_model(hf_config, config, temperature, allow_local_spec=allow_local_spec)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
 

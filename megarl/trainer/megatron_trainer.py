@@ -82,7 +82,7 @@ class MegatronTrainer:
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
                  sequence_parallel: bool = False, temperature: float = 1.0, recompute: str = "none",
-                 forward_only: bool = False):
+                 forward_only: bool = False, allow_local_spec: bool = False):
         if lr_decay not in LR_DECAY_STYLES:
             raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if lr_decay in ("linear", "cosine") and not total_steps:
@@ -116,8 +116,11 @@ class MegatronTrainer:
                               decay=lr_decay, total_steps=total_steps)
         #: a scorer: no gradient buffer, no optimizer, train_step refused (megarl/trainer/chunks.py)
         self.forward_only = bool(forward_only)
+        #: megatron's local layers on CUDA without TransformerEngine (megarl/models/build.py)
+        self.allow_local_spec = bool(allow_local_spec)
         self.model = build_chunks(self.hf_config, self.config, self.temperature, forward_only=self.forward_only,
-                                  use_distributed_optimizer=use_distributed_optimizer)
+                                  use_distributed_optimizer=use_distributed_optimizer,
+                                  allow_local_spec=self.allow_local_spec)
         #: MoE layers whose routers can replay an engine's routes (0: dense; megarl/models/routing_replay.py)
         self.n_moe_layers = routing_replay.install(self.model)
         load_hf_weights(self.model, checkpoint_dir, self.hf_config, self.config)
