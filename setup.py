@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*", "recovery", "recovery.*"]),
-    package_data={"megarl": ["py.typed"]},
+    package_data={"megarl": ["py.typed", "launch/activation_table.yaml"]},
     install_requires=[
         "torch>=2.13",
         "megatron-core==0.16.1",
