@@ -78,3 +78,15 @@ def test_recompute_value_is_checked():
 
     with pytest.raises(ConfigError, match="recompute 'some' is not one of none, selective, full"):
         recompute_fields("some")
+
+
+def test_run_config_reaches_the_trainer(monkeypatch, tmp_path):
+    from megarl import builder
+    from megarl.config import MegaRLConfig
+
+    seen = {}
+    monkeypatch.setattr(builder, "MegatronTrainer", lambda ckpt, **kw: seen.update(kw))
+    cfg = MegaRLConfig()
+    cfg.trainer.recompute, cfg.model.allow_local_spec = "full", True
+    builder.build_trainer(cfg, tmp_path)
+    assert (seen["recompute"], seen["allow_local_spec"]) == ("full", True)
