@@ -53,10 +53,16 @@ def routers(model_chunks) -> list[tuple[int, object]]:
 
 
 def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: int,
-                   sequence_parallel: bool) -> torch.Tensor | None:
+                   sequence_parallel: bool, full_recompute: bool = False) -> torch.Tensor | None:
     """A micro-batch's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None."""
     if routes is None:
         return None
+    if full_recompute:
+        # full recompute reruns each layer in the backward, after :func:`replaying` has restored live
+        # routing: the gradient would be that of other routes than the forward's
+        raise InputError("routing replay with trainer.recompute=full is not supported: the recomputed forward "
+                         "would route live; set trainer.recompute to none or selective, or "
+                         "rollout.routing_replay=false")
     if not n_moe_layers or sequence_parallel:
         raise InputError("routes to replay need an MoE model without sequence parallelism (tp=1); this one "
                          + ("is dense" if not n_moe_layers else "splits the sequence over tp ranks"))

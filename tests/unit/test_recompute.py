@@ -90,3 +90,22 @@ def test_run_config_reaches_the_trainer(monkeypatch, tmp_path):
     cfg.trainer.recompute, cfg.model.allow_local_spec = "full", True
     builder.build_trainer(cfg, tmp_path)
     assert (seen["recompute"], seen["allow_local_spec"]) == ("full", True)
+
+
+def test_full_recompute_refuses_routing_replay(ckpts):
+    # the recomputed forward runs in the backward, after the replayed routes are gone: it would route live
+    # and give the gradient of other routes (measured: gradients 0.54 off on the tiny MoE); refused instead
+    from test_routing_replay import SEQS, as_lists, batch_of, hand_routes
+
+    from megarl.builder import load_run_config
+    from megarl.errors import ConfigError, InputError
+    from megarl.preflight import check_routing_replay
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(ckpts["tiny_qwen3_moe"], micro_batch_tokens=64, recompute="full")
+    batch = batch_of([as_lists(hand_routes(len(s))) for s in SEQS])
+    with pytest.raises(InputError, match="routing replay with trainer.recompute=full"):
+        trainer.train_step(batch, lambda logp, mb, norm: ((logp * mb.loss_mask).sum(), {}))
+    cfg = load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=hf", "trainer.recompute=full"])
+    with pytest.raises(ConfigError, match="trainer.recompute=full"):
+        check_routing_replay(cfg, {"model_type": "qwen3_moe", "num_experts": 4})
