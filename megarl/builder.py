@@ -40,7 +40,7 @@ from megarl.publish import make_publisher
 from megarl.resume import ResumePoint, restore
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
-from megarl.rollout.base import logprob_temperature
+from megarl.rollout.base import logprob_temperature, wants_routed_experts
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
 from megarl.rollout.local_gpus import engine_gpu_env
 from megarl.rollout.supervisor import EngineSupervisor
@@ -133,8 +133,9 @@ class _EngineStarts:
         ro = self.cfg.rollout
         log_name = f"engine{i}.log" if not self.launches[i] else f"engine{i}.restart{self.launches[i]}.log"
         self.launches[i] += 1
+        routes = ["--routed-experts"] if wants_routed_experts(ro) else []
         return launch_engine_process(str(self.ckpt), ro.backend, ro.base_port + i if ro.base_port else None,
-                                     extra_args=["--dtype", self.cfg.engine_dtype],
+                                     extra_args=["--dtype", self.cfg.engine_dtype, *routes],
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
                                      cpu_cores=self.cfg.placement.cpu_affinity.engines,
                                      # a GPU of its own on a multi-GPU machine, never the trainer's GPU 0
@@ -224,7 +225,8 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
             await engines.started(), launch=None if remote else engines.launch,
             weights=(resume and resume.engine_weights) or (str(ckpt), 0),
             health_interval_s=cfg.rollout.health_interval_s, health_timeout_s=cfg.rollout.health_timeout_s,
-            max_restarts=cfg.rollout.max_engine_restarts, work_dir=run_dir)
+            max_restarts=cfg.rollout.max_engine_restarts, work_dir=run_dir,
+            publish_timeout_s=cfg.rollout.publish_timeout_s)
         engines.hand_over()
         stack.push_async_callback(supervisor.close)
         await supervisor.start()
@@ -254,10 +256,14 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
         stack.callback(logger.close)
         workflow = _workflow(cfg, inputs.tokenizer)
         stack.callback(workflow.close)  # an agent's tool workers
+        if hasattr(workflow, "aclose"):  # an agent endpoint listening on this loop
+            stack.push_async_callback(workflow.aclose)
         evaluator = None
         if inputs.eval_dataset is not None:
             eval_workflow = _eval_workflow(cfg, inputs.tokenizer)
             stack.callback(eval_workflow.close)
+            if hasattr(eval_workflow, "aclose"):
+                stack.push_async_callback(eval_workflow.aclose)
             evaluator = Evaluator(inputs.eval_dataset.prompts(), eval_workflow, scorer,
                                   n_samples=cfg.eval.n_samples, pass_threshold=cfg.eval.pass_threshold)
         # built before any resume loads a checkpoint: the KL reference is the run's initial weights

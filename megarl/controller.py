@@ -24,9 +24,10 @@ event loop keeps feeding the engines through InterruptibleGeneration
 A recovery strategy sees only the hooks (recovery/base.py); it never edits
 this loop.
 
-Nothing lost: every ``logging.save_every`` steps and at the end the
-``checkpointer`` (megarl/checkpoint.py) writes the loop's :meth:`state_dict`
-with the trainer's and strategy's; :meth:`load_state_dict` continues from it
+Nothing lost: every ``logging.save_every`` steps or ``logging.save_every_s``
+seconds, at the end, on SIGTERM/SIGINT and before an error stops the loop
+(megarl/run_stop.py) the ``checkpointer`` (megarl/checkpoint.py) writes the
+loop's :meth:`state_dict` with the trainer's and strategy's; :meth:`load_state_dict` continues from it
 (running groups are regenerated from their prompts). A request whose engine
 died (``EngineLost``, megarl/rollout/supervisor.py) is sent again, prompt +
 partial, once an engine is up. A step the trainer skipped (non-finite loss or
@@ -49,8 +50,10 @@ from megarl.checkpoint_schedule import CheckpointSchedule
 from megarl.data import Prompt
 from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
+from megarl.group_tasks import gather_or_cancel
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.interruptible import InterruptibleGeneration
+from megarl.run_stop import RunStops
 from megarl.step_record import StepBookkeeping
 from megarl.trainer.base import TrainerProtocol
 from megarl.types import TrainBatch, Trajectory, training_rows
@@ -58,7 +61,7 @@ from megarl.types import TrainBatch, Trajectory, training_rows
 log = logging.getLogger("megarl.controller")
 
 
-class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
+class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunStops):
     """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
 
     Collaborators are passed in, already built: ``trainer`` (TrainerProtocol:
@@ -162,7 +165,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
             return traj
 
         try:
-            trajs = await asyncio.gather(*(one(t) for t in group.trajectories))
+            trajs = await gather_or_cancel(*(one(t) for t in group.trajectories))  # a failure stops the siblings
         except Exception as e:
             log.exception("group %s failed; its samples are dropped", group.group_id)
             self.counters["n_dropped"] += len(group.trajectories)
@@ -249,7 +252,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
         old = self.version
         if self.cfg.rollout.interruptible:
             await self.router.abort_all()
-        await self.generation.drained()  # aborted requests return their partial tokens
+        await self.generation.drained(self.cfg.rollout.publish_timeout_s)  # aborted requests return their partials
         t_stopped = time.perf_counter()
         partials = [r for g in self.buffer.running_groups.values() for t in g.trajectories for r in t.rows()
                     if r.response_ids and not r.finished]
@@ -269,30 +272,6 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
                 "weight_sync_s": t_loaded - t_sync, **(synced or {})}
 
     # -- training ------------------------------------------------------------------
-    async def _next_batch(self, roll: asyncio.Task) -> list[Trajectory]:
-        """The next batch; if the rollout loop dies instead, its error (no waiting forever for data).
-
-        A wait of ``trainer.stall_timeout_s`` without any trajectory accepted is a stall (nothing that
-        runs can complete a batch, or nothing runs): checkpoint, then stop naming the gate's numbers.
-        """
-        get = asyncio.ensure_future(self.buffer.get_batch(self.trainer.version, self.version))
-        timeout = self.cfg.trainer.stall_timeout_s
-        accepted = self.buffer.accepted_total
-        while True:
-            done, _ = await asyncio.wait({get, roll}, timeout=timeout or None, return_when=asyncio.FIRST_COMPLETED)
-            if done:
-                break
-            if self.buffer.accepted_total != accepted:  # trajectories still arrive: slow, not stalled
-                accepted = self.buffer.accepted_total
-                continue
-            get.cancel()
-            await self._checkpoint()
-            raise TrainingError(self._stall_message(timeout))
-        if not get.done():
-            get.cancel()
-            roll.result()  # raises the rollout loop's error
-            raise RuntimeError("the rollout loop stopped")
-        return get.result()
 
     async def train(self, total_steps: int) -> None:
         if not self._resumed:  # a resumed strategy's state already holds the engines' version
@@ -303,7 +282,6 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
             await self.publish(self.trainer.version)
         roll = asyncio.create_task(self._rollout_loop())
         t_start = time.perf_counter()
-        save_every = self.cfg.logging.save_every
         max_skips = self.cfg.trainer.max_consecutive_skips
         try:
             while self.step < total_steps:
@@ -311,7 +289,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
                 episodes = await self._next_batch(roll)  # what the gate counts
                 t_got = time.perf_counter()
                 trajs = training_rows(episodes)  # an agent's episode may hold several rows
-                record = await asyncio.to_thread(self._train_on, trajs)
+                record = await self._train_batch(trajs, episodes)
                 t_trained = time.perf_counter()
                 skipped = bool(record.get("skipped"))
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
@@ -327,7 +305,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
                 pub: dict[str, float] = {}
                 if (not skipped and self.trainer.version > self.version
                         and self.trainer.version % self.cfg.trainer.publish_every == 0
-                        and self.step + 1 < total_steps):
+                        and self.step + 1 < total_steps and not self.stop_requested):
                     pub = await self.publish(self.trainer.version)
                 self.step += 1
                 record.update(pub)
@@ -346,8 +324,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule):
                 if reward_error is not None:
                     await self._checkpoint()
                     raise reward_error
-                if save_every > 0 and self.step % save_every == 0:
-                    await self._checkpoint(periodic=True)
+                await self._after_step()  # a stop request, or a checkpoint due (megarl/run_stop.py)
                 self._maybe_evaluate(total_steps)
             await self._checkpoint()
             await self._final_evaluation()

@@ -2,7 +2,7 @@
 
 
 class MegarlError(Exception):
-    """Base class: the CLI prints the message (no traceback) and exits with code 2."""
+    """Base class: the CLI prints the message (no traceback) and exits with code 2 (or the error's ``exit_code``)."""
 
 
 class ConfigError(MegarlError):

@@ -35,6 +35,12 @@ def failures(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _routes_line(r: dict[str, float]) -> str:
+    return (f" | routes replayed; without replay {r['tokens_differ_frac']:.1%} of tokens "
+            f"({r['decisions_differ_frac']:.1%} of decisions) route elsewhere and |logp_old-logp_behav| "
+            f"mean={r['r_d_abs_mean_no_replay']:.3g} max={r['r_d_abs_max_no_replay']:.3g}")
+
+
 def verify_recovery(config_path: str, strategies: list[str], steps: int, output: str, overrides: list[str],
                     tol: float = DEFAULT_TOL) -> dict:
     """Run the loop once per strategy (same seed and config) and write ``output`` (report.json)."""
@@ -63,7 +69,8 @@ def verify_recovery(config_path: str, strategies: list[str], steps: int, output:
         print(f"{name:>15}: claims_exact={rep['claims_exact']} measured_exact={rep['measured_exact']} "
               f"max_abs_err={rep['max_abs_err']:.3g} mean_abs_err={rep['mean_abs_err']:.3g}{by_conv} "
               f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']} "
-              f"|logp_old-logp_behav| mean={rep['r_d_abs_mean']:.3g} max={rep['r_d_abs_max']:.3g}", flush=True)
+              f"|logp_old-logp_behav| mean={rep['r_d_abs_mean']:.3g} max={rep['r_d_abs_max']:.3g}"
+              + (_routes_line(rep["routes"]) if "routes" in rep else ""), flush=True)
         out.write_text(json.dumps(report, indent=2,
                                   default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

@@ -164,16 +164,12 @@ def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError("rollout.routing_replay=true with trainer.recompute=full is not supported: the layers "
                           "recomputed in the backward would route live, not replay; set trainer.recompute to none "
                           "or selective")
-    unwired = {"rollout.backend=vllm": cfg.rollout.backend == "vllm",
-               f"parallel.tp={cfg.parallel.tp}": cfg.parallel.tp > 1,
-               f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1,
-               "recovery.name=dedicated": cfg.recovery.name == "dedicated"}
+    unwired = {f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1}
     for setting, hit in unwired.items():
         if hit:
             raise ConfigError(f"rollout.routing_replay=true with {setting} is not supported yet: routes are "
-                              f"recorded by the hf engine and replayed by one trainer rank without tensor "
-                              f"parallelism, and they do not reach the dedicated scorer; use rollout.backend=hf, "
-                              f"tp=1, one trainer rank and another strategy, or rollout.routing_replay=false")
+                              f"replayed by one trainer rank so far; use one trainer rank, or "
+                              f"rollout.routing_replay=false")
 
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:
@@ -193,6 +189,6 @@ def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
                                                  path=cfg.eval.path, shuffle=False)
     elif cfg.eval.every:
         log.warning("eval.every=%d has no effect: eval.path is empty (no evaluation in this run)", cfg.eval.every)
-    if cfg.rollout.workflow == "agent":  # the agent, its tools and the template, before anything starts
-        check_agent_config(cfg.agent, tokenizer)
+    if cfg.rollout.workflow in ("agent", "agent_http"):  # the agent, its tools and the template, before anything starts
+        check_agent_config(cfg.agent, tokenizer, http=cfg.rollout.workflow == "agent_http")
     return RunInputs(tokenizer, dataset, eval_dataset)

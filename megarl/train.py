@@ -8,12 +8,14 @@ replay its trainer and strategy calls (megarl/trainer/spmd.py).
 ``train(cfg, resume=RUN_DIR)`` continues a run from its newest valid checkpoint
 (megarl/resume.py): engines restart from the checkpoint's weights at its version,
 the trainer, strategy, replay buffer, dataset and RNG continue, and the run's logs
-are rewound to the checkpoint before new lines are appended.
+are rewound to the checkpoint before new lines are appended. SIGTERM or SIGINT
+checkpoints the step reached and exits with code 75 (megarl/run_stop.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from megarl.cpu_affinity import pin_process
 from megarl.errors import MegarlError
 from megarl.preflight import RunSetup, preflight
 from megarl.resume import ResumePoint, prepare_resume
+from megarl.run_stop import stop_on_signals
 from megarl.trainer.parallel import init_ranks
 from megarl.trainer.spmd import receive_go, share_go
 
@@ -39,6 +42,9 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     """
     rank, world = init_ranks()
     if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
+        # rank 0 stops the run on SIGTERM/SIGINT and needs this rank for its checkpoint: it tells it when to exit
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         run_dir = Path(receive_go())
         _pin_trainer(cfg)
         run_follower(cfg, run_dir)
@@ -61,7 +67,8 @@ async def _train(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None,
     async with await build_run(cfg, setup, resume, wrap_strategy) as run:
         if resume is not None:
             run.restore(resume)
-        await run.controller.train(cfg.trainer.total_steps)
+        with stop_on_signals(run.controller):  # checkpoint, then exit with code 75 (megarl/run_stop.py)
+            await run.controller.train(cfg.trainer.total_steps)
         run.save_final()
     return {"steps": run.controller.step, "version": run.trainer.version}
 

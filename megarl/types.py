@@ -137,19 +137,28 @@ class Trajectory:
     #: rendered conversation does not extend what the model saw before (megarl/agents/client.py). They
     #: share this trajectory's reward and advantage; the staleness gate counts the episode once
     parts: list["Trajectory"] = field(default_factory=list)
-    #: with routing replay: per position of prompt_ids + response_ids, the expert ids ``[layers][k]`` the engine
-    #: routed that token to, ``[]`` where unknown (routed live in training); None without routing replay
-    routes: list[list[list[int]]] | None = None
+    #: with routing replay: an int16 tensor [positions, layers, k]: per position of prompt_ids + response_ids
+    #: (as far as routed), the expert ids the engine routed that token to, -1 where unknown (routed live in
+    #: training); None without routing replay. 2 bytes per token, layer and expert chosen.
+    routes: Any | None = None
 
     # -- appending -------------------------------------------------------------
     def merge_routes(self, routes: list[list[list[int]]] | None) -> None:
-        """Take the routes of a generate that saw this trajectory's tokens: positions already routed keep their
-        routes (a resubmitted request's prefix, re-prefilled under new weights, does not overwrite them); only
-        unknown and new positions take the engine's."""
-        if routes is None:
+        """Take the routes of a generate that saw this trajectory's tokens (``GenerateResult.routes``): positions
+        already routed keep their routes (a resubmitted request's prefix, re-prefilled under new weights, does not
+        overwrite them); only unknown and new positions take the engine's."""
+        new = routes_tensor(routes)
+        if new is None:
             return
-        have = self.routes or []
-        self.routes = [old or new for old, new in zip(have, routes)] + have[len(routes):] + routes[len(have):]
+        have = self.routes
+        if have is None:
+            self.routes = new
+            return
+        import torch  # lazy: this module also serves light processes (the HTTP client, the CLI)
+
+        n = min(len(have), len(new))
+        kept = torch.where((have[:n] >= 0).all(-1, keepdim=True), have[:n], new[:n])
+        self.routes = torch.cat([kept, have[n:], new[n:]])
 
     def append_policy(self, output_ids: list[int], logp_behav: list[float], versions: list[int]) -> None:
         self.response_ids += list(output_ids)
@@ -358,18 +367,28 @@ class TrainBatch:
                           routes=cut(self.routes, L - 1))
 
 
+def routes_tensor(routes: list[list[list[int]]] | None):
+    """An engine's per-position routes (``[layers][k]`` lists, ``[]`` where none) as an int16 tensor
+    [positions, layers, k] with -1 where none; None when there are none at all."""
+    import torch
+
+    shape = next((torch.tensor(r).shape for r in routes or [] if r), None)
+    if shape is None:
+        return None
+    unknown = torch.full(shape, -1, dtype=torch.int16)
+    return torch.stack([torch.tensor(r, dtype=torch.int16) if r else unknown for r in routes])
+
+
 def _route_tensor(trajs: list[Trajectory], L: int):
     """TrainBatch.routes of ``trajs`` (None when none carries routes)."""
     import torch
 
-    shape = next((torch.tensor(r).shape for t in trajs for r in (t.routes or []) if r), None)
+    shape = next((tuple(t.routes.shape[1:]) for t in trajs if t.routes is not None), None)
     if shape is None:
         return None
     routes = torch.full((len(trajs), L - 1, *shape), -1, dtype=torch.int16)
-    unknown = torch.full(shape, -1, dtype=torch.int16)
     for b, t in enumerate(trajs):
-        rows = (t.routes or [])[:len(t.prompt_ids) + len(t.response_ids) - 1]
-        if rows:
-            routes[b, :len(rows)] = torch.stack([torch.tensor(r, dtype=torch.int16) if r else unknown
-                                                 for r in rows])
+        if t.routes is not None:
+            rows = t.routes[:len(t.prompt_ids) + len(t.response_ids) - 1]
+            routes[b, :len(rows)] = rows
     return routes

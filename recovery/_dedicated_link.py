@@ -12,7 +12,9 @@ Replies, scorer -> trainer: ``("ready", None)`` once the model is built,
 scorer_version), ...])``, ``("state", v)`` and ``("error", traceback_text)``.
 
 Transports (the strategy sees only :class:`QueueLink` / :class:`TcpLink`,
-both with ``put``, ``get``, ``alive``, ``failure`` and ``close``):
+both with ``put``, ``get``, ``alive``, ``failure`` and ``close``; ``get``
+never waits longer than its timeout, also when the other end dies half way
+through a message):
 
 * a child process spawned beside trainer rank 0, over two multiprocessing
   queues (one machine);
@@ -74,19 +76,49 @@ def _get(q: Any, timeout: float | None) -> tuple | None:
 
 
 class QueueLink:
-    """A spawned child process and its two multiprocessing queues."""
+    """A spawned child process and its two multiprocessing queues.
 
-    def __init__(self, proc: Any, in_q: Any, out_q: Any) -> None:
+    A thread of its own reads the child's queue into an in-memory one, so that
+    :meth:`get` never waits longer than its timeout: a queue's read waits only
+    for the first byte of a message and then for the rest without a limit, and
+    no end of file ends it when the child dies half way through a reply (this
+    process holds the pipe's write end too). That thread may stay blocked on
+    such a reply; :meth:`alive` turns False once the child has been dead for
+    ``grace_s`` (time for its last whole messages to be read) and :meth:`failure`
+    names its exit code.
+    """
+
+    def __init__(self, proc: Any, in_q: Any, out_q: Any, grace_s: float = 1.0) -> None:
         self.proc, self.in_q, self.out_q = proc, in_q, out_q
+        self._grace_s = grace_s
+        self._dead_since: float | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._recv_loop, name="megarl-dedicated-recv", daemon=True)
+        self._reader.start()
+
+    def _recv_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                msg = self.out_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError, ValueError):  # the queue was closed
+                return
+            self._inbox.put(msg)
 
     def put(self, msg: tuple) -> None:
         self.in_q.put(msg)
 
     def get(self, timeout: float | None) -> tuple | None:
-        return _get(self.out_q, timeout)
+        return _get(self._inbox, timeout)
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        if self.proc.is_alive():
+            return True
+        if self._dead_since is None:
+            self._dead_since = time.monotonic()
+        return time.monotonic() - self._dead_since < self._grace_s
 
     def failure(self) -> Exception:
         return RuntimeError(f"dedicated scoring process died (exit code {self.proc.exitcode})")
@@ -98,6 +130,8 @@ class QueueLink:
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(timeout=10)
+        self._closing.set()
+        self._reader.join(timeout=1)  # it checks every 0.2 s (unless blocked on a dead child's broken reply)
         for q in (self.in_q, self.out_q):
             q.close()
             q.join_thread()

@@ -63,7 +63,8 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
     """One forward over the segments' sequences (prompt + response up to the segment's end)."""
     trajs = [Trajectory(traj_id=j["traj_id"], group_id="", prompt_ids=j["prompt_ids"],
                         response_ids=j["response_ids"], logp_behav=[0.0] * len(j["response_ids"]),
-                        versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]))
+                        versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]),
+                        routes=j.get("routes"))
              for j in jobs]
     batch = TrainBatch.from_trajectories(trajs, version=0)
     logp = scorer.logprobs(batch).float().cpu()

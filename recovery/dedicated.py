@@ -196,7 +196,9 @@ class Dedicated(RecoveryStrategy):
                         continue
                     self._pending[key] = time.perf_counter()
                     jobs.append({"traj_id": t.traj_id, "start": seg.start, "end": seg.end, "version": seg.version,
-                                 "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids[:seg.end])})
+                                 "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids[:seg.end]),
+                                 # MoE routes to replay (rollout.routing_replay), as far as the segment reaches
+                                 "routes": None if t.routes is None else t.routes[:len(t.prompt_ids) + seg.end]})
             if jobs:  # under the lock: no version message can slip in between the check and the put
                 self._link.put(("score", jobs))
         while self._drain(None):

@@ -15,9 +15,13 @@ It is a check, not a printout: a strategy that claims exactness
 over all policy tokens is at most ``tol`` (``measured_exact``). For the
 interpolation strategies (loglinear, linear) the report also gives the error
 of each v_theta convention (``conventions``), whichever one the run trained with.
+With routing replay the report's ``routes`` says what replay changed: the share
+of tokens (and of token x layer decisions) the trainer's own routers send to
+other experts than the engine did, and r_d with the trainer's own routing.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from megarl.losses.mismatch import discrepancy
+from megarl.models.routing_replay import live_routes, route_disagreement
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._scoring import forward, policy_mask, versions_in
 from recovery.base import RecoveryStrategy
@@ -87,6 +92,9 @@ class VerifyingStrategy(RecoveryStrategy):
         self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in inner.conventions}
         #: seconds the wrapped strategy's own ``anchor`` took in the last call (the rest was the verifier's)
         self.inner_anchor_s = 0.0
+        #: with routing replay: the engine's routes against the trainer's own, and r_d without replay
+        self.routes = {"n_tokens": 0.0, "tokens_differ": 0.0, "decisions": 0.0, "decisions_differ": 0.0,
+                       "r_d_max_no_replay": 0.0, "r_d_sum_no_replay": 0.0, "r_d_n_no_replay": 0.0}
 
     # hooks: delegate, plus keep every version's weights
     def on_weights_published(self, version: int) -> None:
@@ -147,7 +155,29 @@ class VerifyingStrategy(RecoveryStrategy):
             s["r_d_n_tokens"] += int(c["r_d/n_tokens"])
             result.metrics.update({k: c[k] for k in ("r_d/abs_logp_mean", "r_d/abs_logp_max")})
         result.metrics["verify/max_abs_err"] = c["max_abs_err"]
+        if batch.routes is not None:
+            result.metrics.update(self._without_replay(batch))
         return result
+
+    def _without_replay(self, batch: TrainBatch) -> dict[str, float]:
+        """What routing replay changes on this batch: how often the trainer's own routers choose other experts
+        than the engine did, and r_d when the true logp_old is computed with the trainer's own routing."""
+        live = live_routes(self.ctx.trainer, batch)
+        out = route_disagreement(batch.routes, live)
+        truth = true_logp_old(dataclasses.replace(batch, routes=None), self.params_by_version, self.ctx.trainer)
+        out.update({f"{k}_no_replay": v for k, v in discrepancy(truth, batch.logp_behav.cpu(),
+                                                                 policy_mask(batch).cpu()).items()})
+        r = self.routes
+        n_tok = out["routes/n_tokens"]
+        r["n_tokens"] += n_tok
+        r["tokens_differ"] += out["routes/tokens_differ_frac"] * n_tok
+        r["decisions"] += out["routes/n_decisions"]
+        r["decisions_differ"] += out["routes/decisions_differ_frac"] * out["routes/n_decisions"]
+        if "r_d/n_tokens_no_replay" in out:
+            r["r_d_max_no_replay"] = max(r["r_d_max_no_replay"], out["r_d/abs_logp_max_no_replay"])
+            r["r_d_sum_no_replay"] += out["r_d/abs_logp_mean_no_replay"] * out["r_d/n_tokens_no_replay"]
+            r["r_d_n_no_replay"] += out["r_d/n_tokens_no_replay"]
+        return out
 
     def report(self, tol: float = DEFAULT_TOL) -> dict[str, Any]:
         """The strategy's numbers; ``measured_exact``: some policy tokens were checked and none is off by > tol."""
@@ -162,6 +192,12 @@ class VerifyingStrategy(RecoveryStrategy):
                "max_versions_per_sequence": s["max_versions_per_sequence"],
                # the engines' discrepancy from the trainer, r_d, on the same tokens (not the strategy's error)
                "r_d_abs_max": s["r_d_abs_max"], "r_d_abs_mean": s["r_d_abs_sum"] / max(s["r_d_n_tokens"], 1)}
+        r = self.routes
+        if r["n_tokens"]:
+            rep["routes"] = {"tokens_differ_frac": r["tokens_differ"] / r["n_tokens"],
+                             "decisions_differ_frac": r["decisions_differ"] / max(r["decisions"], 1.0),
+                             "r_d_abs_max_no_replay": r["r_d_max_no_replay"],
+                             "r_d_abs_mean_no_replay": r["r_d_sum_no_replay"] / max(r["r_d_n_no_replay"], 1.0)}
         if self.by_convention:
             rep["convention"] = self.inner.cfg.convention
             rep["conventions"] = {c: {"max_abs_err": mx, "mean_abs_err": total / n}

@@ -27,6 +27,9 @@ def register(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm on GPU: memory fraction")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="vllm: tensor-parallel workers of this engine (each joins a broadcast weight group)")
+    p.add_argument("--routed-experts", action="store_true",
+                   help="vllm on GPU: start vLLM with its MoE routed-experts output, needed by requests that ask "
+                        "for routes (rollout.routing_replay); on CPU routes are captured without it")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="shut down when this process (the one that started the engine) dies")
     p.set_defaults(func=run)
@@ -43,7 +46,8 @@ def run(args) -> int:
     if args.backend == "vllm":
         vllm_only = {"max_num_seqs": args.max_num_seqs,
                      "gpu_memory_utilization": args.gpu_memory_utilization,
-                     "tensor_parallel_size": args.tensor_parallel_size}
+                     "tensor_parallel_size": args.tensor_parallel_size,
+                     "routed_experts": args.routed_experts or None}
         options.update({k: v for k, v in vllm_only.items() if v is not None})
     asyncio.run(serve(args.checkpoint, args.backend, host=args.host, port=args.port, parent_pid=args.parent_pid,
                       **options))

@@ -7,11 +7,13 @@ config and serves that role instead of training.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
 from megarl.launch.roles import RoleEnv, current_role
-from megarl.rollout.base import engine_options
+from megarl.rollout.base import engine_options, wants_routed_experts
+from megarl.rollout.engine_key import is_loopback
 from megarl.rollout.server import serve
 
 
@@ -63,10 +65,25 @@ def serve_role(cfg, role: RoleEnv) -> None:
         if tp and cfg.rollout.backend != "vllm":
             raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
                               f"(the hf engine runs one worker); set placement.engine_tp=1")
+        routes = {"routed_experts": True} if wants_routed_experts(cfg.rollout) else {}
         resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
-        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host="0.0.0.0", port=role.server_port,
-                          dtype=cfg.engine_dtype, **resources, **tp))
+        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=engine_host(role), port=role.server_port,
+                          dtype=cfg.engine_dtype, **resources, **tp, **routes))
         return
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 
     serve_dedicated_role(cfg, role.server_port)
+
+
+def engine_host(role: RoleEnv) -> str:
+    """The address a launched engine serves on: its node's in the plan (``MEGARL_SERVER_HOST``; this host's name
+    without one), resolved here. A name that resolves to a loopback address here (an /etc/hosts line such as
+    ``127.0.1.1 node03``) is one other nodes could not reach: then every address, still guarded by the run's key."""
+    name = role.server_host or socket.gethostname()
+    if is_loopback(name):
+        return name
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError as e:
+        raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e})") from None
+    return "0.0.0.0" if is_loopback(addr) else addr

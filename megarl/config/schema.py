@@ -124,8 +124,8 @@ class RolloutConfig:
     """Extra token ids that end a response, on top of the tokenizer's EOS and every `eos_token_id` of the checkpoint's generation_config.json (the stop token is kept and trained on)."""
     filter_groups: bool = False
     """Drop groups whose rewards are all equal (zero advantage, no learning signal), count them as n_filtered, and generate others in their place (DAPO's dynamic sampling)."""
-    workflow: Literal["single_turn", "multi_turn", "agent"] = "single_turn"
-    """How a trajectory is rolled out: one answer, policy turns interleaved with tool output, or an agent (section `agent`)."""
+    workflow: Literal["single_turn", "multi_turn", "agent", "agent_http"] = "single_turn"
+    """How a trajectory is rolled out: one answer, policy turns interleaved with tool output, an in-process agent, or an agent in another process talking to megarl's OpenAI-compatible endpoint (agent_http; section `agent`)."""
     tool_env: str = "digit_count"
     """Tool environment of the multi_turn workflow (megarl/workflows/registry.py TOOL_ENVS)."""
     max_turns: int = 4
@@ -146,6 +146,8 @@ class RolloutConfig:
     """An engine that does not answer /health within this many seconds is taken for dead and restarted."""
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
+    publish_timeout_s: float = 600.0
+    """Seconds each engine has to load a published version (disk or broadcast), and to return the requests a publish aborted; an engine that has not by then is taken for wedged, restarted (it loads that version; its requests are sent again) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
 
 
 @dataclass
@@ -172,7 +174,7 @@ class DataConfig:
 
 @dataclass
 class AgentConfig:
-    """Agent episodes (rollout.workflow=agent): a user's `async def agent(client, row)` against an OpenAI-style chat client (megarl/workflows/agent.py)."""
+    """Agent episodes: a user's `async def agent(client, row)` against an OpenAI-style chat client (rollout.workflow=agent, megarl/workflows/agent.py), or a command in another process against megarl's OpenAI-compatible endpoint (rollout.workflow=agent_http, megarl/workflows/agent_http.py)."""
 
     fn: str = "math_python"
     """The agent: a built-in name (math_python) or a dotted path pkg.mod:agent to an `async def agent(client, row) -> float | None` (None: the reward service scores the final answer)."""
@@ -190,6 +192,16 @@ class AgentConfig:
     """Memory one tool call may allocate in its worker process."""
     n_tool_workers: int = 2
     """Worker processes running tool calls."""
+    command: str = ""
+    """rollout.workflow=agent_http: the program run once per episode (shell-split, no shell), with the data row as JSON on stdin and OPENAI_BASE_URL / OPENAI_API_KEY in its environment; the last line of its stdout is the final answer (scored by reward.fn) or a JSON object {"reward": r}."""
+    timeout_s: float = 300.0
+    """rollout.workflow=agent_http: time limit of one episode's command (killed past it) or of an agent service's episode (agent.serve); past it the episode fails (n_agent_failed)."""
+    http_host: str = "127.0.0.1"
+    """Address megarl's OpenAI-compatible agent endpoint listens on (rollout.workflow=agent_http); 0.0.0.0 exposes it on the cluster network (each episode's API key is its only authorization)."""
+    http_port: int = 0
+    """Port of the agent endpoint; 0 = a free port (the command learns it from OPENAI_BASE_URL)."""
+    serve: bool = False
+    """rollout.workflow=agent_http without a command: each episode waits for a long-lived agent service, which claims it with POST /sessions (Authorization: Bearer $MEGARL_AGENT_SERVICE_KEY; it gets the row and the episode's key) and ends it with POST /sessions/<key>/reward ({"reward": r} or {"answer": text}) within agent.timeout_s; needs a fixed agent.http_port."""
 
 
 @dataclass
@@ -276,7 +288,9 @@ class LoggingConfig:
     wandb_project: str = "megarl"
     """Weights & Biases project name."""
     save_every: int = 0
-    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = only at the end); `megarl train --resume RUN_DIR` continues from the newest."""
+    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = by logging.save_every_s only); `megarl train --resume RUN_DIR` continues from the newest. A run also checkpoints at the end, on SIGTERM/SIGINT (then exits with code 75) and before an error stops it."""
+    save_every_s: float = 1800.0
+    """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
     keep_last: int = 2
     """Checkpoints kept (the newest ones; 0 = all)."""
     max_save_failures: int = 3
@@ -353,7 +367,7 @@ class MegaRLConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation during training."""
     agent: AgentConfig = field(default_factory=AgentConfig)
-    """Agent episodes (rollout.workflow=agent)."""
+    """Agent episodes (rollout.workflow=agent or agent_http)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward service."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

@@ -8,7 +8,10 @@ same under srun, mpirun and a plain shell (srun's ``--export`` would split
 values that contain commas).
 
 A dedicated scorer with its own command and the trainer authenticate their
-TCP connection with ``MEGARL_DEDICATED_AUTHKEY`` (:func:`dedicated_authkey`).
+TCP connection with ``MEGARL_DEDICATED_AUTHKEY`` (:func:`dedicated_authkey`);
+engines with commands of their own take requests only with the run's
+``MEGARL_ENGINE_KEY`` (megarl/launch/engine_key_env.py), and serve on their
+node's address in the plan (``MEGARL_SERVER_HOST``).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 from megarl.errors import ConfigError
 from megarl.launch.cluster import compress_hosts
+from megarl.launch.engine_key_env import has_own_engines
+from megarl.rollout.engine_key import ENGINE_KEY_ENV
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 CHECK_MODULE = "megarl.launch.rendezvous_check"
@@ -117,6 +122,7 @@ def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict
     else:
         if role == "engine":
             env["MEGARL_ENGINE_INDEX"] = str(server.index)
+            env["MEGARL_SERVER_HOST"] = server.host
         env["MEGARL_SERVER_PORT"] = str(server.port)
         env["MEGARL_SERVER_TP"] = str(server.tp)
         if broadcast and role == "engine":
@@ -195,8 +201,10 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
 
 
 # -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
-def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: bool = False) -> list[str]:
-    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY, inherited from the launching environment."""
+def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: bool = False,
+                 engine_key: bool = False) -> list[str]:
+    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY, inherited from the launching environment;
+    ``engine_key``: it needs MEGARL_ENGINE_KEY (which `megarl launch` makes when that has none)."""
     argv = ["mpirun", "-n", str(n)]
     if _is_root():
         argv.append("--allow-run-as-root")
@@ -206,6 +214,8 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: b
                  "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
         if authkey and _authkey_inherited():
             argv += ["-x", AUTHKEY_ENV]
+        if engine_key:
+            argv += ["-x", ENGINE_KEY_ENV]
     if plan.device == "cpu":
         argv.append("--oversubscribe")  # ranks are processes, not cores
     argv += ["--bind-to", "none"]
@@ -219,7 +229,8 @@ def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
         env["MASTER_PORT"] = str(plan.master_port)
     if plan.master_addr != t.hosts[0] or len(t.hosts) > 1:
         env["MASTER_ADDR"] = plan.master_addr
-    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts], authkey=_has_own_dedicated(plan))
+    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts], authkey=_has_own_dedicated(plan),
+                        engine_key=has_own_engines(plan))
     entry = tuple(base + _env_prefix(env) + _entry(plan, python, check=check))
     out = [RoleCommand("trainer", "trainer", "", entry, False)]
     if check:
@@ -228,7 +239,7 @@ def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
         if s.spawned:
             continue
         # one process each: vLLM starts its own TP workers, the scorer is one rank (the plan refuses tp > 1)
-        base = _mpirun_base(plan, 1, [(s.host, 1)], authkey=s.role == "dedicated")
+        base = _mpirun_base(plan, 1, [(s.host, 1)], authkey=s.role == "dedicated", engine_key=s.role == "engine")
         env = role_env(plan, s.role, s, set_visible_devices=True)
         entry = tuple(base + _env_prefix(env) + _entry(plan, python, check=False))
         out.append(RoleCommand(s.name, s.role, "", entry, True))

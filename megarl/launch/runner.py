@@ -5,6 +5,10 @@ trainer exits the servers are stopped and its exit code is returned; when a
 server dies first the others are stopped and the run fails. The dedicated
 scorer is the exception when it exits with 0: it does that when the trainer
 tells it to stop, at the end of training, while the trainer is still finishing.
+
+SIGTERM (a scheduler's warning before preemption or the time limit) goes on to
+the trainer only: it checkpoints and exits with code 75 (megarl/run_stop.py),
+which is returned; the servers it still needs until then are stopped after it.
 """
 from __future__ import annotations
 
@@ -31,6 +35,14 @@ def run_commands(commands: list, *, poll_s: float = 0.5) -> int:
     """Run RoleCommands (servers first); returns the trainer's exit code (or the first failure's)."""
     ordered = sorted(commands, key=lambda c: not c.server)
     procs: list[tuple[object, subprocess.Popen]] = []
+
+    def forward_term(signum, frame) -> None:
+        print("[megarl launch] SIGTERM: the trainer checkpoints and stops", file=sys.stderr, flush=True)
+        for c, p in procs:
+            if not c.server and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward_term)
     try:
         for c in ordered:
             print(f"[megarl launch] starting {c.name}: {c.shell()}", file=sys.stderr, flush=True)
@@ -60,3 +72,5 @@ def run_commands(commands: list, *, poll_s: float = 0.5) -> int:
     except KeyboardInterrupt:
         _stop(procs)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -18,8 +18,9 @@ live routing where routes are unknown, so :func:`install` gives each router's
 instance a ``get_replay_topk`` that mixes the two. Megatron's routers see the
 tokens sequence-first (``[s * b, experts]`` for an ``[s, b, h]`` input), which is
 how :func:`replaying` lays the targets out. Under sequence parallelism each
-tensor-parallel rank routes its own slice of the sequence; that split is not
-implemented yet and is refused.
+tensor-parallel rank routes its own contiguous slice of the sequence
+(:func:`forward_routes` cuts it); expert parallelism dispatches tokens after
+routing, so every rank routes its own tokens and replays them unchanged.
 
 The probabilities of the replayed experts are the router's own scores at those
 ids (gathered), so the gradient reaches the router as in a live forward.
@@ -53,8 +54,13 @@ def routers(model_chunks) -> list[tuple[int, object]]:
 
 
 def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: int,
-                   sequence_parallel: bool, full_recompute: bool = False) -> torch.Tensor | None:
-    """A micro-batch's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None."""
+                   sequence_split: tuple[int, int] | None = None, *,
+                   full_recompute: bool = False) -> torch.Tensor | None:
+    """This rank's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None.
+
+    ``sequence_split`` = (tp rank, tp size) under sequence parallelism: each tensor-parallel rank routes its
+    contiguous slice of the (padded) sequence, as megatron scatters it, so it replays the routes of that slice.
+    """
     if routes is None:
         return None
     if full_recompute:
@@ -63,10 +69,14 @@ def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: 
         raise InputError("routing replay with trainer.recompute=full is not supported: the recomputed forward "
                          "would route live; set trainer.recompute to none or selective, or "
                          "rollout.routing_replay=false")
-    if not n_moe_layers or sequence_parallel:
-        raise InputError("routes to replay need an MoE model without sequence parallelism (tp=1); this one "
-                         + ("is dense" if not n_moe_layers else "splits the sequence over tp ranks"))
-    return torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)
+    if not n_moe_layers:
+        raise InputError("the batch carries MoE routes to replay but the model is dense")
+    routes = torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)
+    if sequence_split is None:
+        return routes
+    rank, size = sequence_split
+    chunk = (n + pad) // size
+    return routes[:, rank * chunk:(rank + 1) * chunk]
 
 
 def _mixed_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
@@ -74,6 +84,10 @@ def _mixed_topk(self, scores, topk, num_groups=None, group_topk=None, default_co
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     target = self.target_topk_idx
+    if self.router_replay_action == RouterReplayAction.RECORD:
+        probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        self.record_indices(idx)
+        return probs, idx
     if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD or target is None:
         return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
     if target.shape != (scores.shape[0], topk):
@@ -120,3 +134,49 @@ def replaying(model_chunks, routes: torch.Tensor | None, *, n_layers: int) -> It
         for _, replay in found:
             replay.clear_indices()
             replay.clear_router_replay_action()
+
+
+def live_routes(trainer, batch) -> torch.Tensor:
+    """[B, L-1, layers, k]: the experts ``trainer``'s own routers choose for ``batch`` (no replay; -1 past each
+    row), for comparing with an engine's. One trainer rank without sequence parallelism (a measurement)."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megarl.trainer.microbatch import plan_microbatches
+
+    found = routers(trainer.model)
+    if not found:
+        raise InputError("live_routes needs an MoE model")
+    store: dict[int, list[torch.Tensor]] = {layer: [] for layer, _ in found}
+    for layer, replay in found:
+        replay.record_indices = lambda idx, layer=layer: store[layer].append(idx.detach().cpu())
+        replay.router_replay_action = RouterReplayAction.RECORD
+    try:
+        trainer.logprobs(dataclasses.replace(batch, routes=None))
+    finally:
+        for _, replay in found:
+            del replay.record_indices  # the class's method again
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+    B, L = batch.tokens.shape
+    k = store[found[0][0]][0].shape[-1]
+    out = torch.full((B, L - 1, max(store) + 1, k), NO_ROUTE, dtype=torch.int16)
+    for i, mb in enumerate(plan_microbatches(batch, 0, 1, trainer.micro_batch_tokens)):
+        b, n = mb.tokens.shape[0], mb.tokens.shape[1] - 1
+        for layer, recorded in store.items():
+            out[mb.rows, :n, layer] = recorded[i].reshape(n, b, k).transpose(0, 1).to(torch.int16)
+    past = torch.arange(L - 1)[None] >= (batch.seq_lens[:, None] - 1)
+    out[past] = NO_ROUTE
+    return out
+
+
+def route_disagreement(engine: torch.Tensor, trainer: torch.Tensor) -> dict[str, float]:
+    """Shares of routing decisions (token x layer) and of tokens (any layer) whose expert sets differ between
+    ``engine`` and ``trainer`` routes ([B, n, layers, k]), over the positions the engine routed."""
+    known = (engine >= 0).all(-1) & (trainer >= 0).all(-1)  # [B, n, layers]
+    differ = (engine.sort(-1).values != trainer.sort(-1).values).any(-1) & known
+    tokens = known.all(-1)
+    return {"routes/n_tokens": float(tokens.sum()), "routes/n_decisions": float(known.sum()),
+            "routes/decisions_differ_frac": float(differ.sum()) / max(float(known.sum()), 1.0),
+            "routes/tokens_differ_frac": float((differ.any(-1) & tokens).sum()) / max(float(tokens.sum()), 1.0)}

@@ -105,6 +105,9 @@ class RouterProtocol(Engine, Protocol):
     def stats(self) -> dict[str, int]:
         """Per-run totals for the step record (engine failures, restarts, live engines)."""
 
+    def fail_busy(self, reason: str) -> None:
+        """The engines holding requests missed a deadline (``reason``): restart them, or raise an EngineError."""
+
 
 class PhaseClock:
     """Seconds spent in each phase of a weight update (:data:`UPDATE_PHASES`); a phase may be entered twice."""
@@ -174,6 +177,12 @@ def check_request(req: GenerateRequest, vocab_size: int) -> None:
     if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < -1:
         raise InputError(f"request {req.request_id}: need temperature >= 0, 0 < top_p <= 1, top_k >= -1 "
                          f"(got {s.temperature}, {s.top_p}, {s.top_k})")
+
+
+def wants_routed_experts(rollout) -> bool:
+    """Whether engines start with vLLM's routed-experts output (``rollout``: the run's RolloutConfig): with
+    rollout.routing_replay on the vllm backend, whose GPU engines return MoE routes only when started for them."""
+    return rollout.routing_replay and rollout.backend == "vllm"
 
 
 def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: list[int] | tuple = ()) -> dict:

@@ -24,6 +24,7 @@ import aiohttp
 from megarl import errors
 from megarl.cpu_affinity import format_cores
 from megarl.errors import EngineError
+from megarl.rollout.engine_key import ENGINE_KEY_ENV, auth_headers, engine_key_from_env, new_engine_key
 from megarl.types import GenerateRequest, GenerateResult
 
 
@@ -31,11 +32,14 @@ class EngineClient:
     """Async client of one engine server, e.g. ``EngineClient("http://127.0.0.1:8000")``.
 
     Holds one aiohttp session per event loop (tests run several ``asyncio.run``);
-    call :meth:`close` from the loop that used it.
+    call :meth:`close` from the loop that used it. Every request carries ``key``
+    (default: ``MEGARL_ENGINE_KEY`` of this process; megarl/rollout/engine_key.py).
     """
 
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 60.0, key: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.key = engine_key_from_env() if key is None else key
+        self._headers = auth_headers(self.key)
         self.timeout_s = timeout_s  # control calls; generate and update_weights wait as long as they take
         self._session: aiohttp.ClientSession | None = None
         self._loop = None
@@ -43,7 +47,7 @@ class EngineClient:
     def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self._headers)
             self._loop = loop
         return self._session
 
@@ -136,6 +140,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     ``--cpu-threads`` (rollout.kv_cache_gb, rollout.cpu_threads; None: the flags'
     defaults). ``cpu_cores`` become ``--cpu-cores`` (placement.cpu_affinity.engines): the engine pins itself
     and vLLM's processes to them. ``env`` adds to this process's environment; a variable set to None is removed.
+    The engine's key (``MEGARL_ENGINE_KEY`` of ``env`` or of this process, else a new one) goes to it in its
+    environment, and the returned client sends it.
     """
     port = port or free_port(host)
     log = Path(log_path or tempfile.mkstemp(prefix=f"megarl-engine-{port}-", suffix=".log")[1])
@@ -150,6 +156,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     if cpu_cores:
         cmd += ["--cpu-cores", format_cores(cpu_cores)]
     child_env = {**os.environ, **(env or {})}
+    key = child_env.get(ENGINE_KEY_ENV) or new_engine_key()
+    child_env[ENGINE_KEY_ENV] = key
     if exit_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     with open(log, "wb") as out:
@@ -164,9 +172,10 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
             raise EngineError(f"engine process for {checkpoint} exited with code {rc} before serving "
                               f"(log {log}):\n{_tail(log)}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            health = urllib.request.Request(url + "/health", headers=auth_headers(key))
+            with urllib.request.urlopen(health, timeout=2) as resp:
                 if json.loads(resp.read()).get("ok"):
-                    return proc, EngineClient(url)
+                    return proc, EngineClient(url, key=key)
         except (OSError, ValueError):
             pass  # not listening yet
         if time.monotonic() > deadline:

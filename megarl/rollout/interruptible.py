@@ -51,8 +51,20 @@ class InterruptibleGeneration:
         """Let requests start again (the new weights are loaded, or the run ends)."""
         self._open.set()
 
-    async def drained(self) -> None:
-        """Wait until no request is in flight (aborted ones have returned their partial tokens)."""
+    async def drained(self, timeout_s: float = 0.0) -> None:
+        """Wait until no request is in flight (aborted ones have returned their partial tokens).
+
+        After ``timeout_s`` (0 = no limit; rollout.publish_timeout_s) the engines still holding requests are
+        taken for wedged: ``router.fail_busy`` restarts them (their requests come back as lost and are sent
+        again) or raises a clear error, and the wait goes on for what is left.
+        """
+        if timeout_s:
+            try:
+                await asyncio.wait_for(self._all_returned.wait(), timeout_s)
+                return
+            except TimeoutError:
+                self.router.fail_busy(f"{self.n_inflight} request(s) still running {timeout_s:g} s after a "
+                                      f"publish aborted them (rollout.publish_timeout_s)")
         await self._all_returned.wait()
 
     async def generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams,

@@ -45,6 +45,11 @@ class EngineRouter:
     def stats(self) -> dict[str, int]:
         return {"n_engines_live": len(self.engines)}
 
+    def fail_busy(self, reason: str) -> None:
+        """Nothing here restarts an engine: a clear error instead of a wait without end."""
+        busy = [i for i, n in enumerate(self.in_flight) if n]
+        raise EngineError(f"engine(s) {busy}: {reason}")
+
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         i = min(range(len(self.engines)), key=lambda j: self.in_flight[j])
         self.in_flight[i] += 1

@@ -14,6 +14,9 @@ in its own session, so nothing else would stop it. A watchdog thread polls
 ``os.getppid()``; after an orderly shutdown has had 15 s, it kills the
 engine's whole process group (vLLM's engine-core included).
 
+Every endpoint needs the run's key (megarl/rollout/engine_key.py): without
+it, 401 and nothing changes.
+
 Errors come back as ``{"error": message, "type": "InputError" | "EngineError" | ...}``
 (400 for bad input, 500 otherwise); :class:`megarl.rollout.client.EngineClient`
 raises the same exception class on its side.
@@ -34,6 +37,7 @@ from aiohttp import web
 from megarl.errors import EngineError, InputError, MegarlError
 from megarl.rollout.backends import make_engine
 from megarl.rollout.base import resources_note
+from megarl.rollout.engine_key import check_serving_key, engine_key_from_env, key_middleware
 from megarl.types import GenerateRequest
 
 
@@ -55,8 +59,9 @@ async def _json(request: web.Request) -> dict:
     return body
 
 
-def build_app(engine) -> web.Application:
-    """The aiohttp application serving ``engine`` (any :class:`~megarl.rollout.base.Engine`)."""
+def build_app(engine, key: str = "") -> web.Application:
+    """The aiohttp application serving ``engine`` (any :class:`~megarl.rollout.base.Engine`); with ``key``, every
+    request must carry it (megarl/rollout/engine_key.py)."""
 
     async def generate(request: web.Request) -> web.Response:
         try:
@@ -106,7 +111,7 @@ def build_app(engine) -> web.Application:
         except Exception as e:
             return _error(e)
 
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[key_middleware(key)] if key else [])
     app.add_routes([web.post("/generate", generate), web.post("/update_weights", update_weights),
                     web.post("/abort_all", simple(engine.abort_all)), web.post("/pause", simple(engine.pause)),
                     web.post("/resume", simple(engine.resume)), web.get("/version", version),
@@ -153,7 +158,12 @@ class ParentWatch:
 
 async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: int = 8000,
                 parent_pid: int | None = None, **options) -> None:
-    """Load the engine, serve HTTP until SIGINT/SIGTERM (or ``parent_pid`` dies), then shut the engine down."""
+    """Load the engine, serve HTTP until SIGINT/SIGTERM (or ``parent_pid`` dies), then shut the engine down.
+
+    Requests must carry the key in ``MEGARL_ENGINE_KEY``; without one, only a loopback ``host`` is served.
+    """
+    key = engine_key_from_env()
+    check_serving_key(key, host)
     watch = ParentWatch(parent_pid) if parent_pid else None
     sock = bind_socket(host, port)
     t0 = time.perf_counter()
@@ -162,7 +172,7 @@ async def serve(checkpoint: str, backend: str, host: str = "127.0.0.1", port: in
     except BaseException:
         sock.close()
         raise
-    runner = web.AppRunner(build_app(engine), access_log=None)
+    runner = web.AppRunner(build_app(engine, key), access_log=None)
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()

@@ -15,6 +15,12 @@
                  After rollout.max_engine_restarts failed launches the engine is dropped (capacity
                  reduced); with no engine left, ``failure`` is set and ``wait_available`` raises it.
 
+publish:     every engine's weight update (disk or broadcast) has rollout.publish_timeout_s; an engine
+                 that misses it is failed and restarted like a dead one (it then loads that version),
+                 the others keep what they loaded, and the publish returns. The same deadline holds for
+                 the requests a publish aborted: engines still holding some after it are restarted
+                 (fail_busy), which returns those requests as lost.
+
 A request that fails on an engine that still answers /health is a real error
 (e.g. the engine refused it) and is raised as is; only a request whose engine
 is gone becomes :class:`EngineLost`, which the controller sends again (same
@@ -75,7 +81,8 @@ class EngineSupervisor:
 
     def __init__(self, engines: list[tuple[Any, Any]], *, launch: Launcher | None, weights: tuple[str, int],
                  health_interval_s: float = 5.0, health_timeout_s: float = 30.0, max_restarts: int = 3,
-                 work_dir: str | Path | None = None, stop: Callable[[Any, float], Any] | None = None) -> None:
+                 work_dir: str | Path | None = None, stop: Callable[[Any, float], Any] | None = None,
+                 publish_timeout_s: float = 0.0) -> None:
         if not engines:
             raise EngineError("EngineSupervisor needs at least one engine")
         self.slots = [_Slot(i, client, proc) for i, (proc, client) in enumerate(engines)]
@@ -84,6 +91,8 @@ class EngineSupervisor:
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.max_restarts = max_restarts
+        #: seconds each engine has for a weight update (0 = no limit; the module doc says what happens after)
+        self.publish_timeout_s = publish_timeout_s
         self.work_dir = Path(work_dir) if work_dir else None
         #: stop(proc, timeout_s): ends an engine process and its children
         self.stop = stop or stop_engine_process
@@ -105,7 +114,8 @@ class EngineSupervisor:
     async def start(self) -> None:
         if self.weights[1] != 0:  # a resumed run: the engines start from the base checkpoint
             async with self._publish_lock:
-                await self._each_live(lambda s: s.client.update_weights_from_disk(*self.weights))
+                await self._each_live(lambda s: s.client.update_weights_from_disk(*self.weights),
+                                      timeout_s=self.publish_timeout_s)
         self._spawn(self._health_loop())
 
     def _spawn(self, coro) -> None:
@@ -258,21 +268,33 @@ class EngineSupervisor:
         if not health.get("ok", True):  # e.g. vLLM's engine core died behind a live HTTP server
             self._fail(slot, incarnation, f"/health reports the engine is not ok: {health}")
 
+    def fail_busy(self, reason: str) -> None:
+        """Fail (restart) every live engine that holds requests: closing its client returns them as lost."""
+        for slot in self._live():
+            if slot.in_flight:
+                self._fail(slot, slot.incarnation, reason)
+
     def stats(self) -> dict[str, int]:
         """Per-run totals for the step record."""
         return {"n_engine_failures": self.n_failures, "n_engine_restarts": self.n_restarts,
                 "n_engines_live": len(self._live())}
 
     # -- fan-out calls -------------------------------------------------------------------
-    async def _each_live(self, call: Callable[[_Slot], Any], slots: list[_Slot] | None = None) -> list:
-        """``call`` on every live engine; an engine found gone is failed (restarted), others' errors raise."""
+    async def _each_live(self, call: Callable[[_Slot], Any], slots: list[_Slot] | None = None,
+                         timeout_s: float = 0.0) -> list:
+        """``call`` on every live engine; an engine found gone, or (``timeout_s`` > 0) not done after that
+        long, is failed (restarted); others' errors raise."""
         slots = self._live() if slots is None else slots
         incarnations = [s.incarnation for s in slots]
-        results = await asyncio.gather(*(call(s) for s in slots), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(call(s), timeout_s or None) for s in slots),
+                                       return_exceptions=True)
         errors = []
         for slot, inc, r in zip(slots, incarnations, results):
             if isinstance(r, BaseException):
-                if isinstance(r, EngineError) and (slot.incarnation != inc or await self._is_gone(slot)):
+                if isinstance(r, TimeoutError):  # the client's own time limits come back as EngineError
+                    self._fail(slot, inc, f"weight update not done within {timeout_s:g} s "
+                                          f"(rollout.publish_timeout_s)")
+                elif isinstance(r, EngineError) and (slot.incarnation != inc or await self._is_gone(slot)):
                     self._fail(slot, inc, f"{type(r).__name__}: {r}")
                 else:
                     errors.append((slot.index, r))
@@ -289,7 +311,8 @@ class EngineSupervisor:
         """Every live engine loads ``path``; per update phase, the slowest engine's seconds."""
         async with self._publish_lock:
             self.weights = (str(path), int(version))
-            return slowest_phases(await self._each_live(lambda s: s.client.update_weights_from_disk(path, version)))
+            return slowest_phases(await self._each_live(lambda s: s.client.update_weights_from_disk(path, version),
+                                                        timeout_s=self.publish_timeout_s))
 
     async def update_weights_from_broadcast(self, group_info: dict | Callable[[list], dict | None],
                                             names_shapes_dtypes: list, version: int, *,
@@ -320,7 +343,8 @@ class EngineSupervisor:
                 raise EngineError(f"broadcast group of world size {group_info.get('world_size')} does not fit "
                                   f"{len(slots)} of {len(self.slots)} engines live with {world - 1} worker(s)")
             return slowest_phases(await self._each_live(lambda s: s.client.update_weights_from_broadcast(
-                {**group_info, "rank": first[s.index]}, names_shapes_dtypes, version), slots))
+                {**group_info, "rank": first[s.index]}, names_shapes_dtypes, version), slots,
+                timeout_s=self.publish_timeout_s))
 
     async def _worker_counts(self) -> tuple[list[_Slot], list[int]]:
         """The live engines that answer /health, and each one's worker count."""

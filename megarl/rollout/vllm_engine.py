@@ -33,6 +33,10 @@ Choices that matter for RL, and why:
   (``kv_cache_gib``) and the threads (``cpu_threads``) go to vLLM's processes as
   VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS: without the first, vLLM reserves
   ~92% of the node's memory and fails to start when other processes hold some.
+- MoE routes (``GenerateRequest.return_routes``): on GPU from vLLM's own output
+  (``routed_experts``, the engine started with ``routed_experts=True``), on CPU
+  captured by megarl's worker extension, hooked on the first request that asks;
+  both become ``GenerateResult.routes`` through :mod:`megarl.rollout.vllm_routes`.
 """
 from __future__ import annotations
 
@@ -44,8 +48,10 @@ from pathlib import Path
 
 from megarl.cpu_affinity import omp_bind
 from megarl.errors import EngineError, InputError
+from megarl.models.hf_config import is_moe
 from megarl.platform.amx import REQUEST_ENV, request_amx
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
+from megarl.rollout.vllm_routes import ROUTES_ARG, native_routes, routes_from_rows, unpack_rows
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -91,6 +97,10 @@ class VLLMEngine:
         self.checkpoint = checkpoint
         self.max_model_len = int(config.get("max_position_embeddings", 0))
         self.vocab_size = int(config["vocab_size"])
+        self._moe = is_moe(config)
+        #: where routes come from: "native" (vLLM's output), "capture" (the worker extension; hooked on first use)
+        self._routes_source = "capture"
+        self._capturing = False
         self._reference = read_checkpoint_specs(checkpoint)
         self._optional = tied_optional_names(config)
         self._version = initial_version
@@ -118,11 +128,12 @@ class VLLMEngine:
                      max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
                      enforce_eager: bool | None = None, kv_cache_gib: int | None = None,
                      cpu_threads: int | None = None, tensor_parallel_size: int = 1,
-                     cpu_cores: list[int] | None = None) -> "VLLMEngine":
+                     cpu_cores: list[int] | None = None, routed_experts: bool = False) -> "VLLMEngine":
         """``dtype``: "float32", "bfloat16", "auto" (the checkpoint's recorded dtype, see
         megarl.rollout.base.resolve_dtype) or None: float32 on CPU (exact log-prob parity), vLLM's own
         choice on GPU. ``cpu_cores``: the cores this process was pinned to (megarl.rollout.backends.make_engine);
-        vLLM binds its workers' OpenMP threads to them."""
+        vLLM binds its workers' OpenMP threads to them. ``routed_experts``: on GPU, start vLLM with its routed-experts
+        output, which requests with ``return_routes`` need there (ignored on CPU, where routes are captured)."""
         config = read_config(checkpoint)  # fail on a bad checkpoint before paying for the vLLM import
         if dtype is not None:
             dtype = resolve_dtype(dtype, config)
@@ -164,6 +175,9 @@ class VLLMEngine:
             # prefill a prompt is scheduled whole (the step budget must then hold the longest one)
             kwargs.update(enable_chunked_prefill=False,
                           max_num_batched_tokens=max(kwargs["max_model_len"], _CPU_STEP_TOKENS))
+        native_routes = routed_experts and not on_cpu and is_moe(config)
+        if native_routes:
+            kwargs["enable_return_routed_experts"] = True
         if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
         if max_num_seqs is not None:
@@ -178,6 +192,7 @@ class VLLMEngine:
         engine = cls(llm, str(checkpoint), config, initial_version)
         engine.dtype = str(getattr(getattr(llm, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
         engine.n_workers = tensor_parallel_size
+        engine._routes_source = "native" if native_routes else ("capture" if on_cpu else None)
         kv_bytes = llm.vllm_config.cache_config.kv_cache_memory_bytes
         engine.kv_cache_gb = kv_bytes / 2**30 if kv_bytes else None
         engine.cpu_threads = int(child_env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in child_env else None
@@ -185,31 +200,49 @@ class VLLMEngine:
         return engine
 
     # -- generation ----------------------------------------------------------------------------
-    def _sampling_params(self, req: GenerateRequest, max_new: int):
+    def _sampling_params(self, req: GenerateRequest, max_new: int, routes: str | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = req.sampling
+        # captured routes: the worker records this request's rows, and every prompt position is computed
+        # (a prefix-cache hit would leave the cached positions without routes; megarl.rollout.vllm_routes)
+        capture = {"extra_args": {ROUTES_ARG: True}, "skip_reading_prefix_cache": True} if routes == "capture" else {}
         return SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
                               max_tokens=max_new, stop_token_ids=list(s.stop_token_ids), ignore_eos=True,
                               seed=s.seed, logprobs=0, detokenize=False,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              output_kind=RequestOutputKind.FINAL_ONLY, **capture)
+
+    async def _routes_for(self, req: GenerateRequest) -> str | None:
+        """How this request's routes are obtained (None: not asked for, or a dense model, which has none)."""
+        if not (req.return_routes and self._moe):
+            return None
+        if self._routes_source is None:
+            raise InputError(f"request {req.request_id}: this vLLM engine was started without routed experts; "
+                             f"start it with routed_experts=True (megarl engine --routed-experts; "
+                             f"rollout.routing_replay=true does this)")
+        if self._routes_source == "capture" and not self._capturing:
+            await self.llm.collective_rpc("megarl_capture_routes")
+            self._capturing = True
+        return self._routes_source
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         from vllm.exceptions import VLLMValidationError
 
         check_request(req, self.vocab_size)
         max_new = effective_max_new_tokens(req, self.max_model_len)
-        if max_new == 0:
-            return GenerateResult(req.request_id, [], [], [], "length")
+        if max_new == 0:  # nothing to generate, nothing routed (as the hf engine answers)
+            return GenerateResult(req.request_id, [], [], [], "length",
+                                  routes=[[] for _ in req.prompt_ids] if req.return_routes and self._moe else None)
         # vLLM needs unique ids among live requests; callers reuse theirs when resubmitting
         rid = f"{req.request_id}#{next(self._ids)}"
+        routes = await self._routes_for(req)
         await self._admitting().wait()  # no request reaches vLLM while an update runs
         self._inflight.add(rid)  # no await between the gate and here: an update sees every admitted request
-        final = None
+        final = captured = None
         try:
-            async for out in self.llm.generate(_token_prompt(req.prompt_ids), self._sampling_params(req, max_new),
-                                               rid):
+            async for out in self.llm.generate(_token_prompt(req.prompt_ids),
+                                               self._sampling_params(req, max_new, routes), rid):
                 final = out
         except VLLMValidationError as e:
             raise InputError(f"request {req.request_id}: {e}") from e
@@ -217,9 +250,17 @@ class VLLMEngine:
             raise EngineError(f"vLLM failed on request {req.request_id}: {type(e).__name__}: {e}") from e
         finally:
             self._inflight.discard(rid)
+            if routes == "capture":  # taken however the request ended: the worker holds them until then
+                captured = unpack_rows((await self.llm.collective_rpc("megarl_take_routes", args=(rid,)))[0])
         if final is None:
             raise EngineError(f"vLLM returned no output for request {req.request_id}")
-        return self._to_result(req.request_id, final.outputs[0])
+        result = self._to_result(req.request_id, final.outputs[0])
+        n_positions = len(req.prompt_ids) + len(result.output_ids)
+        if routes == "native":
+            result.routes = native_routes(final.outputs[0].routed_experts, n_positions)
+        elif routes == "capture":
+            result.routes = routes_from_rows(captured, n_positions)
+        return result
 
     def _to_result(self, request_id: str, c) -> GenerateResult:
         ids = list(c.token_ids)

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from megarl.platform.amx import request_amx_if_asked
+from megarl.rollout.vllm_routes import install_capture, pack_rows
 from megarl.rollout.weight_spec import safetensors_files
 from megarl.rollout.weight_sync import receive_named_tensors
 
@@ -50,10 +51,28 @@ def _tp_rank() -> int:
 
 
 class MegarlWorkerExtension:
-    """Weight updates from disk or from a trainer broadcast (see megarl.rollout.weight_sync)."""
+    """Weight updates from disk or from a trainer broadcast (see megarl.rollout.weight_sync), and the capture
+    of MoE routes where vLLM cannot return them (megarl.rollout.vllm_routes)."""
 
     #: (key, group, device) of the trainer's broadcast group this worker joined (None: none yet)
     _megarl_pg: tuple | None = None
+    #: the router hooks' recorder, installed by the first megarl_capture_routes (None: nothing hooked)
+    _megarl_routes = None
+
+    def megarl_capture_routes(self) -> int:
+        """Start recording the routes of requests that ask for them (idempotent); returns the MoE layer count."""
+        if self._megarl_routes is None:
+            self._megarl_routes = install_capture(self.model_runner)
+        return len(self._megarl_routes.layer_ids)
+
+    def megarl_take_routes(self, request_id: str):
+        """The rows recorded for a finished request (megarl.rollout.vllm_routes.RouteRecorder.take), removed,
+        packed for the reply (vllm_routes.pack_rows)."""
+        return None if self._megarl_routes is None else pack_rows(self._megarl_routes.take(request_id))
+
+    def megarl_routes_pending(self) -> int:
+        """Requests whose recorded routes were not taken yet (0 when nothing is hooked)."""
+        return 0 if self._megarl_routes is None else self._megarl_routes.pending()
 
     def megarl_load_from_disk(self, path: str) -> int:
         """Reload every tensor of the safetensors checkpoint at ``path``; returns how many."""

@@ -178,6 +178,7 @@ class MegatronTrainer:
         # sequence parallelism splits the sequence over TP ranks: inputs are padded to a multiple of tp at
         # the end (causal attention: real positions never see the padding) and outputs cut back
         multiple = self.parallel.tp if self.config.sequence_parallel else 1
+        split = (self.parallel.tp_rank, self.parallel.tp) if self.config.sequence_parallel else None
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
@@ -188,8 +189,8 @@ class MegatronTrainer:
                 tokens = torch.nn.functional.pad(tokens, (0, pad))
             positions = torch.arange(n + pad, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n + pad)
             routes = routing_replay.forward_routes(None if mb.batch is None else mb.batch.routes, n, pad,
-                                                   self.n_moe_layers, self.config.sequence_parallel,
-                                                   self.config.recompute_granularity == "full")
+                                                   self.n_moe_layers, split,
+                                                   full_recompute=self.config.recompute_granularity == "full")
             # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
             with routing_replay.replaying([model], routes, n_layers=int(self.hf_config["num_hidden_layers"])):
                 out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,

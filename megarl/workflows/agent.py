@@ -46,15 +46,24 @@ def load_agent(name: str):
     return fn
 
 
-def check_agent_config(agent_cfg: Any, tokenizer: Any) -> None:
+def check_agent_config(agent_cfg: Any, tokenizer: Any, http: bool = False) -> None:
     """What ``build_workflow("agent", ...)`` would refuse, checked before the run starts anything: the agent
-    function, a chat template, every tool (importable, with a describable signature) and the template's tool
-    support."""
-    load_agent(agent_cfg.fn)
+    function (``http``: the agent_http workflow's command), a chat template, every tool (importable, with a
+    describable signature) and the template's tool support."""
     if not tokenizer.use_template:  # an agent's conversation is rendered with it, every turn
         raise ConfigError(f"rollout.workflow=agent needs a chat template: the tokenizer in {tokenizer.source} has none "
                           f"or data.apply_chat_template=false; use a tokenizer with a chat template and "
                           f"data.apply_chat_template=auto or true")
+    if http:
+        from megarl.workflows.agent_http import agent_source  # agent_http imports this module
+
+        agent_source(agent_cfg)
+        if agent_cfg.tools:
+            raise ConfigError(f"agent.tools={list(agent_cfg.tools)}: megarl runs these for rollout.workflow=agent; "
+                              f"an agent_http command runs its own tools (it sends their schemas as tools=); "
+                              f"set agent.tools=[]")
+    else:
+        load_agent(agent_cfg.fn)
     if agent_cfg.max_turns < 1:
         raise ConfigError(f"agent.max_turns={agent_cfg.max_turns} must be >= 1")
     for entry in agent_cfg.tools:

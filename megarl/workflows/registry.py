@@ -9,6 +9,7 @@ from megarl.agents.tools import ToolService
 from megarl.errors import ConfigError
 from megarl.types import SamplingParams
 from megarl.workflows.agent import AgentWorkflow, load_agent
+from megarl.workflows.agent_http import AgentHttpWorkflow, agent_source
 from megarl.workflows.base import ToolEnv, Workflow
 from megarl.workflows.multi_turn import MultiTurnWorkflow
 from megarl.workflows.single_turn import SingleTurnWorkflow
@@ -39,16 +40,20 @@ def _multi_turn(cfg: Any, tokenizer: Any, env: str | ToolEnv = "digit_count", ma
                              max_response_len=max_response_len)
 
 
-def _agent(cfg: Any, tokenizer: Any) -> Workflow:
+def _agent_limits(cfg: Any, tokenizer: Any) -> AgentLimits:
     a = cfg.agent
     if a.max_turns < 1:
         raise ConfigError(f"agent.max_turns={a.max_turns} must be >= 1")
+    return AgentLimits(sampling_from_config(cfg, tokenizer.stop_token_ids), max_turns=a.max_turns,
+                       max_tokens=a.max_tokens or tokenizer.model_max_len, turns=a.turns)
+
+
+def _agent(cfg: Any, tokenizer: Any) -> Workflow:
+    a, limits = cfg.agent, _agent_limits(cfg, tokenizer)
     fn = load_agent(a.fn)
     tools = ToolService(a.tools, timeout_s=a.tool_timeout_s, memory_mb=a.tool_memory_mb,
                         n_workers=a.n_tool_workers) if a.tools else None
     try:
-        limits = AgentLimits(sampling_from_config(cfg, tokenizer.stop_token_ids), max_turns=a.max_turns,
-                             max_tokens=a.max_tokens or tokenizer.model_max_len, turns=a.turns)
         return AgentWorkflow(fn, tokenizer, tools, limits, prompt_key=cfg.data.prompt_key)
     except Exception:
         if tools is not None:
@@ -56,8 +61,16 @@ def _agent(cfg: Any, tokenizer: Any) -> Workflow:
         raise
 
 
+def _agent_http(cfg: Any, tokenizer: Any) -> Workflow:
+    a = cfg.agent
+    argv, service_key = agent_source(a)
+    return AgentHttpWorkflow(argv, tokenizer, _agent_limits(cfg, tokenizer), host=a.http_host, port=a.http_port,
+                             timeout_s=a.timeout_s, max_concurrency=cfg.rollout.max_concurrency,
+                             service_key=service_key)
+
+
 WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn,
-                                                 "agent": _agent}
+                                                 "agent": _agent, "agent_http": _agent_http}
 
 
 def build_workflow(name: str, cfg: Any, tokenizer: Any, **options: Any) -> Workflow:

@@ -32,6 +32,17 @@ MODES = {
     "dp2": ("dense", 1, 1, 1, True, False),
     "ep2": ("moe", 1, 1, 2, False, False),
 }
+#: the same layouts replaying hand-built MoE routes (megarl/models/routing_replay.py)
+REPLAY = {"single_moe_replay": "single_moe", "ep2_replay": "ep2", "tp2_moe_replay": "tp2_moe"}
+
+
+def hand_routes(batch, layers: int = 2):
+    """[B, L-1, layers, 2]: row b, position t, layer l go to experts (t+b+l, t+b+l+1) mod 4; -1 past the row."""
+    B, L = batch.tokens.shape
+    t = torch.arange(L - 1)[None, :, None] + torch.arange(B)[:, None, None] + torch.arange(layers)[None, None, :]
+    routes = torch.stack([t % 4, (t + 1) % 4], dim=-1).to(torch.int16)
+    routes[torch.arange(L - 1)[None] >= (batch.seq_lens[:, None] - 1)] = -1
+    return routes
 
 
 def make_batch():
@@ -61,11 +72,13 @@ def run_mode(mode: str, ckpts: dict, out: Path) -> None:
 
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
-    model, tp, pp, ep, dist_opt, sp = MODES[mode]
+    model, tp, pp, ep, dist_opt, sp = MODES[REPLAY.get(mode, mode)]
     trainer = MegatronTrainer(ckpts[model], tp=tp, pp=pp, ep=ep, lr=1e-4, micro_batch_tokens=40,
                               use_distributed_optimizer=dist_opt, seed=0, sequence_parallel=sp)
     assert trainer.config.sequence_parallel == sp, (mode, trainer.config.sequence_parallel)
     batch = make_batch()
+    if mode in REPLAY:
+        batch.routes = hand_routes(batch)
     result = {"mode": mode, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
     result["logprobs"] = trainer.logprobs(batch).tolist()
     reference = load_file(os.path.join(ckpts[model], "model.safetensors"))
@@ -86,7 +99,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dense", required=True)
     p.add_argument("--moe", required=True)
-    p.add_argument("--modes", required=True, help="comma-separated, from: " + ", ".join(MODES))
+    p.add_argument("--modes", required=True, help="comma-separated, from: " + ", ".join([*MODES, *REPLAY]))
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -2,8 +2,9 @@
 
 One torchrun launch runs every 2-rank mode (TP2 dense, TP2 dense with sequence
 parallelism, TP2 MoE (sequence parallel), PP2 dense, DP2 dense with the
-distributed optimizer, EP2 MoE) and one plain process the 1-rank
-reference; each rank writes JSON (tests/distributed/run_parallel.py).
+distributed optimizer, EP2 MoE, and EP2 and TP2 MoE replaying hand-built
+routes) and one plain process the 1-rank reference; each rank writes JSON
+(tests/distributed/run_parallel.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from megarl.rollout.client import free_port
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "run_parallel.py"
 TWO_RANK_MODES = {"tp2": "single_dense", "tp2_sp": "single_dense", "tp2_moe": "single_moe",
-                  "pp2": "single_dense", "dp2": "single_dense", "ep2": "single_moe"}
+                  "pp2": "single_dense", "dp2": "single_dense", "ep2": "single_moe",
+                  # routing replay: the same hand-built routes replayed under EP2 and TP2 (sequence parallel)
+                  "ep2_replay": "single_moe_replay", "tp2_moe_replay": "single_moe_replay"}
 TOL = 1e-5
 
 
@@ -40,7 +43,7 @@ def results(tmp_path_factory) -> Path:
     moe = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3_moe.yaml", root / "moe", seed=3)
     out = root / "out"
     args = ["--dense", str(dense), "--moe", str(moe), "--out", str(out)]
-    _run([sys.executable, str(SCRIPT), "--modes", "single_dense,single_moe", *args], timeout=180)
+    _run([sys.executable, str(SCRIPT), "--modes", "single_dense,single_moe,single_moe_replay", *args], timeout=180)
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
           str(SCRIPT), "--modes", ",".join(TWO_RANK_MODES), *args], timeout=300)
     return out
@@ -66,6 +69,13 @@ def test_two_ranks_match_one(results, mode):
         assert m["skipped"] == 0.0 and got["version"] == 1
         assert m["loss"] == pytest.approx(r["loss"], rel=TOL)  # sum of losses over all DP ranks
         assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=TOL)
+
+
+def test_replayed_routes_change_the_moe_log_probs(results):
+    # the replay modes are not vacuous: the hand-built routes are not what the routers choose live
+    live = torch.tensor(_load(results, "single_moe")["logprobs"])
+    replayed = torch.tensor(_load(results, "single_moe_replay")["logprobs"])
+    assert (live - replayed).abs().max().item() > 1e-3
 
 
 def test_tp2_qk_layernorm_weights_identical_across_ranks(results):

@@ -1,5 +1,6 @@
 """Agents on the real stack: vLLM CPU engine, Megatron trainer, a real HF tokenizer whose template shows tools."""
 import json
+import sys
 
 from conftest import run_megarl
 
@@ -44,3 +45,27 @@ def test_math_with_python_agent_end_to_end(tmp_path):
     assert [x["step"] for x in lines if "eval/reward_mean" in x] == [2, 4]
     sample = _lines(run_dir / "samples.jsonl")[0]
     assert "<tools>" in sample["prompt"] and '"name": "python"' in sample["prompt"]
+
+
+def test_an_agent_in_another_process_trains_through_the_http_endpoint(tmp_path):
+    # each episode runs tests/e2e/agent_http_probe.py: three key probes, then the example calculator agent
+    # (the official openai package, a tool of its own) against the run's endpoint
+    run_dir, probe = tmp_path / "run", tmp_path / "probe.jsonl"
+    r = run_megarl("train", "--config", "configs/tiny_agent_cpu.yaml", "--output-dir", str(run_dir),
+                   f"model.checkpoint={tmp_path / 'ckpt'}", "trainer.total_steps=2", "rollout.backend=hf",
+                   "rollout.workflow=agent_http", "agent.tools=[]", "eval.path=", "logging.progress=none",
+                   "logging.tensorboard=false",
+                   f"agent.command={sys.executable} tests/e2e/agent_http_probe.py {probe}", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = [x for x in _lines(run_dir / "metrics.jsonl") if "reward_mean" in x]
+    assert len(steps) == 2
+    # every episode's completions were recorded token-exactly (a mismatch fails its group: n_dropped)
+    assert sum(x["n_dropped"] for x in steps) == 0
+    assert all(x["n_reward_failed"] == x["n_agent_failed"] for x in steps)
+    assert sum(x["n_agent_failed"] for x in steps) < sum(x["n_reward_calls"] for x in steps) / 2
+    assert sum(x["n_agent_turns"] for x in steps) >= sum(x["n_reward_calls"] for x in steps) >= 2 * 16
+    probes = _lines(probe)
+    assert len(probes) >= 2 * 16
+    assert all(p == {"no_key": 401, "unknown_key": 401, "own_key": 200} for p in probes)
+    sample = _lines(run_dir / "samples.jsonl")[0]
+    assert '"name": "add"' in sample["prompt"] and "What is 2 + 3?" in sample["prompt"]

@@ -86,13 +86,60 @@ def test_slurm_sbatch_dry_run_without_slurm():
     assert "recovery.name=ewma" in out
 
 
+def test_slurm_sbatch_passes_sigterm_to_the_run_and_requeues_it(tmp_path):
+    """Slurm's SIGTERM before the time limit (or a preemption) reaches the run; when it exits with 75 (checkpointed)
+    the job is requeued, and the requeued job resumes from the run directory. The run is a stand-in (PYTHON)
+    that exits with 75 on SIGTERM; scontrol is one that records its arguments."""
+    import signal
+
+    text = (ROOT / "launch" / "slurm.sbatch").read_text()
+    assert "\n#SBATCH --signal=B:TERM@120\n" in text and "\n#SBATCH --requeue\n" in text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n')
+    (tmp_path / "python").write_text(f"#!/bin/bash\necho \"$@\" > {tmp_path}/args\n"
+                                     f"trap 'exit 75' TERM\ntouch {tmp_path}/started\n"
+                                     f"while true; do sleep 0.05; done\n")
+    for f in (bin_dir / "scontrol", tmp_path / "python"):
+        f.chmod(0o755)
+    run_dir = tmp_path / "run"
+    env = {**_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", MEGARL_ROOT=str(ROOT),
+                  MEGARL_RUN_DIR=str(run_dir)), "PYTHON": str(tmp_path / "python")}
+
+    def attempt() -> int:
+        (tmp_path / "started").unlink(missing_ok=True)
+        p = subprocess.Popen(["bash", "launch/slurm.sbatch", "--config", "my.yaml", "trainer.lr=1e-5"], cwd=ROOT,
+                             env=env)
+        try:
+            deadline = time.monotonic() + 30
+            while not (tmp_path / "started").exists():
+                assert p.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)  # to the batch script only, as --signal=B:TERM does
+            return p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+
+    assert attempt() == 75
+    assert (tmp_path / "args").read_text().split() == [
+        "-m", "megarl.cli", "launch", "--launcher", "slurm", "--config", "my.yaml", "trainer.lr=1e-5",
+        f"logging.output_dir={run_dir}"]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    (run_dir / "checkpoints" / "step_7").mkdir(parents=True)  # what the stopped run left
+    assert attempt() == 75
+    assert (tmp_path / "args").read_text().split()[-1] == f"logging.resume={run_dir}"
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\nrequeue 4242\n"
+
+
 def test_engine_role_takes_kv_cache_and_threads_from_the_config(ckpt, tmp_path):
     """A launched engine role (what a plan's engine command runs) in a shell without VLLM_CPU_KVCACHE_SPACE
     and OMP_NUM_THREADS: its KV cache and threads are rollout.kv_cache_gb and rollout.cpu_threads."""
     from megarl.rollout.client import free_port, stop_engine_process
 
     port = free_port()
-    env = {k: v for k, v in _env(MEGARL_ROLE="engine", MEGARL_SERVER_PORT=str(port)).items() if k not in ENGINE_VARS}
+    env = {k: v for k, v in _env(MEGARL_ROLE="engine", MEGARL_SERVER_PORT=str(port),
+                                 MEGARL_SERVER_HOST="127.0.0.1").items() if k not in ENGINE_VARS}
     log = tmp_path / "engine_role.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([PY, "-m", "megarl.train", "--config", "configs/tiny_cpu.yaml",

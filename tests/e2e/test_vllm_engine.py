@@ -49,6 +49,7 @@ def ckpts(tmp_path_factory):
 
 
 _PROCS: dict[str, subprocess.Popen] = {}  # url -> the engine process serving it
+_KEYS: dict[str, str] = {}  # url -> that engine's key (every request carries it)
 
 
 def _serve(ckpt: str, extra_args: tuple = ()):
@@ -57,6 +58,7 @@ def _serve(ckpt: str, extra_args: tuple = ()):
                                          extra_args=extra_args)
     print(f"\nMEASURE engine start (process up to /health ok): {time.perf_counter() - t0:.1f} s")
     _PROCS[client.url] = proc
+    _KEYS[client.url] = client.key
     return proc, client.url
 
 
@@ -116,7 +118,7 @@ def request(rid, prompt=PROMPT, **sampling) -> GenerateRequest:
 
 def with_client(url, fn):
     async def go():
-        client = EngineClient(url)
+        client = EngineClient(url, key=_KEYS.get(url))
         try:
             return await fn(client)
         finally:

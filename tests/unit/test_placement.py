@@ -308,3 +308,94 @@ def test_runner_lets_the_dedicated_scorer_finish_before_the_trainer():
     assert run_commands([cmd("dedicated", "dedicated", "pass", True), trainer], poll_s=0.05) == 0
     assert run_commands([cmd("dedicated", "dedicated", "raise SystemExit(3)", True), trainer], poll_s=0.05) == 3
     assert run_commands([cmd("engine0", "engine", "pass", True), trainer], poll_s=0.05) == 1
+
+
+def test_runner_passes_sigterm_to_the_trainer_and_returns_its_exit_code(tmp_path):
+    """SIGTERM to `megarl launch` reaches the trainer first (it checkpoints and exits with 75); the engine it
+    needs until then is stopped after it, and the launch exits with the trainer's 75."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    log = tmp_path / "order.log"
+
+    def on_term(name, code):
+        return (f"import signal, sys, time\n"
+                f"def bye(*_):\n    open({str(log)!r}, 'a').write('{name}\\n'); sys.exit({code})\n"
+                f"signal.signal(signal.SIGTERM, bye)\nopen({str(log)!r} + '.{name}', 'w').close()\n"
+                f"time.sleep(60)\n")
+
+    driver = textwrap.dedent(f"""
+        import sys
+        from megarl.launch.role_commands import RoleCommand
+        from megarl.launch.runner import run_commands
+        sys.exit(run_commands([RoleCommand("engine0", "engine", "", (sys.executable, "-c", {on_term("engine", 0)!r}),
+                                           True),
+                               RoleCommand("trainer", "trainer", "", (sys.executable, "-c", {on_term("trainer", 75)!r}),
+                                           False)], poll_s=0.05))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"order.log.{n}").exists() for n in ("engine", "trainer")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert log.read_text().split() == ["trainer", "engine"]
+
+
+def test_a_launched_engine_serves_on_its_node_address_not_on_every_address(monkeypatch):
+    import socket
+
+    import megarl.commands.train as train_cmd
+
+    seen = {}
+
+    async def fake_serve(checkpoint, backend, **kw):
+        seen.update(kw)
+
+    monkeypatch.setattr(train_cmd, "serve", fake_serve)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"node03": "10.0.0.3", "node04": "127.0.1.1"}[name])
+    cfg = load_run_config(CFG_TINY, ["rollout.backend=hf"])
+    env = {"MEGARL_ROLE": "engine", "MEGARL_SERVER_PORT": "8000", "MEGARL_SERVER_HOST": "node03"}
+    train_cmd.serve_role(cfg, current_role(env))
+    assert (seen["host"], seen["port"]) == ("10.0.0.3", 8000)
+    # a node whose name resolves to a loopback address on itself could not be reached there: all addresses
+    train_cmd.serve_role(cfg, current_role({**env, "MEGARL_SERVER_HOST": "node04"}))
+    assert seen["host"] == "0.0.0.0"
+
+
+def test_engines_with_own_commands_share_the_run_key_through_the_environment(monkeypatch):
+    from megarl.launch.engine_key_env import ensure_engine_key
+
+    monkeypatch.delenv("MEGARL_ENGINE_KEY", raising=False)
+    plan = plan_for(CFG_30B, nodes=4)
+    engines = [e for e in plan.engines if not e.spawned]
+    assert engines
+    for launcher in ("torchrun", "slurm", "mpirun"):
+        cmds = {c.name: c for c in render(plan, launcher, python="py")}
+        assert not any("MEGARL_ENGINE_KEY=" in a for c in cmds.values() for a in c.argv), launcher
+        assert _env_of(cmds["engine0"])["MEGARL_SERVER_HOST"] == engines[0].host, launcher
+    mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
+    assert "-x MEGARL_ENGINE_KEY" in mpi["trainer"].shell() and "-x MEGARL_ENGINE_KEY" in mpi["engine0"].shell()
+    env = {}
+    ensure_engine_key(plan, "slurm", env)  # a fresh secret the commands inherit
+    assert len(env["MEGARL_ENGINE_KEY"]) == 48
+    other = {}
+    ensure_engine_key(plan, "slurm", other)
+    assert other["MEGARL_ENGINE_KEY"] != env["MEGARL_ENGINE_KEY"]
+    mine = {"MEGARL_ENGINE_KEY": "exported"}
+    ensure_engine_key(plan, "mpirun", mine)
+    assert mine == {"MEGARL_ENGINE_KEY": "exported"}
+    with pytest.raises(ConfigError, match="with torchrun every node runs its own `megarl launch`"):
+        ensure_engine_key(plan, "torchrun", {})
+    spawned = {}
+    ensure_engine_key(plan_for(CFG_TINY), "torchrun", spawned)  # the trainer's own engines: a key of their own
+    assert spawned == {}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.errors import InputError
-from megarl.types import TrainBatch, Trajectory
+from megarl.types import TrainBatch, Trajectory, routes_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 9, 9, 4, 6, 11, 2]]  # two rows, different lengths
@@ -67,7 +67,7 @@ def batch_of(routes_per_row: list | None) -> TrainBatch:
     trajs = []
     for i, seq in enumerate(SEQS):
         n = len(seq) - 2
-        routes = None if routes_per_row is None else routes_per_row[i]
+        routes = None if routes_per_row is None else routes_tensor(routes_per_row[i])
         trajs.append(Trajectory(f"t{i}", "g", seq[:2], seq[2:], [0.0] * n, [0] * n, [1] * n, routes=routes))
     return TrainBatch.from_trajectories(trajs, version=0)
 
@@ -77,7 +77,7 @@ def hand_routes(n: int) -> torch.Tensor:
     return torch.tensor([[[t % 4, (t + 1) % 4], [(3 - t) % 4, (1 - t) % 4]] for t in range(n)])
 
 
-def live_routes(hf, seq: list[int]) -> torch.Tensor:
+def hf_live_routes(hf, seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([seq]), output_router_logits=True)
     return torch.stack([r.topk(K, dim=-1).indices for r in out.router_logits], dim=1)
@@ -103,7 +103,7 @@ def test_a_replayed_forward_equals_a_forward_whose_routers_are_forced_to_those_e
 def test_replaying_the_live_routes_changes_no_log_prob(moe):
     trainer, hf = moe
     live = trainer.logprobs(batch_of(None))
-    replayed = trainer.logprobs(batch_of([as_lists(live_routes(hf, s)) for s in SEQS]))
+    replayed = trainer.logprobs(batch_of([as_lists(hf_live_routes(hf, s)) for s in SEQS]))
     assert torch.allclose(replayed, live, atol=1e-6), (replayed - live).abs().max()
     for b, seq in enumerate(SEQS):
         assert torch.allclose(live[b, : len(seq) - 1], hf_logprobs(hf, seq), atol=2e-6)
@@ -155,12 +155,13 @@ def test_a_resubmitted_request_keeps_its_prefix_routes():
     t = Trajectory("t", "g", [1, 5], [])
     first = [[[0, 1]], [[1, 2]], [[2, 3]], []]  # prompt (2) + 2 generated; the last one was never fed back
     t.merge_routes(first)
-    assert t.routes == first
+    assert t.routes.dtype == torch.int16 and t.routes.tolist() == [[[0, 1]], [[1, 2]], [[2, 3]], [[-1, -1]]]
     # after the publish the engine re-prefills prompt + partial under the new weights, routing them differently,
     # and generates two more tokens
     again = [[[3, 0]], [[3, 1]], [[3, 2]], [[0, 3]], [[1, 3]], []]
     t.merge_routes(again)
-    assert t.routes == [[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]], [[1, 3]], []]
+    # the never-fed last token of the first request is filled in; the rest of the prefix keeps its routes
+    assert t.routes.tolist() == [[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]], [[1, 3]], [[-1, -1]]]
     t.merge_routes(None)  # an engine that returned none changes nothing
     assert len(t.routes) == 6
 
@@ -183,7 +184,7 @@ def test_the_hf_engine_returns_its_routes_and_replaying_them_reproduces_logp_beh
     assert len(res.routes) == n and res.routes[-1] == [] and all(len(r) == LAYERS for r in res.routes[:-1])
     assert all(len(set(experts)) == K for r in res.routes[:-1] for experts in r)
     traj = Trajectory("r", "g", [1, 5, 6, 7], res.output_ids, res.logp_behav, res.versions,
-                      [1] * len(res.output_ids), routes=res.routes)
+                      [1] * len(res.output_ids), routes=routes_tensor(res.routes))
     batch = TrainBatch.from_trajectories([traj], version=0)
     assert batch.routes.shape == (1, n - 1, LAYERS, K) and batch.routes.dtype == torch.int16
     logp = trainer.logprobs(batch)[0, 3:n - 1]
@@ -198,8 +199,58 @@ def test_routing_replay_is_refused_where_it_is_not_wired():
     moe_hf = {"model_type": "qwen3_moe", "num_local_experts": 4}
     base = ["rollout.routing_replay=true", "rollout.backend=hf"]
     check_routing_replay(load_run_config(None, base), moe_hf)
+    check_routing_replay(load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=vllm"]), moe_hf)
     with pytest.raises(ConfigError, match="needs an MoE model"):
         check_routing_replay(load_run_config(None, base), {"model_type": "qwen3"})
-    for extra in ("rollout.backend=vllm", "parallel.tp=2", "recovery.name=dedicated"):
+    check_routing_replay(load_run_config(None, [*base, "recovery.name=dedicated", "parallel.tp=2"]), moe_hf)
+    check_routing_replay(load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=vllm"]), moe_hf)
+    for extra in ("placement.trainer_ranks=2",):
         with pytest.raises(ConfigError, match=f"with {extra} is not supported yet"):
             check_routing_replay(load_run_config(None, [*base, extra]), moe_hf)
+
+
+def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
+    from recovery._dedicated_scorer import _score
+
+    trainer, _ = moe
+    routes = [as_lists(hand_routes(len(s))) for s in SEQS]
+    expected = trainer.logprobs(batch_of(routes))
+    # the job of the first row's second segment (response tokens 3..6), with the routes up to its end
+    job = {"traj_id": "t0", "start": 3, "end": 6, "version": 0, "prompt_ids": SEQS[0][:2],
+           "response_ids": SEQS[0][2:8], "routes": routes_tensor(routes[0][:8])}
+    (_, start, end, logps), = _score(trainer, [job])
+    assert (start, end) == (3, 6)
+    assert torch.allclose(torch.tensor(logps), expected[0, 1 + 3:1 + 6], atol=1e-6)
+
+
+def test_route_disagreement_on_hand_numbers():
+    from megarl.models.routing_replay import route_disagreement
+
+    # one row, three positions, two layers, top-2; the last position is unknown to the engine
+    engine = torch.tensor([[[[0, 1], [2, 3]], [[1, 0], [2, 3]], [[-1, -1], [-1, -1]]]])
+    trainer = torch.tensor([[[[1, 0], [2, 3]], [[1, 2], [3, 2]], [[0, 1], [0, 1]]]])
+    m = route_disagreement(engine, trainer)
+    # position 0: same sets in both layers (order does not matter); position 1: layer 0 differs
+    assert m == {"routes/n_tokens": 2.0, "routes/n_decisions": 4.0, "routes/decisions_differ_frac": 0.25,
+                 "routes/tokens_differ_frac": 0.5}
+
+
+def test_live_routes_are_the_routers_own_choices(moe):
+    from megarl.models.routing_replay import live_routes
+
+    trainer, hf = moe
+    batch = batch_of(None)
+    live = live_routes(trainer, batch)
+    assert live.shape == (2, len(SEQS[0]) - 1, LAYERS, K)
+    for b, seq in enumerate(SEQS):
+        n = len(seq) - 1
+        want = hf_live_routes(hf, seq)[:n]
+        assert torch.equal(live[b, :n].sort(-1).values, want.sort(-1).values.to(torch.int16)), want
+        assert (live[b, n:] == -1).all()
+    # replaying does not disturb what the routers are left with: a plain forward afterwards is live again
+    assert torch.allclose(trainer.logprobs(batch), trainer.logprobs(batch_of(None)))
+
+
+def test_routes_survive_a_checkpoint_of_the_trajectory():
+    t = Trajectory("t", "g", [1, 5], [6], [0.0], [0], [1], routes=routes_tensor([[[0, 1]], [[2, 3]], []]))
+    assert torch.equal(Trajectory.from_dict(t.to_dict()).routes, t.routes)

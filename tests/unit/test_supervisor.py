@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from megarl.config.schema import RolloutConfig
 from megarl.errors import EngineError
 from megarl.rollout.supervisor import EngineLost, EngineSupervisor
 from megarl.types import GenerateRequest, GenerateResult
@@ -218,6 +219,88 @@ def test_broadcast_goes_to_the_live_engines_with_ranks_in_order():
         engines[2].die()  # silent so far: found by the worker-count question, so no group waits for it
         await sup.update_weights_from_broadcast(open_group, [], 6)
         assert groups[-1] == [(1, 0, 2)] and sup.slots[2].state != "live"
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_wedges_while_loading_weights_is_restarted_with_that_version():
+    """A publish has a deadline (rollout.publish_timeout_s): the engine that misses it is restarted and loads the
+    version there; the others keep what they loaded and the publish returns."""
+    async def main():
+        sup, engines, launched, stopped = make(publish_timeout_s=0.3)
+        await sup.start()
+
+        async def wedged(path, version):
+            await asyncio.Event().wait()  # never finishes loading
+
+        engines[1].update_weights_from_disk = wedged
+        await asyncio.wait_for(sup.update_weights_from_disk("/run/weights/v1", 1), 5)
+        assert engines[0].version == 1 and stopped == [1001]
+        for _ in range(100):
+            if sup.stats()["n_engine_restarts"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert launched[0].updates == [("/run/weights/v1", 1)]
+        assert sup.stats() == {"n_engine_failures": 1, "n_engine_restarts": 1, "n_engines_live": 2}
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_a_publish_deadline_is_in_the_config():
+    from megarl.builder import load_run_config
+
+    assert load_run_config(None, []).rollout.publish_timeout_s == 600.0
+
+
+class WedgedEngine(FakeEngine):
+    """Answers /health and abort, but a request never returns, until its client is closed (then the
+    connection drops, as an HTTP client's in-flight request does when its session closes)."""
+
+    def __init__(self, pid):
+        super().__init__(pid)
+        self._closed = asyncio.Event()
+
+    async def generate(self, req):
+        await self._closed.wait()
+        raise EngineError("engine unreachable (ServerDisconnectedError: Server disconnected)")
+
+    async def close(self):
+        self._closed.set()
+
+
+def test_a_publish_whose_drain_misses_the_deadline_restarts_the_engine_holding_the_requests():
+    """An engine that keeps a request after a publish's abort: the wait for it ends at rollout.publish_timeout_s,
+    the supervisor restarts that engine, the request comes back as lost and is sent again after the publish."""
+    from megarl.rollout.interruptible import InterruptibleGeneration
+    from megarl.types import SamplingParams, Trajectory
+
+    async def main():
+        wedged = WedgedEngine(1000)
+        launched, stopped = [], []
+
+        def launch(i):
+            e = FakeEngine(2000 + len(launched))
+            launched.append(e)
+            return e.proc, e
+
+        sup = EngineSupervisor([(wedged.proc, wedged)], launch=launch, weights=("/ckpt", 0), health_interval_s=60.0,
+                               health_timeout_s=1.0, stop=lambda proc, timeout: stopped.append(proc.pid))
+        await sup.start()
+        gen = InterruptibleGeneration(sup, RolloutConfig(max_concurrency=4), seed=0,
+                                      counters={"n_interrupted": 0, "n_engine_resubmits": 0})
+        traj = Trajectory(traj_id="g0-0", group_id="g0", prompt_ids=[1, 5, 2])
+        turn = asyncio.create_task(gen.generate(traj, [1, 5, 2], SamplingParams(max_new_tokens=4)))
+        await asyncio.sleep(0.05)
+        gen.close()  # a publish: stop, abort, wait for the requests in flight
+        await sup.abort_all()
+        await asyncio.wait_for(gen.drained(timeout_s=0.3), 5)
+        assert stopped == [1000] and gen.n_inflight == 0
+        gen.open()
+        result = await asyncio.wait_for(turn, 5)
+        assert result.output_ids == [4] and launched and sup.stats()["n_engine_restarts"] == 1
+        assert gen.counters["n_engine_resubmits"] == 1
         await sup.close()
 
     asyncio.run(main())

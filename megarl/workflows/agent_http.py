@@ -1,0 +1,184 @@
+"""Agents in other processes (rollout.workflow=agent_http): ``agent.command`` runs once per episode against
+megarl's OpenAI-compatible endpoint (megarl/agents/http_server.py).
+
+The command (shell-split, run without a shell) gets the data row as JSON on
+stdin and ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` in its environment, so
+``openai.OpenAI()`` talks to the run's engines unchanged; the key is the
+episode's own and is refused once the episode ends. The last non-empty line
+of its stdout is the final answer, scored by ``reward.fn``, or a JSON object
+``{"reward": r}`` that gives the reward itself. A non-zero exit, a run past
+``agent.timeout_s`` (the command's process group is killed) or a completion
+past ``agent.max_turns`` / ``agent.max_tokens`` fails the episode exactly as
+a failing in-process agent does (megarl/workflows/agent.py: reward 0, counted
+in ``n_agent_failed``). At most ``rollout.max_concurrency`` commands run at once.
+
+With ``agent.serve=true`` no command runs: each episode waits for a
+long-lived agent service to claim it (megarl/agents/http_service.py) and to
+report its reward or answer within ``agent.timeout_s``.
+
+The episode is an :class:`AgentWorkflow` episode whose agent is the command:
+recording, token-exactness checks and counts are the in-process workflow's.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+from typing import Any
+
+from megarl.agents.client import AgentClient, AgentLimits
+from megarl.agents.http_server import SHARED, AgentHttpServer
+from megarl.errors import ConfigError
+from megarl.types import Trajectory
+from megarl.workflows.agent import AgentWorkflow
+from megarl.workflows.base import GenerateFn
+
+#: stderr kept in a failed command's error
+STDERR_TAIL = 400
+#: the environment variable holding the secret an agent service claims episodes with (agent.serve)
+SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
+
+
+class AgentCommandError(RuntimeError):
+    """The agent command failed: non-zero exit, timeout, or output that names no answer."""
+
+
+def parse_command(command: str) -> list[str]:
+    """``agent.command`` as an argv; ConfigError when it is empty, unparsable or its program is not found."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:
+        raise ConfigError(f"agent.command={command!r} cannot be split into words: {e}") from None
+    if not argv:
+        raise ConfigError("rollout.workflow=agent_http needs agent.command: the program that runs one episode "
+                          "(e.g. agent.command='python my_agent.py')")
+    if shutil.which(argv[0]) is None:
+        raise ConfigError(f"agent.command={command!r}: program {argv[0]!r} is not found (not on PATH, or not "
+                          f"executable)")
+    return argv
+
+
+def agent_source(agent_cfg: Any) -> tuple[list[str] | None, str]:
+    """What runs the episodes: ``agent.command``'s argv, or None and the service key (``agent.serve``, the key
+    from $MEGARL_AGENT_SERVICE_KEY); ConfigError for a setting that cannot work."""
+    if not agent_cfg.serve:
+        return parse_command(agent_cfg.command), ""
+    if agent_cfg.command:
+        raise ConfigError(f"agent.serve=true and agent.command={agent_cfg.command!r}: episodes are either run as a "
+                          f"command or claimed by an agent service; set one")
+    key = os.environ.get(SERVICE_KEY_ENV, "")
+    if len(key) < 16:
+        raise ConfigError(f"agent.serve=true needs ${SERVICE_KEY_ENV}: a secret of at least 16 characters that the "
+                          f"agent service sends to claim episodes (POST /sessions)")
+    if not agent_cfg.http_port:
+        raise ConfigError("agent.serve=true needs a fixed agent.http_port: the agent service must know where to "
+                          "claim episodes")
+    return None, key
+
+
+async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str], timeout_s: float) -> str:
+    """Run one episode's command; its stdout. AgentCommandError on a non-zero exit or past ``timeout_s``."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, env={**os.environ, **env},
+                                                start_new_session=True)  # its own group: a timeout kills it all
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(row, default=str).encode()), timeout_s)
+    except asyncio.TimeoutError:
+        raise AgentCommandError(f"agent.command ran past agent.timeout_s={timeout_s:g}s and was killed") from None
+    finally:
+        if proc.returncode is None:  # timed out or cancelled
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip()[-STDERR_TAIL:]
+        raise AgentCommandError(f"agent.command exited with status {proc.returncode}: {tail}")
+    return out.decode(errors="replace")
+
+
+def parse_answer(stdout: str) -> tuple[str, float | None]:
+    """The final answer (last non-empty line of stdout) and the reward it gives, if it is ``{"reward": r}``."""
+    lines = [x.strip() for x in stdout.splitlines() if x.strip()]
+    if not lines:
+        raise AgentCommandError("agent.command printed nothing: its last line of stdout must be the final answer "
+                                "or {\"reward\": r}")
+    last = lines[-1]
+    if last.startswith("{"):
+        try:
+            obj = json.loads(last)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and "reward" in obj:
+            r = obj["reward"]
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+                raise AgentCommandError(f"agent.command's reward must be a finite number, got {r!r}")
+            return last, float(r)
+    return last, None
+
+
+class AgentHttpWorkflow(AgentWorkflow):
+    """Runs ``agent.command`` for one trajectory against the endpoint (module docstring)."""
+
+    def __init__(self, argv: list[str] | None, tokenizer: Any, limits: AgentLimits, *, host: str = "127.0.0.1",
+                 port: int = 0, timeout_s: float = 300.0, max_concurrency: int = 8, service_key: str = "") -> None:
+        """``argv`` None: episodes wait for a long-lived agent service holding ``service_key`` (http_service.py)."""
+        super().__init__(self._episode, tokenizer, None, limits)
+        self.argv, self.host, self.port, self.timeout_s = argv, host, port, timeout_s
+        self.service_key = service_key
+        self.max_concurrency = max_concurrency
+        self.server: AgentHttpServer | None = None
+        self._starting: asyncio.Lock | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory:
+        await self.start()
+        return await super().run(traj, generate)
+
+    async def start(self) -> None:
+        """Listen (on the running loop; the first episode does it)."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+        async with self._starting:
+            if self.server is None:
+                self.server = await SHARED.acquire(self.host, self.port, self.tokenizer.source, self.service_key)
+
+    async def _episode(self, client: AgentClient, row: dict[str, Any]) -> float | None:
+        session = self.server.open_session(client)
+        try:
+            if self.argv is None:
+                answer, reward = await self._served(session, row)
+            else:
+                async with self._slots:
+                    out = await run_command(self.argv, row, {"OPENAI_BASE_URL": self.server.base_url,
+                                                             "OPENAI_API_KEY": session.key}, self.timeout_s)
+        finally:
+            await self.server.close_session(session)
+        if session.error is not None:  # a completion past the budget, or megarl failed: the episode fails
+            raise AgentCommandError(session.error)
+        if self.argv is not None:
+            answer, reward = parse_answer(out)
+        client.final_text = answer  # what reward.fn scores when the command gives no reward
+        return reward
+
+    async def _served(self, session, row: dict[str, Any]) -> tuple[str, float | None]:
+        """Offer the episode to an agent service and wait for its outcome (at most agent.timeout_s)."""
+        outcome = self.server.offers.offer(session, row)
+        try:
+            return await asyncio.wait_for(outcome, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise AgentCommandError(f"no agent service claimed and ended the episode within agent.timeout_s="
+                                    f"{self.timeout_s:g}s (POST /sessions, then POST /sessions/<key>/reward)") from None
+        finally:
+            self.server.offers.withdraw(session)
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            await SHARED.release(self.server, self.port)
+            self.server = None
