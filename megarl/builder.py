@@ -43,6 +43,7 @@ from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.rollout.base import logprob_temperature, wants_routed_experts
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
+from megarl.rollout.local_gpus import engine_gpu_env
 from megarl.rollout.supervisor import EngineSupervisor
 from megarl.run_log import RunLogger
 from megarl.tokenizer import RunTokenizer
@@ -94,7 +95,8 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path) -> MegatronTrainer:
                            total_steps=cfg.trainer.total_steps, min_lr=cfg.trainer.min_lr, dtype=cfg.model.dtype,
                            sequence_parallel=cfg.parallel.sequence_parallel,
                            temperature=logprob_temperature(cfg.rollout.temperature),
-                           batch_invariant=cfg.rollout.batch_invariant)
+                           batch_invariant=cfg.rollout.batch_invariant, recompute=cfg.trainer.recompute,
+                           allow_local_spec=cfg.model.allow_local_spec)
 
 
 def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
@@ -138,7 +140,9 @@ class _EngineStarts:
                                      extra_args=["--dtype", self.cfg.engine_dtype, *routes],
                                      kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
                                      cpu_cores=self.cfg.placement.cpu_affinity.engines,
-                                     env=batch_invariant.engine_env(self.cfg) or None,
+                                     # a GPU of its own on a multi-GPU machine, never the trainer's GPU 0
+                                     env={**(engine_gpu_env(i, ro.n_engines) or {}),
+                                          **batch_invariant.engine_env(self.cfg)} or None,
                                      log_path=str(self.run_dir / log_name))
 
     async def started(self) -> list:

@@ -47,13 +47,16 @@ class DedicatedConfig:
     """Seconds anchor() waits for missing segment scores before giving up with an error."""
 
 
-def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0) -> Any:
+def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0,
+                  allow_local_spec: bool = False) -> Any:
     """The scoring model; it scores at the trainer's ``temperature`` (the engines' sampling temperature),
     or its log-probs would not be the trainer's."""
     if factory:
         module, _, fn = factory.partition(":")
         return getattr(importlib.import_module(module), fn)(checkpoint_dir, temperature=temperature)
-    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature)
+    # forward-only: no DDP gradient buffer (fp32, twice the bf16 weights) and no optimizer in a scoring process
+    return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature, forward_only=True,
+                           allow_local_spec=allow_local_spec)
 
 
 def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
@@ -73,12 +76,12 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
 
 
 def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
-                dtype: str = "float32", temperature: float = 1.0) -> None:
+                dtype: str = "float32", temperature: float = 1.0, allow_local_spec: bool = False) -> None:
     _own_world(env)
     try:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature)
+        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature, allow_local_spec)
         _serve(scorer, in_q.get, out_q.put)
     except BaseException:  # noqa: BLE001 - the parent must hear about any failure
         out_q.put(("error", traceback.format_exc()))
@@ -121,7 +124,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
             scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype,
-                                   logprob_temperature(run_cfg.rollout.temperature))
+                                   logprob_temperature(run_cfg.rollout.temperature), run_cfg.model.allow_local_spec)
         except Exception:  # noqa: BLE001 - reported to the trainer below
             build_error = traceback.format_exc()
         conn = pending.get()  # the trainer connects at its first publish

@@ -8,7 +8,8 @@
                                                                           │ scored with v-1
     anchor(): join results into traj.logp_old   ◄─── ("scored", results) ◄┘
 
-The scoring process owns its own model: by default a ``MegatronTrainer`` with
+The scoring process owns its own model: by default a forward-only
+``MegatronTrainer`` (weights only: no gradient buffer, no optimizer) with
 tp = pp = ep = 1 in its own gloo world of size one (its own MASTER_PORT), built
 from ``ctx.checkpoint_dir`` in the trainer's dtype (``ctx.trainer.dtype``: a
 float32 scorer of a bf16 policy would not return the trainer's log-probs) and at
@@ -128,7 +129,8 @@ class Dedicated(RecoveryStrategy):
         proc = mpctx.Process(target=_child_main, name="megarl-dedicated-scorer", daemon=True,
                              args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
                                    self.cfg.num_threads, in_q, out_q,
-                                   self.ctx.trainer.dtype, self.ctx.trainer.temperature))
+                                   self.ctx.trainer.dtype, self.ctx.trainer.temperature,
+                                   getattr(self.ctx.trainer, "allow_local_spec", False)))
         proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
         self._link = QueueLink(proc, in_q, out_q)
 

@@ -28,6 +28,8 @@ def register(sub) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget per micro-batch")
+    p.add_argument("--allow-local-spec", action="store_true",
+                   help="on CUDA without TransformerEngine, use megatron's local layers (model.allow_local_spec)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter dtype of the model (log-probs are computed in float32 either way)")
     p.add_argument("--temperature", type=float, default=1.0,
@@ -60,7 +62,8 @@ def run(args) -> int:
     if scored:
         trainer = MegatronTrainer(args.checkpoint, tp=args.tp, pp=args.pp, ep=args.ep,
                                   micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype,
-                                  temperature=args.temperature)
+                                  temperature=args.temperature, allow_local_spec=args.allow_local_spec,
+                                  forward_only=True)  # scores only: no gradient buffer, no optimizer
         rank = trainer.parallel.rank
         for start in range(0, len(scored), ROWS_PER_CALL):
             chunk = scored[start: start + ROWS_PER_CALL]

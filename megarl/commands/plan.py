@@ -1,5 +1,9 @@
 """`megarl plan`: the placement plan of a config, and with ``--cost`` what each recovery strategy costs on it.
 
+On GPUs it also prints the memory plan (megarl/launch/memory.py): the peak of
+a trainer, engine and dedicated-scorer GPU by part, and exits 1 when one does
+not fit ``placement.gpu_memory_gb``, naming the settings that would.
+
 ``--cost`` prints the cost model's table (megarl/launch/cost.py) for every strategy with
 the assumptions it uses (flags below); ``--calibrate SWEEP_REPORT`` fits the model's CPU
 constants on a `megarl bench --sweep` report and prints predicted against measured costs.
@@ -13,7 +17,7 @@ from pathlib import Path
 
 from megarl.config.loader import field_docs
 from megarl.errors import ConfigError
-from megarl.launch import cost
+from megarl.launch import cost, memory
 from megarl.launch.overlays import overlay_overrides, recovery_overlay
 from megarl.launch.placement import load_hf_config, resolve_plan
 
@@ -49,9 +53,15 @@ def run(args) -> int:
     hf, source = load_hf_config(cfg)
     args.dry_run, args.launcher = True, None
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
+    mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
     if not args.cost:
-        print(f"megarl plan: {args.config or '(defaults)'} (model fields from {source})\n{plan.describe()}")
-        return 0
+        if args.json:
+            print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem)}, indent=1))
+        else:
+            print(f"megarl plan: {args.config or '(defaults)'} (model fields from {source})\n{plan.describe()}")
+            if mem is not None:
+                print(mem.describe())
+        return _fits(mem)
     given = {f.name: getattr(args, f.name) for f in fields(cost.Assumptions) if getattr(args, f.name) is not None}
     a = cost.Assumptions(**given)
     costs = cost.strategy_costs(cfg, hf, plan, a, interpolation_forward=normalizer_needs_anchor(cfg.loss))
@@ -60,7 +70,18 @@ def run(args) -> int:
         print(json.dumps({"layout": lay, "assumptions": asdict(a), "costs": costs}, indent=1))
     else:
         print(cost.render_costs(costs, lay, cfg, a, f"{args.config or '(defaults)'} (model fields from {source})"))
-    return 0
+        if mem is not None:
+            print(mem.describe())
+    return _fits(mem)
+
+
+def _fits(mem) -> int:
+    """1 (with the reasons on stderr) when a GPU of the plan would run out of memory."""
+    if mem is None or not mem.problems:
+        return 0
+    for problem in mem.problems:
+        print(f"megarl plan: does not fit: {problem}", file=sys.stderr)
+    return 1
 
 
 def _calibrate(args) -> int:

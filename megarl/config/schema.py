@@ -26,6 +26,8 @@ class ModelConfig:
     """HF tokenizer directory (or hub name) of the run; empty = `checkpoint`. One tokenizer serves data, stopping, rewards, samples and evaluation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of trainer and engines (float32 on CPU for exact log-prob parity)."""
+    allow_local_spec: bool = False
+    """On CUDA, build the trainer with megatron's local (pure torch) layers when TransformerEngine is missing or broken, instead of stopping with an error. The local attention keeps full score matrices (rows x heads x length^2): far more memory at long rows (`megarl plan` counts them)."""
 
 
 @dataclass
@@ -74,6 +76,8 @@ class TrainerConfig:
     """B: trajectories per optimizer step."""
     micro_batch_tokens: int = 8192
     """Token budget of one micro-batch (rows x padded length)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation in the backward: none keeps every layer's activations; selective recomputes the core attention (its score matrices, large without TransformerEngine's fused attention); full keeps only each layer's input and reruns the layer (~1/3 more trainer compute, the least memory). Same loss and gradients in all three; `megarl plan` prints what each leaves per GPU. full is refused with rollout.routing_replay (the rerun layers would route live)."""
     total_steps: int = 100
     """Optimizer steps to run."""
     publish_every: int = 1
@@ -340,6 +344,8 @@ class PlacementConfig:
     """Port of the trainer -> engines weight broadcast group on the first trainer node (rollout.weight_sync=broadcast); 0 = 29600."""
     engine_port: int = 8100
     """First HTTP port of the engines that run as their own command (one more per engine on the same node)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GB (gpu only): `megarl plan` refuses a layout whose trainer, engine or dedicated-scorer GPU would need more (H100: 80, H200: 141)."""
     model_config: str = ""
     """YAML of HF config.json fields that plans are validated against when model.checkpoint has no config.json on this machine (dry runs away from the cluster's disk)."""
     cpu_affinity: CpuAffinityConfig = field(default_factory=CpuAffinityConfig)

@@ -16,6 +16,8 @@ import torch
 from megarl.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+#: trainer.recompute values (megarl/config/schema.py TrainerConfig.recompute)
+RECOMPUTE = ("none", "selective", "full")
 
 
 def num_experts(hf: dict) -> int:
@@ -91,7 +93,8 @@ def validate_parallel(hf: dict, tp: int, pp: int, ep: int, world_size: int) -> N
 
 
 def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                               dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+                               dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                               recompute: str = "none"):
     """Translate a Qwen3 / Qwen3-MoE ``config.json`` dict into a megatron ``TransformerConfig``.
 
     Architecture: GQA (``num_query_groups``), per-head RMSNorm on q and k
@@ -104,6 +107,9 @@ def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 
     probabilities, which is ``norm_topk_prob=False``. Experts are one
     ``SequentialMLP`` per layer (``moe_grouped_gemm=False``: grouped GEMM needs
     TransformerEngine / CUDA). No load-balancing loss (RL fine-tuning).
+
+    ``recompute`` (activation recomputation, :func:`recompute_fields`) changes
+    what the backward keeps, never what it computes.
     """
     from megatron.core.transformer import TransformerConfig  # megatron: after prepare_megatron()
 
@@ -153,11 +159,33 @@ def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 
         # megatron rejects the default (allgather) dispatcher with variable_seq_lengths, even for dense
         moe_token_dispatcher_type="alltoall",
         **moe,
+        **recompute_fields(recompute),
     )
     with warnings.catch_warnings():
         # 0.16.1 warns about its own default cuda_graph_scope on every construction
         warnings.filterwarnings("ignore", message="full scope is deprecated")
+        # selective recompute of core_attn warns that TE's fused attention would not need it (true, not ours)
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine")
         return TransformerConfig(**fields)
+
+
+def recompute_fields(recompute: str) -> dict[str, Any]:
+    """TransformerConfig fields of ``trainer.recompute``.
+
+    full: every layer keeps only its input and reruns its forward in the
+    backward (uniform method, one layer per unit). selective: megatron's
+    default module list, the core attention only (the score matrices of the
+    local spec; TransformerEngine's fused attention keeps none, so there it
+    saves little). ``moe_act`` is refused by megatron without grouped GEMM and
+    is not asked for.
+    """
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
 
 
 def gpt_model_kwargs_from_hf(hf: dict) -> dict[str, Any]:

@@ -54,7 +54,8 @@ def routers(model_chunks) -> list[tuple[int, object]]:
 
 
 def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: int,
-                   sequence_split: tuple[int, int] | None = None) -> torch.Tensor | None:
+                   sequence_split: tuple[int, int] | None = None, *,
+                   full_recompute: bool = False) -> torch.Tensor | None:
     """This rank's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None.
 
     ``sequence_split`` = (tp rank, tp size) under sequence parallelism: each tensor-parallel rank routes its
@@ -62,6 +63,12 @@ def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: 
     """
     if routes is None:
         return None
+    if full_recompute:
+        # full recompute reruns each layer in the backward, after :func:`replaying` has restored live
+        # routing: the gradient would be that of other routes than the forward's
+        raise InputError("routing replay with trainer.recompute=full is not supported: the recomputed forward "
+                         "would route live; set trainer.recompute to none or selective, or "
+                         "rollout.routing_replay=false")
     if not n_moe_layers:
         raise InputError("the batch carries MoE routes to replay but the model is dense")
     routes = torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)

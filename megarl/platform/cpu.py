@@ -21,6 +21,10 @@ below says what fails without it (measured on a 2-core CPU machine):
    and converts its split sizes to numpy only ``if tensor.is_cuda``; gloo's
    ``all_to_all_single`` raises TypeError on tensor splits, so on CPU they are
    always converted.
+6. Activation recomputation (``trainer.recompute``): megatron's checkpoint
+   function saves and restores the CUDA generator state around each rerun
+   (``torch.cuda.get_rng_state`` asserts without CUDA); on CPU the CPU
+   generator and the tracker's states, which it saves too, are all there is.
 (Without TransformerEngine, 0.16.1's MoE router also references the undefined
 name ``te_general_gemm``; that fix is not CPU-specific and lives in
 megarl/platform/__init__.py, applied on GPUs without TE too.)
@@ -270,6 +274,16 @@ def _patch_moe() -> None:
         mod.maybe_move_tensor_to_cpu = _cpu_move_tensor
 
 
+# -- 6. recomputation's RNG ------------------------------------------------------------
+def _patch_recompute_rng() -> None:
+    from megatron.core.tensor_parallel import random as mp_random  # megatron: patched here
+
+    for name, value in (("_get_cuda_rng_state", lambda *a, **k: None),
+                        ("_set_cuda_rng_state", lambda *a, **k: None)):
+        ORIGINALS[f"{mp_random.__name__}.{name}"] = getattr(mp_random, name)
+        setattr(mp_random, name, value)
+
+
 def apply_cpu_patches() -> bool:
     """Apply every CPU adaptation once; returns True when they are active.
 
@@ -288,6 +302,7 @@ def apply_cpu_patches() -> bool:
     _patch_device_strings()
     _patch_type_asserts()
     _patch_moe()
+    _patch_recompute_rng()
     _APPLIED = True
     return True
 

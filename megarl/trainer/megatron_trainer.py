@@ -51,8 +51,8 @@ from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
 from megarl.models import routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
-from megarl.models.build import build_gpt_model
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
+from megarl.trainer.chunks import build_chunks
 from megarl.trainer.metrics import reduce_metrics
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
 from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
@@ -70,14 +70,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronTrainer:
-    """Policy trainer on megatron-core (dense Qwen3 and Qwen3-MoE; TP/PP/EP/DP)."""
+    """Policy trainer on megatron-core (dense Qwen3 and Qwen3-MoE; TP/PP/EP/DP).
+
+    ``recompute`` (none, selective, full) trades backward compute for activation memory
+    (megarl/models/hf_config.py recompute_fields); ``forward_only`` builds a scorer that can
+    only compute log-probs (megarl/trainer/chunks.py).
+    """
 
     def __init__(self, checkpoint_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, adam_eps: float = 1e-8,
                  grad_clip: float = 1.0, micro_batch_tokens: int = 4096, seed: int = 0,
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
-                 sequence_parallel: bool = False, temperature: float = 1.0, batch_invariant: bool = False):
+                 sequence_parallel: bool = False, temperature: float = 1.0, recompute: str = "none",
+                 forward_only: bool = False, allow_local_spec: bool = False, batch_invariant: bool = False):
         if lr_decay not in LR_DECAY_STYLES:
             raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if lr_decay in ("linear", "cosine") and not total_steps:
@@ -101,7 +107,7 @@ class MegatronTrainer:
         #: log-probs are of softmax(logits / temperature): the engines' sampling temperature (module doc)
         self.temperature = float(temperature)
         self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype],
-                                                 sequence_parallel=sequence_parallel)
+                                                 sequence_parallel=sequence_parallel, recompute=recompute)
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
         if batch_invariant:  # rollout.batch_invariant (megarl/batch_invariant.py): before the model is built
@@ -111,7 +117,13 @@ class MegatronTrainer:
         self._opt_args = dict(lr=lr, betas=betas, weight_decay=weight_decay, adam_eps=adam_eps, min_lr=min_lr,
                               use_distributed_optimizer=use_distributed_optimizer, warmup=lr_warmup_steps,
                               decay=lr_decay, total_steps=total_steps)
-        self.model = self._build_model(use_distributed_optimizer)
+        #: a scorer: no gradient buffer, no optimizer, train_step refused (megarl/trainer/chunks.py)
+        self.forward_only = bool(forward_only)
+        #: megatron's local layers on CUDA without TransformerEngine (megarl/models/build.py)
+        self.allow_local_spec = bool(allow_local_spec)
+        self.model = build_chunks(self.hf_config, self.config, self.temperature, forward_only=self.forward_only,
+                                  use_distributed_optimizer=use_distributed_optimizer,
+                                  allow_local_spec=self.allow_local_spec)
         #: MoE layers whose routers can replay an engine's routes (0: dense; megarl/models/routing_replay.py)
         self.n_moe_layers = routing_replay.install(self.model)
         load_hf_weights(self.model, checkpoint_dir, self.hf_config, self.config)
@@ -122,37 +134,11 @@ class MegatronTrainer:
         self.last_skip_reason: str | None = None
 
     # -- construction ------------------------------------------------------------------
-    def _build_model(self, use_distributed_optimizer: bool) -> list:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-
-        gpt = build_gpt_model(self.hf_config, self.config, self.temperature)
-        if self.config.bf16:
-            from megatron.core.transformer.module import Float16Module
-
-            # as Megatron-LM's get_model: casts the parameters to bf16, the first stage's inputs to
-            # bf16 and the last stage's outputs (per-token cross entropy) back to fp32
-            gpt = Float16Module(self.config, gpt)
-        # fp32 gradient buffers (main_grad) in both precisions: bf16 gradients would lose the small updates
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=use_distributed_optimizer)
-        model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=gpt)]
-
-        def finalize_sum(chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
-            # DP all-reduce, TP sync of q/k-norm grads, tied-embedding sync; never divide by token counts
-            finalize_model_grads(chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-
-        # without it q/k layernorm grads are not synced and the weights diverge across TP ranks
-        self.config.finalize_model_grads_func = finalize_sum
-        return model
-
     def _ensure_optimizer(self) -> None:
         if self.optimizer is not None:
             return
+        if self.forward_only:
+            raise ConfigError("this trainer was built forward_only (a scorer): it has no gradients to train with")
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -206,7 +192,8 @@ class MegatronTrainer:
                 tokens = torch.nn.functional.pad(tokens, (0, pad))
             positions = torch.arange(n + pad, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n + pad)
             routes = routing_replay.forward_routes(None if mb.batch is None else mb.batch.routes, n, pad,
-                                                   self.n_moe_layers, split)
+                                                   self.n_moe_layers, split,
+                                                   full_recompute=self.config.recompute_granularity == "full")
             # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
             with routing_replay.replaying([model], routes, n_layers=int(self.hf_config["num_hidden_layers"])):
                 out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,

@@ -165,9 +165,22 @@ def start_engine(ckpt: Path, workdir: Path, name: str, env: dict | None = None, 
                                  log_path=str(workdir / f"{name}.engine.log"), startup_timeout_s=180)
 
 
+def local_spec_allowed() -> bool:
+    """Without TransformerEngine on the device the trainer refuses CUDA unless the local spec is allowed; the
+    check then runs the local spec (what it can check), and check_te_spec says TE is missing."""
+    from megarl.platform import have_transformer_engine
+
+    return not have_transformer_engine()
+
+
+def spec_overrides() -> list[str]:
+    return ["model.allow_local_spec=true"] if local_spec_allowed() else []
+
+
 def make_trainer(ckpt: Path, **kw):
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
+    kw.setdefault("allow_local_spec", local_spec_allowed())
     return MegatronTrainer(str(ckpt), lr=kw.pop("lr", 1e-2), micro_batch_tokens=4096, seed=0, **kw)
 
 
@@ -384,7 +397,7 @@ def check_train_loop(workdir: Path) -> str:
     t0 = time.perf_counter()
     _megarl(["train", "--config", "configs/verify_cpu.yaml", "rollout.max_concurrency=4", "trainer.batch_size=8",
              "rollout.max_new_tokens=32", f"trainer.total_steps={steps}", "recovery.name=snapshot",
-             f"model.dtype={DTYPE}", *LOOP_OVERRIDES, f"logging.output_dir={run_dir}",
+             f"model.dtype={DTYPE}", *LOOP_OVERRIDES, *spec_overrides(), f"logging.output_dir={run_dir}",
              f"model.checkpoint={workdir / 'loop_ckpt'}"], workdir, "train_loop", 200)
     dt = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -406,7 +419,7 @@ def check_verify_recovery(workdir: Path) -> str:
     # may come from forwards over differently padded batches, so exact means far below behav's gap
     limit = 1e-4 if DTYPE == "float32" else 2e-2
     _megarl(["verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", strategies,
-             "--steps", "6", "--output", str(report), "--tol", str(limit), f"model.dtype={DTYPE}",
+             "--steps", "6", "--output", str(report), "--tol", str(limit), f"model.dtype={DTYPE}", *spec_overrides(),
              f"model.checkpoint={workdir / 'verify_ckpt'}"], workdir, "verify_recovery", 280)
     rep = json.loads(report.read_text())["strategies"]
     parts, bad = [DTYPE], []
