@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from megarl.tasks.reverse_digits import make_row, reward, write_jsonl
+from megarl.tasks import main
+from megarl.tasks.reverse_digits import OPTIONS, make_row, reward, write_jsonl
 
 
 @pytest.mark.parametrize("response, finish, expected", [
@@ -60,3 +61,27 @@ def test_write_jsonl_is_reproducible_per_index(tmp_path):
     b = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert a[:3] == b and len({r["id"] for r in a}) == 5
     assert reward(a[0]["answer"], a[0]["answer"]) == 1.0
+
+
+def test_length_parameters_shape_the_distribution():
+    # n = 1 + floor(Exp(mean 1)) redrawn until n <= 4: P(n = 1) = (1 - e^-1) / (1 - e^-4) = 0.6439
+    rng = random.Random(7)
+    lengths = [len(make_row(rng, mean_extra=1.0, max_digits=4)["prompt"]) for _ in range(20000)]
+    assert max(lengths) == 4
+    assert 0.63 < lengths.count(1) / len(lengths) < 0.66
+
+
+@pytest.mark.parametrize("mean_extra, max_digits", [(0.0, 8), (1.0, 0)])
+def test_length_parameters_are_checked(mean_extra, max_digits):
+    with pytest.raises(ValueError, match="mean_extra > 0 and max_digits >= 1"):
+        make_row(random.Random(0), mean_extra=mean_extra, max_digits=max_digits)
+
+
+def test_cli_writes_the_length_parameters(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    main("reverse_digits", make_row, "test", [str(out), "--n", "50", "--seed", "2", "--mean-extra", "1.5",
+                                               "--max-digits", "3"], options=OPTIONS)
+    write_jsonl(tmp_path / "same.jsonl", 50, seed=2, mean_extra=1.5, max_digits=3)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert out.read_text() == (tmp_path / "same.jsonl").read_text()
+    assert max(len(r["prompt"]) for r in rows) == 3 and rows[0]["id"] == "reverse_digits/2/0"
