@@ -118,7 +118,7 @@ def test_verify_exact_strategies_multi_turn(text_ckpt, tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("data.path={missing}", "does not exist"),
     ("eval.path={missing}", "does not exist"),
-    ("data.prompt_key=question", "reverse_digits_train.jsonl:1: no field 'question' (data.prompt_key)"),
+    ("data.prompt_key=question", "reverse_digits_short_train.jsonl:1: no field 'question' (data.prompt_key)"),
     ("model.tokenizer={tmp}", "no tokenizer files"),
     ("reward.fn=no_such_module.fn", "no_such_module"),
     ("data.max_prompt_len=200", "max_position_embeddings"),

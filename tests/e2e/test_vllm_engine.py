@@ -486,6 +486,7 @@ def test_generate_cli(ckpts, tmp_path):
 
 def test_hf_backend_serves_the_same_api(ckpts):
     proc, client = launch_engine_process(ckpts["dense0"], "hf", env=ENV, startup_timeout_s=120)
+    _KEYS[client.url] = client.key  # with_client's clients send this engine's key
     try:
         async def go(c):
             res = await c.generate(request("hf", max_new_tokens=16))
