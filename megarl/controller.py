@@ -112,8 +112,9 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
-                         "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0}
+                         "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0}
         self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
+        self.generation.may_hold = self._may_hold
         self._reward_failure: str | None = None  # one failing reward call of the current step, for the error
         self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
         self._failed_groups_in_a_row = 0
@@ -139,6 +140,14 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
     @version.setter
     def version(self, value: int) -> None:
         self.published.value = value
+
+    def _may_hold(self, traj: Trajectory) -> bool:
+        """rollout.splice_at_tokens holds odd groups that can wait for the next publish: of the current version
+        (no batch deadline waits on them) or due two versions later at the earliest; the even ones keep batches
+        forming while they are held (megarl/buffer.py). A trajectory already spliced is not held again."""
+        group = self.buffer.running_groups.get(traj.group_id)
+        return (group is not None and group.seq % 2 == 1 and set(traj.versions) <= {self.version}
+                and (group.start_version == self.version or group.start_version + self.eta >= self.version + 2))
 
     async def _run_group(self, group: Group, item) -> None:
         async def one(traj: Trajectory) -> Trajectory:

@@ -112,6 +112,10 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
     if cfg.rollout.eta < 0:
         raise ConfigError(f"rollout.eta={cfg.rollout.eta} must be >= 0")
+    if cfg.rollout.splice_at_tokens < 0 or (cfg.rollout.splice_at_tokens and cfg.rollout.eta < 1):
+        raise ConfigError(f"rollout.splice_at_tokens={cfg.rollout.splice_at_tokens} with rollout.eta="
+                          f"{cfg.rollout.eta}: a held turn waits for the next publish, which needs eta >= 1 "
+                          f"(set rollout.eta >= 1, or rollout.splice_at_tokens=0 to turn holding off)")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:

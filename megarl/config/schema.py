@@ -106,6 +106,8 @@ class RolloutConfig:
     """Staleness bound: a token may be at most eta versions older than the trainer; 0 = synchronous RL."""
     interruptible: bool = True
     """Abort in-flight generation when new weights are published and resume with them."""
+    splice_at_tokens: int = 0
+    """Splice by construction (0 = off): every other group admitted at the engines' current version holds each trajectory's first turn after this many policy tokens until the next version is published, then goes on with the new weights, so every such trajectory that runs longer is spliced whatever the timing. For checking exactness on spliced sequences (verify-recovery, tests); needs rollout.eta >= 1. Held turns never hold a batch back (the staleness gate and the batch deadlines never wait on a group of the current version), and the run's end releases them."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0

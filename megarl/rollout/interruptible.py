@@ -7,12 +7,19 @@ token tagged with its own). It owns what a publish needs to stop generation
 and start it again: the gate that holds new requests back (:meth:`close`,
 :meth:`open`), the count of requests in flight and an event set when none is
 (:meth:`drained`), and ``rollout.max_concurrency`` slots.
+
+With ``rollout.splice_at_tokens`` = N it also splices by construction: a
+trajectory :attr:`may_hold` picks has its first turn stopped after N policy
+tokens and held (no slot, not in flight) until the next publish, then sent on
+like an aborted request: its first N tokens are of one version, the rest of a
+later one, however fast the trainer and the engines happen to be.
 """
 from __future__ import annotations
 
 import asyncio
 import zlib
 from dataclasses import replace
+from typing import Callable
 
 from megarl.errors import EngineError
 from megarl.rollout.base import RouterProtocol
@@ -38,6 +45,13 @@ class InterruptibleGeneration:
         self.n_inflight = 0
         self._all_returned = asyncio.Event()
         self._all_returned.set()
+        self.splice_at = rollout.splice_at_tokens
+        #: which trajectories a splice hold may stop (the controller's rule); none by default
+        self.may_hold: Callable[[Trajectory], bool] = lambda traj: False
+        #: trajectories a splice hold stopped (each at most once, at its first turn past splice_at tokens)
+        self.held: set[str] = set()
+        self._opened = asyncio.Condition()
+        self._n_opened = 0  # publishes (and the run's end) that let requests start again
 
     def is_open(self) -> bool:
         """Whether new requests may start (no publish under way)."""
@@ -48,8 +62,22 @@ class InterruptibleGeneration:
         self._open.clear()
 
     def open(self) -> None:
-        """Let requests start again (the new weights are loaded, or the run ends)."""
+        """Let requests start again (the new weights are loaded, or the run ends); held turns go on."""
         self._open.set()
+        self._n_opened += 1
+        if self.held:  # turns may be waiting for this publish
+            asyncio.get_running_loop().create_task(self._wake_held())
+
+    async def _wake_held(self) -> None:
+        async with self._opened:
+            self._opened.notify_all()
+
+    def _hold_cap(self, traj: Trajectory, produced: int, remaining: int, counted: bool) -> int:
+        """Tokens to ask for before a splice hold (0: no hold for this chunk)."""
+        if (not self.splice_at or not counted or traj.traj_id in self.held or produced >= self.splice_at
+                or self.splice_at - produced >= remaining or not self.may_hold(traj)):
+            return 0
+        return self.splice_at - produced
 
     async def drained(self, timeout_s: float = 0.0) -> None:
         """Wait until no request is in flight (aborted ones have returned their partial tokens).
@@ -90,7 +118,10 @@ class InterruptibleGeneration:
             rid = f"{traj.traj_id}/{len(traj.response_ids)}/{chunk}"
             # a distinct, reproducible seed per trajectory and resubmission
             seed = (self.seed * 1_000_003 + zlib.crc32(rid.encode())) % (2**31)
-            req = GenerateRequest(rid, context_ids + out_ids, replace(sampling, max_new_tokens=remaining, seed=seed),
+            hold_cap = self._hold_cap(traj, len(out_ids), remaining, counted)
+            opened = self._n_opened
+            req = GenerateRequest(rid, context_ids + out_ids,
+                                  replace(sampling, max_new_tokens=hold_cap or remaining, seed=seed),
                                   return_routes=self.return_routes)
             self.n_inflight += 1
             self._all_returned.clear()
@@ -115,6 +146,13 @@ class InterruptibleGeneration:
             versions += res.versions
             remaining -= len(res.output_ids)
             chunk += 1
+            if hold_cap and res.finish_reason == "length" and len(res.output_ids) == hold_cap:
+                self.held.add(traj.traj_id)  # the splice point: wait for the next version, then go on
+                self.counters["n_splice_holds"] += 1
+                traj.n_interrupts += 1
+                async with self._opened:
+                    await self._opened.wait_for(lambda opened=opened: self._n_opened > opened)
+                continue
             if res.finish_reason != "abort":
                 return GenerateResult(traj.traj_id, out_ids, logps, versions, res.finish_reason)
             traj.n_interrupts += 1

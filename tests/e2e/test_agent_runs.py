@@ -13,20 +13,21 @@ def _lines(path):
 
 def test_scripted_agent_under_interruptions_is_recovered_exactly(tmp_path):
     # configs/verify_vllm_cpu.yaml: long answers, two requests in flight and a publish per step, so
-    # publishes land inside turns and between them
+    # publishes land inside turns and between them; and every other group's episodes are held at their 8th
+    # token until a publish (rollout.splice_at_tokens), so some are spliced whatever the timing
     report = tmp_path / "report.json"
     r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies",
-                   "snapshot,interrupt_sync,dedicated", "--steps", "24", "--output", str(report),
+                   "snapshot,interrupt_sync,dedicated", "--steps", "8", "--output", str(report),
                    f"model.checkpoint={tmp_path / 'text_model'}", "rollout.workflow=agent", SCRIPTED,
                    "agent.max_turns=3", "agent.max_tokens=400", "rollout.max_new_tokens=64", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():
         assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
-        assert s["max_versions_per_sequence"] >= 2, (name, s)
+        assert s["max_versions_per_sequence"] >= 2 and s["n_spliced_sequences"] >= 2, (name, s)
         steps = [x for x in _lines(tmp_path / f"verify-{name}" / "metrics.jsonl") if "reward_mean" in x]
         # every episode ran its three turns, each recorded token-exactly (a mismatch fails the group)
         assert sum(x["n_dropped"] for x in steps) == 0 and sum(x["n_agent_failed"] for x in steps) == 0
-        assert sum(x["n_agent_turns"] for x in steps) >= 3 * 4 * 24 and sum(x["n_interrupted"] for x in steps) > 0
+        assert sum(x["n_agent_turns"] for x in steps) >= 3 * 4 * 8 and sum(x["n_splice_holds"] for x in steps) > 0
 
 
 def test_math_with_python_agent_end_to_end(tmp_path):
@@ -73,3 +74,24 @@ def test_an_agent_in_another_process_trains_through_the_http_endpoint(tmp_path):
     assert finished and set(finished) == {401}, finished
     sample = _lines(run_dir / "samples.jsonl")[0]
     assert '"name": "add"' in sample["prompt"] and "What is 2 + 3?" in sample["prompt"]
+
+
+def test_an_agent_in_another_process_is_recovered_exactly_on_spliced_episodes(tmp_path):
+    # the example calculator agent (official openai package, a tool of its own) as agent.command; the odd
+    # groups' episodes are held at their 4th token until the next publish (rollout.splice_at_tokens). With 4
+    # agents at once, group 1's two start beside group 0's and are held at version 0, long before group 0's
+    # episodes end and the first publish; with eta 2 group 1 is due at step 3, so it is trained by then
+    report = tmp_path / "report.json"
+    r = run_megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
+                   "snapshot,interrupt_sync,dedicated", "--steps", "3", "--output", str(report),
+                   f"model.checkpoint={tmp_path / 'text_model'}", "rollout.workflow=agent_http", "agent.tools=[]",
+                   f"agent.command={sys.executable} configs/agents/calculator_agent.py", "rollout.splice_at_tokens=4",
+                   "rollout.max_concurrency=4", "rollout.max_new_tokens=48", "agent.max_tokens=768",
+                   timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name, s in json.loads(report.read_text())["strategies"].items():
+        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert s["n_spliced_sequences"] >= 2 and s["max_versions_per_sequence"] >= 2, (name, s)
+        steps = [x for x in _lines(tmp_path / f"verify-{name}" / "metrics.jsonl") if "reward_mean" in x]
+        # every completion was recorded token-exactly (a mismatch fails its group: n_dropped)
+        assert sum(x["n_dropped"] for x in steps) == 0 and sum(x["n_splice_holds"] for x in steps) >= 2

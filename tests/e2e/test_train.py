@@ -81,10 +81,12 @@ def test_sync_run_trains_only_current_version(ckpt, tmp_path):
 
 
 def test_verify_exact_strategies(text_ckpt, tmp_path):
-    # configs/verify_cpu.yaml says why it makes many sequences splice across versions
+    # configs/verify_cpu.yaml splices by construction (rollout.splice_at_tokens): the odd groups' trajectories,
+    # two per group, stop at 8 tokens until the next publish, so at least groups 1 and 3 of the 8 trained
+    # are spliced whatever the timing
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
-               "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "20", "--output", str(report),
+               "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "8", "--output", str(report),
                f"model.checkpoint={text_ckpt}", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     strategies = json.loads(report.read_text())["strategies"]
@@ -92,7 +94,7 @@ def test_verify_exact_strategies(text_ckpt, tmp_path):
         s = strategies[name]
         assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
         assert s["n_tokens"] > 0 and s["max_versions_per_sequence"] >= 2, (name, s)
-        assert s["spliced_frac"] >= 0.1, (name, s)
+        assert s["n_spliced_sequences"] >= 4, (name, s)
     loglinear = strategies["loglinear"]
     assert not loglinear["claims_exact"] and loglinear["max_abs_err"] > 0
     # both v_theta conventions are measured; the run trained with megarl's, so its error is that one
@@ -105,14 +107,14 @@ def test_verify_exact_strategies_multi_turn(text_ckpt, tmp_path):
     # reported as partial then, or its earlier-version segments are lost to dedicated
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "interrupt_sync,dedicated",
-               "--steps", "12", "--output", str(report), f"model.checkpoint={text_ckpt}", "rollout.workflow=multi_turn",
+               "--steps", "6", "--output", str(report), f"model.checkpoint={text_ckpt}", "rollout.workflow=multi_turn",
                "rollout.max_turns=4", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():
         assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
-        assert s["max_versions_per_sequence"] >= 2 and s["spliced_frac"] >= 0.1, (name, s)
+        assert s["max_versions_per_sequence"] >= 2 and s["n_spliced_sequences"] >= 2, (name, s)
         # policy tokens only: tool output is never scored
-        assert 0 < s["n_tokens"] < 12 * 2 * 64, (name, s)
+        assert 0 < s["n_tokens"] < 6 * 2 * 64, (name, s)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -36,15 +36,16 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     # and rollout.cpu_threads
     report = tmp_path / "report.json"
     r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies", "snapshot",
-                   "--steps", "30", "--output", str(report), f"model.checkpoint={tmp_path / 'text_model'}",
+                   "--steps", "10", "--output", str(report), f"model.checkpoint={tmp_path / 'text_model'}",
                    "rollout.kv_cache_gb=2", timeout=600, unset=ENGINE_VARS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
     s = json.loads(report.read_text())["strategies"]["snapshot"]
     assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, s
-    assert s["n_sequences"] == 120 and s["max_versions_per_sequence"] >= 2, s
-    # 21-34% of the sequences were spliced in 6 runs of this load on the 2-core machine
-    assert s["spliced_frac"] >= 0.10, s
+    assert s["n_sequences"] == 40 and s["max_versions_per_sequence"] >= 2, s
+    # rollout.splice_at_tokens (configs/verify_cpu.yaml): every other group's 2 trajectories are held at 8
+    # tokens until a publish, so of the 10 groups trained, at least groups 1 and 3 are spliced
+    assert s["n_spliced_sequences"] >= 4, s
 
 
 def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(ckpt, tmp_path):
