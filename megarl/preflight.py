@@ -156,16 +156,12 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
 
 
 def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:
-    """rollout.routing_replay needs an MoE model, and no full activation recompute (its forward would route live)."""
+    """rollout.routing_replay needs an MoE model."""
     if not cfg.rollout.routing_replay:
         return
     if not is_moe(hf):
         raise ConfigError(f"rollout.routing_replay=true needs an MoE model; {cfg.model.checkpoint} is dense "
                           f"(its config.json names no experts): set rollout.routing_replay=false")
-    if cfg.trainer.recompute == "full":
-        raise ConfigError("rollout.routing_replay=true with trainer.recompute=full is not supported: the layers "
-                          "recomputed in the backward would route live, not replay; set trainer.recompute to none "
-                          "or selective")
 
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:
