@@ -160,22 +160,12 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
 
 
 def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:
-    """rollout.routing_replay needs an MoE model, and (so far) what records and replays routes end to end."""
+    """rollout.routing_replay needs an MoE model."""
     if not cfg.rollout.routing_replay:
         return
     if not is_moe(hf):
         raise ConfigError(f"rollout.routing_replay=true needs an MoE model; {cfg.model.checkpoint} is dense "
                           f"(its config.json names no experts): set rollout.routing_replay=false")
-    if cfg.trainer.recompute == "full":
-        raise ConfigError("rollout.routing_replay=true with trainer.recompute=full is not supported: the layers "
-                          "recomputed in the backward would route live, not replay; set trainer.recompute to none "
-                          "or selective")
-    unwired = {f"placement.trainer_ranks={cfg.placement.trainer_ranks}": cfg.placement.trainer_ranks > 1}
-    for setting, hit in unwired.items():
-        if hit:
-            raise ConfigError(f"rollout.routing_replay=true with {setting} is not supported yet: routes are "
-                              f"replayed by one trainer rank so far; use one trainer rank, or "
-                              f"rollout.routing_replay=false")
 
 
 def refuse_unwired(cfg: MegaRLConfig) -> None:

@@ -40,7 +40,7 @@ try:
 except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
     psutil = None
 
-from megarl.bench import plots, report
+from megarl.bench import plots, replay_cost, report
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
@@ -257,8 +257,9 @@ def machine_meta() -> dict[str, Any]:
 def bench(config: str, strategies: list[str], steps: int | None, output: str, overrides: list[str], *,
           compare_sync: bool = False, verify: bool = True, eta: int | None = None,
           disjoint_cores: str | None = None, log=print) -> dict[str, Any]:
-    """Run every strategy (and, with ``compare_sync``, async vs sync on shared and on disjoint cores), then
-    write report.json, report.md and the plots."""
+    """Run every strategy (and, with ``compare_sync``, async vs sync on shared and on disjoint cores; with
+    ``rollout.routing_replay``, the replay's cost: megarl/bench/replay_cost.py), then write report.json,
+    report.md and the plots."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_run_config(config, overrides)  # fails fast on a bad config or override
@@ -286,9 +287,17 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
             by_key[key] = run_strategy({"config": config, "overrides": [*overrides, *extra], "strategy": "behav",
                                         "steps": steps, "run_dir": str(out / run_name), "verify": False})["records"]
 
+    replay = None
+    if cfg.rollout.routing_replay:
+        log("[routing replay] train steps without and with replay ...")
+        replay = replay_cost.run_measure(config, overrides)
     meta["loadavg_end"] = os.getloadavg()[0]
     rep = report.build_report(runs, by_key, meta=meta)
-    write_report(out, rep, report.render_markdown(rep))
+    markdown = report.render_markdown(rep)
+    if replay is not None:
+        rep["routing_replay"] = replay
+        markdown += replay_cost.render_markdown(replay)
+    write_report(out, rep, markdown)
     if runs:
         plots.overhead_plot(rep, out / "overhead.png")
         plots.reward_plot({n: r["records"] for n, r in runs.items()}, out / "reward.png")

@@ -4,7 +4,8 @@ Three more modes: ``--compare-sync`` (async vs sync on shared and on disjoint co
 megarl/bench/compare_sync.py), ``--sweep`` (model size x eta x strategy,
 megarl/bench/sweep.py) and ``--quality`` (strategy x eta x seed learning curves,
 megarl/bench/quality.py). The sweep and the quality grid print their estimated run
-time before they start (``--estimate-only`` stops there).
+time before they start (``--estimate-only`` stops there). With ``rollout.routing_replay=true`` the
+bench also reports what replay costs (megarl/bench/replay_cost.py).
 """
 from __future__ import annotations
 
@@ -129,10 +130,15 @@ def run(args) -> int:
             print(f"wrote {args.output}/report.json, report.md, quality.png")
         return 0
     chosen = _strategies(args.strategies, "none" if args.compare_sync and args.strategies is None else "all")
-    if not chosen and not args.compare_sync:
-        raise ConfigError("--strategies none runs nothing; add --compare-sync or name strategies")
+    if not chosen and not args.compare_sync and not cfg.rollout.routing_replay:
+        raise ConfigError("--strategies none runs nothing; add --compare-sync or name strategies (with "
+                          "rollout.routing_replay=true it measures the replay's cost alone)")
     report = bench(args.config, chosen, args.steps, args.output, overrides, compare_sync=args.compare_sync,
                    verify=not args.no_verify, eta=args.eta, disjoint_cores=args.disjoint_cores)
     print_table(report)
+    if "routing_replay" in report:
+        from megarl.bench.replay_cost import summary_line
+
+        print(summary_line(report["routing_replay"]))
     print(f"wrote {args.output}/report.json, report.md" + (", overhead.png, reward.png" if chosen else ""))
     return 0

@@ -77,7 +77,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     """Token budget of one micro-batch (rows x padded length)."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation in the backward: none keeps every layer's activations; selective recomputes the core attention (its score matrices, large without TransformerEngine's fused attention); full keeps only each layer's input and reruns the layer (~1/3 more trainer compute, the least memory). Same loss and gradients in all three; `megarl plan` prints what each leaves per GPU. full is refused with rollout.routing_replay (the rerun layers would route live)."""
+    """Activation recomputation in the backward: none keeps every layer's activations; selective recomputes the core attention (its score matrices, large without TransformerEngine's fused attention); full keeps only each layer's input and reruns the layer (~1/3 more trainer compute, the least memory). Same loss and gradients in all three; `megarl plan` prints what each leaves per GPU. With rollout.routing_replay the rerun layers replay the same routes as their forward."""
     total_steps: int = 100
     """Optimizer steps to run."""
     publish_every: int = 1

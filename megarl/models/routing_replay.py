@@ -21,11 +21,16 @@ how :func:`replaying` lays the targets out. Under sequence parallelism each
 tensor-parallel rank routes its own contiguous slice of the sequence
 (:func:`forward_routes` cuts it); expert parallelism dispatches tokens after
 routing, so every rank routes its own tokens and replays them unchanged.
+Full activation recompute reruns each layer's forward in the backward, after
+the micro-batch's forward returned: there each router takes the routes its
+forward queued (megatron's ``REPLAY_BACKWARD``, oldest first), so the gradient
+is that of the routes the forward used.
 
 The probabilities of the replayed experts are the router's own scores at those
 ids (gathered), so the gradient reaches the router as in a live forward.
 tests/unit/test_routing_replay.py checks it against a router forced to the same
-top-k, and that replaying the live routes changes no log-prob.
+top-k, and that replaying the live routes changes no log-prob;
+tests/unit/test_recompute.py that full recompute keeps the replayed loss and gradients.
 """
 from __future__ import annotations
 
@@ -54,8 +59,7 @@ def routers(model_chunks) -> list[tuple[int, object]]:
 
 
 def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: int,
-                   sequence_split: tuple[int, int] | None = None, *,
-                   full_recompute: bool = False) -> torch.Tensor | None:
+                   sequence_split: tuple[int, int] | None = None) -> torch.Tensor | None:
     """This rank's routes for a forward of ``n`` input positions plus ``pad`` (routed live), or None.
 
     ``sequence_split`` = (tp rank, tp size) under sequence parallelism: each tensor-parallel rank routes its
@@ -63,12 +67,6 @@ def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: 
     """
     if routes is None:
         return None
-    if full_recompute:
-        # full recompute reruns each layer in the backward, after :func:`replaying` has restored live
-        # routing: the gradient would be that of other routes than the forward's
-        raise InputError("routing replay with trainer.recompute=full is not supported: the recomputed forward "
-                         "would route live; set trainer.recompute to none or selective, or "
-                         "rollout.routing_replay=false")
     if not n_moe_layers:
         raise InputError("the batch carries MoE routes to replay but the model is dense")
     routes = torch.nn.functional.pad(routes[:, :n], (0, 0, 0, 0, 0, pad), value=NO_ROUTE)
@@ -80,15 +78,26 @@ def forward_routes(routes: torch.Tensor | None, n: int, pad: int, n_moe_layers: 
 
 
 def _mixed_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-    """``RouterReplay.get_replay_topk`` with live routing where the target is -1 (installed per instance)."""
+    """``RouterReplay.get_replay_topk`` with live routing where the target is -1 (installed per instance).
+
+    A recomputed forward (``REPLAY_BACKWARD``) takes the oldest target its forwards queued (:func:`replaying`).
+    """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    target = self.target_topk_idx
-    if self.router_replay_action == RouterReplayAction.RECORD:
+    action = self.router_replay_action
+    if action == RouterReplayAction.RECORD:
         probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         self.record_indices(idx)
         return probs, idx
-    if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD or target is None:
+    if action == RouterReplayAction.REPLAY_BACKWARD:
+        if not self.replay_backward_list:
+            raise RuntimeError("routing replay: a layer was recomputed more often than it ran forward")
+        target = self.replay_backward_list.pop(0)
+    elif action == RouterReplayAction.REPLAY_FORWARD:
+        target = self.target_topk_idx
+    else:
+        target = None
+    if target is None:
         return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
     if target.shape != (scores.shape[0], topk):
         raise ValueError(f"routing replay: routes for {tuple(target.shape)} (tokens, top-k) but the router scores "
@@ -109,31 +118,67 @@ def install(model_chunks) -> int:
 
 
 @contextmanager
-def replaying(model_chunks, routes: torch.Tensor | None, *, n_layers: int) -> Iterator[None]:
+def replaying(model_chunks, routes: torch.Tensor | None, *, n_layers: int,
+              recompute: bool = False) -> Iterator[None]:
     """Inside the block, the routers of ``model_chunks`` replay ``routes`` ([b, n, layers, k], module doc).
 
     ``routes`` None: live routing. The forward inside must take exactly ``n`` input positions of ``b`` rows.
+    ``recompute``: a backward that reruns each layer's forward (full activation recompute) follows, after the
+    block has ended: each router queues this forward's target (None: live) and replays it in the recomputed
+    forward, in the order the forwards ran (a pipeline schedule runs backwards in forward order), until
+    :func:`fresh` ends the step.
     """
-    if routes is None:
+    if routes is None and not recompute:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     found = routers(model_chunks)
-    if routes.dim() != 4 or routes.shape[2] != n_layers:
+    if routes is not None and (routes.dim() != 4 or routes.shape[2] != n_layers):
         raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)}, expected [rows, positions, "
                          f"{n_layers} layers, top-k]")
-    b, n, _, k = routes.shape
     try:
         for layer, replay in found:
-            # sequence-first, as the router sees the tokens: row-major over [n, b]
-            replay.target_topk_idx = routes[:, :, layer, :].transpose(0, 1).reshape(n * b, k)
+            target = None
+            if routes is not None:
+                # sequence-first, as the router sees the tokens: row-major over [n, b]
+                b, n, _, k = routes.shape
+                target = routes[:, :, layer, :].transpose(0, 1).reshape(n * b, k)
+            replay.target_topk_idx = target
             replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+            if recompute:
+                replay.replay_backward_list.append(target)
         yield
     finally:
         for _, replay in found:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+            replay.target_topk_idx = None
+            if recompute:  # the recomputed forwards come after the block; the queue stays for them
+                replay.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
+            else:
+                replay.clear_indices()
+                replay.clear_router_replay_action()
+
+
+@contextmanager
+def fresh(model_chunks) -> Iterator[None]:
+    """One forward(-backward) pass: every router starts and ends it replaying nothing, with no routes queued
+    (a pass that failed half way leaves nothing for the next one); recording (:func:`live_routes`) stays on."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    found = routers(model_chunks)
+    replay_actions = (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD)
+
+    def clear() -> None:
+        for _, replay in found:
+            replay.target_topk_idx, replay.replay_backward_list = None, []
+            if replay.router_replay_action in replay_actions:
+                replay.clear_router_replay_action()
+
+    clear()
+    try:
+        yield
+    finally:
+        clear()
 
 
 def live_routes(trainer, batch) -> torch.Tensor:

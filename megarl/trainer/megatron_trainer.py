@@ -182,6 +182,8 @@ class MegatronTrainer:
         # the end (causal attention: real positions never see the padding) and outputs cut back
         multiple = self.parallel.tp if self.config.sequence_parallel else 1
         split = (self.parallel.tp_rank, self.parallel.tp) if self.config.sequence_parallel else None
+        # full recompute reruns each layer's forward in the backward: its routers must replay the routes again
+        recompute = self.config.recompute_granularity == "full" and not forward_only and batch.routes is not None
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
@@ -192,19 +194,20 @@ class MegatronTrainer:
                 tokens = torch.nn.functional.pad(tokens, (0, pad))
             positions = torch.arange(n + pad, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n + pad)
             routes = routing_replay.forward_routes(None if mb.batch is None else mb.batch.routes, n, pad,
-                                                   self.n_moe_layers, split,
-                                                   full_recompute=self.config.recompute_granularity == "full")
+                                                   self.n_moe_layers, split)
             # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
-            with routing_replay.replaying([model], routes, n_layers=int(self.hf_config["num_hidden_layers"])):
+            with routing_replay.replaying([model], routes, n_layers=int(self.hf_config["num_hidden_layers"]),
+                                          recompute=recompute):
                 out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,
                             labels=tokens[:, 1:])
             return out, lambda output: loss_func_for(mb, output[:, :n])
 
         fb = get_forward_backward_func()
-        return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-                  num_microbatches=len(mbs),
-                  seq_length=max(-(-(mb.tokens.shape[1] - 1) // multiple) * multiple for mb in mbs),
-                  micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
+        with routing_replay.fresh(self.model):
+            return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+                      num_microbatches=len(mbs),
+                      seq_length=max(-(-(mb.tokens.shape[1] - 1) // multiple) * multiple for mb in mbs),
+                      micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
 
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:

@@ -34,6 +34,8 @@ MODES = {
 }
 #: the same layouts replaying hand-built MoE routes (megarl/models/routing_replay.py)
 REPLAY = {"single_moe_replay": "single_moe", "ep2_replay": "ep2", "tp2_moe_replay": "tp2_moe"}
+#: the loop's rank 0 driving a follower through its control channel, replaying (tests/distributed/run_loop_replay.py)
+LOOP = {"ep2_loop_replay": "ep2"}
 
 
 def hand_routes(batch, layers: int = 2):
@@ -72,14 +74,20 @@ def run_mode(mode: str, ckpts: dict, out: Path) -> None:
 
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
-    model, tp, pp, ep, dist_opt, sp = MODES[REPLAY.get(mode, mode)]
+    model, tp, pp, ep, dist_opt, sp = MODES[REPLAY.get(mode) or LOOP.get(mode) or mode]
     trainer = MegatronTrainer(ckpts[model], tp=tp, pp=pp, ep=ep, lr=1e-4, micro_batch_tokens=40,
                               use_distributed_optimizer=dist_opt, seed=0, sequence_parallel=sp)
     assert trainer.config.sequence_parallel == sp, (mode, trainer.config.sequence_parallel)
     batch = make_batch()
-    if mode in REPLAY:
+    if mode in REPLAY or mode in LOOP:
         batch.routes = hand_routes(batch)
     result = {"mode": mode, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    if mode in LOOP:
+        from run_loop_replay import drive_or_follow
+
+        result.update(drive_or_follow(trainer, batch, nll_loss), version=trainer.version)
+        (out / f"{mode}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+        return
     result["logprobs"] = trainer.logprobs(batch).tolist()
     reference = load_file(os.path.join(ckpts[model], "model.safetensors"))
     exported = dict(trainer.export_hf_weights())
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dense", required=True)
     p.add_argument("--moe", required=True)
-    p.add_argument("--modes", required=True, help="comma-separated, from: " + ", ".join([*MODES, *REPLAY]))
+    p.add_argument("--modes", required=True, help="comma-separated, from: " + ", ".join([*MODES, *REPLAY, *LOOP]))
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -6,6 +6,7 @@ test): mpirun with DP=2 trainer ranks bootstrapped over MPI, snapshot recovery; 
 interrupt_sync (TP=2 and DP=2), ewma (TP=2) and recompute (DP=2): every
 strategy whose hooks run forwards on all ranks.
 torchrun with rollout.weight_sync=broadcast: TP=2 ranks export together, rank 0 sends.
+torchrun with EP=2 on the tiny MoE replaying the hf engine's routes.
 """
 import json
 import math
@@ -75,4 +76,22 @@ def test_two_trainer_ranks_publish_by_broadcast(ckpt, tmp_path):
     assert [x["weight_sync_bytes"] for x in records[:-1]] == [full, full]
     assert all(x["weight_sync_fallbacks"] == 0 for x in records[:-1])
     # snapshot anchors are the trainer's log-probs of each token's version: the engine holds those weights
+    assert all(x["abs_logp_anchor_minus_behav_mean"] < 1e-4 for x in records), records
+
+
+def test_two_trainer_ranks_replay_moe_routes(tmp_path):
+    """EP=2 on the tiny MoE with routing replay: the hf engine records every token's routes (strict: a result
+    without them stops the run) and both ranks replay those of their rows in every forward."""
+    run_dir = tmp_path / "run"
+    cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), "--config", "configs/tiny_cpu.yaml",
+           "placement.trainer_ranks=2", f"model.checkpoint={tmp_path / 'moe'}",
+           "model.init_model=configs/models/tiny_qwen3_moe.yaml", f"logging.output_dir={run_dir}", *COMMON,
+           "parallel.ep=2", "rollout.backend=hf", "rollout.routing_replay=true", "rollout.routing_replay_strict=true",
+           "recovery.name=snapshot"]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = _records(run_dir)
+    assert [x["version"] for x in records] == [1, 2, 3]
+    assert all(x["n_routes_missing"] == 0 and x["skipped"] == 0 for x in records)
+    # snapshot's anchor is each token's log-prob under its own version with the engine's experts
     assert all(x["abs_logp_anchor_minus_behav_mean"] < 1e-4 for x in records), records

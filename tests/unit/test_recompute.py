@@ -1,7 +1,8 @@
 """trainer.recompute: the same loss and gradients with none, selective and full recomputation (CPU, gloo, one rank).
 
 Recomputation reruns forwards in the backward; it must not change a number
-beyond fp32 round-off. The gradients are read from megatron's fp32 gradient
+beyond fp32 round-off, also when the MoE routers replay routes (the recomputed
+forward replays them again). The gradients are read from megatron's fp32 gradient
 buffer (``main_grad``) after one forward-backward over three micro-batches of
 the parity batch, on the tiny dense and MoE models.
 """
@@ -24,13 +25,28 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
             for name in ("tiny_qwen3", "tiny_qwen3_moe")}
 
 
-def loss_and_grads(ckpt: str, recompute: str) -> tuple[float, dict[str, torch.Tensor]]:
+def batch_routes(batch) -> torch.Tensor:
+    """[B, L-1, 2 layers, 2]: position t of row b goes to experts (t+b, t+b+1) mod 4 in layer 0 and
+    (3-t-b, 1-t-b) mod 4 in layer 1; every third position has none (routes live) and so has the padding."""
+    B, L = batch.tokens.shape
+    t = torch.arange(L - 1)[None, :] + torch.arange(B)[:, None]
+    routes = torch.stack([torch.stack([t % 4, (t + 1) % 4], -1), torch.stack([(3 - t) % 4, (1 - t) % 4], -1)],
+                         dim=2).to(torch.int16)
+    routes[:, ::3] = -1
+    routes[torch.arange(L - 1)[None] >= (batch.seq_lens[:, None] - 1)] = -1
+    return routes
+
+
+def loss_and_grads(ckpt: str, recompute: str, replay: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     from test_parity_hf import make_batch
 
+    from megarl.models.routing_replay import routers
     from megarl.trainer.megatron_trainer import MegatronTrainer
 
     trainer = MegatronTrainer(ckpt, micro_batch_tokens=48, recompute=recompute)
     batch = make_batch(0)
+    if replay:
+        batch.routes = batch_routes(batch)
     n = float(batch.loss_mask.sum())
     losses = []
 
@@ -44,6 +60,8 @@ def loss_and_grads(ckpt: str, recompute: str) -> tuple[float, dict[str, torch.Te
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer._run(batch, loss_func, forward_only=False)
+    # the pass leaves no replay state behind: every recomputed layer took its queued routes, none is left
+    assert all(r.router_replay_action is None and not r.replay_backward_list for _, r in routers(trainer.model))
     grads = {name: p.main_grad.detach().clone() for name, p in trainer._module().named_parameters()}
     return sum(losses), grads
 
@@ -92,20 +110,16 @@ def test_run_config_reaches_the_trainer(monkeypatch, tmp_path):
     assert (seen["recompute"], seen["allow_local_spec"]) == ("full", True)
 
 
-def test_full_recompute_refuses_routing_replay(ckpts):
-    # the recomputed forward runs in the backward, after the replayed routes are gone: it would route live
-    # and give the gradient of other routes (measured: gradients 0.54 off on the tiny MoE); refused instead
-    from test_routing_replay import SEQS, as_lists, batch_of, hand_routes
-
-    from megarl.builder import load_run_config
-    from megarl.errors import ConfigError, InputError
-    from megarl.preflight import check_routing_replay
-    from megarl.trainer.megatron_trainer import MegatronTrainer
-
-    trainer = MegatronTrainer(ckpts["tiny_qwen3_moe"], micro_batch_tokens=64, recompute="full")
-    batch = batch_of([as_lists(hand_routes(len(s))) for s in SEQS])
-    with pytest.raises(InputError, match="routing replay with trainer.recompute=full"):
-        trainer.train_step(batch, lambda logp, mb, norm: ((logp * mb.loss_mask).sum(), {}))
-    cfg = load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=hf", "trainer.recompute=full"])
-    with pytest.raises(ConfigError, match="trainer.recompute=full"):
-        check_routing_replay(cfg, {"model_type": "qwen3_moe", "num_experts": 4})
+def test_full_recompute_replays_the_routes_in_the_backward_too(ckpts):
+    # the recomputed forward runs in the backward, after the micro-batch's forward returned: its routers must
+    # take the same routes again (every third position has none and routes live, in both forwards)
+    loss0, grads0 = loss_and_grads(ckpts["tiny_qwen3_moe"], "none", replay=True)
+    loss, grads = loss_and_grads(ckpts["tiny_qwen3_moe"], "full", replay=True)
+    assert loss == pytest.approx(loss0, abs=1e-6)
+    assert grads.keys() == grads0.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads0[name], rtol=0.0, atol=1e-6, msg=name)
+    # the replay is not vacuous: routing live gives another loss (2.8e-4 off) and other gradients (1.2e-2)
+    live_loss, live_grads = loss_and_grads(ckpts["tiny_qwen3_moe"], "full")
+    assert abs(live_loss - loss0) > 1e-4
+    assert max(float((live_grads[name] - g).abs().max()) for name, g in grads0.items()) > 1e-3

@@ -191,7 +191,7 @@ def test_the_hf_engine_returns_its_routes_and_replaying_them_reproduces_logp_beh
     assert torch.allclose(logp, torch.tensor(res.logp_behav), atol=1e-5)
 
 
-def test_routing_replay_is_refused_where_it_is_not_wired():
+def test_routing_replay_is_refused_only_for_a_dense_model():
     from megarl.builder import load_run_config
     from megarl.errors import ConfigError
     from megarl.preflight import check_routing_replay
@@ -204,9 +204,11 @@ def test_routing_replay_is_refused_where_it_is_not_wired():
         check_routing_replay(load_run_config(None, base), {"model_type": "qwen3"})
     check_routing_replay(load_run_config(None, [*base, "recovery.name=dedicated", "parallel.tp=2"]), moe_hf)
     check_routing_replay(load_run_config(None, ["rollout.routing_replay=true", "rollout.backend=vllm"]), moe_hf)
-    for extra in ("placement.trainer_ranks=2",):
-        with pytest.raises(ConfigError, match=f"with {extra} is not supported yet"):
-            check_routing_replay(load_run_config(None, [*base, extra]), moe_hf)
+    # several trainer ranks: the followers rebuild each batch from the trajectories rank 0 sends, routes
+    # included (tests/distributed/test_parallel.py::test_loop_followers_replay_the_routes_rank0_sent)
+    check_routing_replay(load_run_config(None, [*base, "placement.trainer_ranks=2"]), moe_hf)
+    # full recompute: the recomputed layers replay too (tests/unit/test_recompute.py)
+    check_routing_replay(load_run_config(None, [*base, "trainer.recompute=full"]), moe_hf)
 
 
 def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):

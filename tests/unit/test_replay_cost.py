@@ -1,0 +1,52 @@
+"""`megarl bench` with routing replay reports what replay costs (megarl/bench/replay_cost.py), on the tiny MoE."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _overrides(tmp_path: Path, model: str = "tiny_qwen3_moe") -> list[str]:
+    return [f"model.checkpoint={tmp_path / model}", f"model.init_model={ROOT / 'configs/models' / model}.yaml",
+            "rollout.routing_replay=true", "rollout.backend=hf", "trainer.batch_size=4", "data.max_prompt_len=8",
+            "rollout.max_new_tokens=8"]
+
+
+def test_measure_reports_route_bytes_and_the_step_ratio(tmp_path):
+    from megarl.bench.replay_cost import measure, render_markdown
+    from megarl.builder import load_run_config
+
+    cost = measure(load_run_config(str(ROOT / "configs/bench_cpu.yaml"), _overrides(tmp_path)), repeats=1)
+    # 2 MoE layers x top-2 experts x 2 bytes (int16)
+    assert (cost["n_moe_layers"], cost["top_k"], cost["route_bytes_per_token"]) == (2, 2, 8)
+    assert cost["rows"] == 4 and 4 * 8 <= cost["tokens"] <= 4 * 16  # lengths between 8 and 16 tokens
+    assert cost["train_step_s_live"] > 0 and cost["train_step_s_replay"] > 0
+    assert cost["replay_step_ratio"] == pytest.approx(cost["train_step_s_replay"] / cost["train_step_s_live"])
+    assert 0.2 < cost["replay_step_ratio"] < 5  # the same forward and backward, a gather more per router
+    md = render_markdown(cost)
+    assert "## Routing replay" in md and "8 bytes of routes per token (2 MoE layers x top-2 x int16)" in md
+
+
+def test_a_dense_model_has_no_replay_to_cost(tmp_path):
+    from megarl.bench.replay_cost import measure
+    from megarl.builder import load_run_config
+    from megarl.errors import ConfigError
+
+    cfg = load_run_config(str(ROOT / "configs/bench_cpu.yaml"), _overrides(tmp_path, "tiny_qwen3"))
+    with pytest.raises(ConfigError, match="is dense: routing replay has nothing to cost"):
+        measure(cfg, repeats=1)
+
+
+def test_bench_writes_the_replay_cost_into_its_report(tmp_path):
+    from megarl.bench.run import bench
+
+    rep = bench(str(ROOT / "configs/bench_cpu.yaml"), [], 2, str(tmp_path / "out"), _overrides(tmp_path),
+                log=lambda *a: None)
+    cost = json.loads((tmp_path / "out" / "report.json").read_text())["routing_replay"]
+    assert cost == rep["routing_replay"]
+    assert cost["route_bytes_per_token"] == 8 and math.isfinite(cost["replay_step_ratio"])
+    assert "## Routing replay" in (tmp_path / "out" / "report.md").read_text()
