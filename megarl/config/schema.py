@@ -204,6 +204,16 @@ class AgentConfig:
     """Port of the agent endpoint; 0 = a free port (the command learns it from OPENAI_BASE_URL)."""
     serve: bool = False
     """rollout.workflow=agent_http without a command: each episode waits for a long-lived agent service, which claims it with POST /sessions (Authorization: Bearer $MEGARL_AGENT_SERVICE_KEY; it gets the row and the episode's key) and ends it with POST /sessions/<key>/reward ({"reward": r} or {"answer": text}) within agent.timeout_s; needs a fixed agent.http_port."""
+    rows_from_service: bool = False
+    """agent.serve=true: the run's prompts are the rows the agent service posts (POST /sessions {"row": {...}}, checked like data rows; each is rolled out as one group and the answer holds its episodes' keys) instead of data.path, which stays empty."""
+    row_wait_s: float = 60.0
+    """agent.rows_from_service: how long a posted row waits for the staleness gate to admit its group; past it the request gets 503 with Retry-After and the row is not rolled out."""
+    command_memory_mb: int = 8192
+    """agent.command: address space (virtual memory) one episode's process may map (RLIMIT_AS; a process past it fails its allocations and its episode); 0 = no limit."""
+    command_cpu_s: int = 600
+    """agent.command: CPU seconds one episode's process may use (RLIMIT_CPU; it is killed past it and its episode fails); 0 = no limit."""
+    command_open_files: int = 1024
+    """agent.command: open file descriptors one episode's process may hold (RLIMIT_NOFILE); 0 = inherit megarl's. Core dumps are always off."""
 
 
 @dataclass
