@@ -19,7 +19,13 @@ from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.http_server import AgentHttpServer
 from megarl.types import Trajectory
 from megarl.workflows.agent import check_token_exact
-from megarl.workflows.agent_http import AgentCommandError, AgentHttpWorkflow, parse_answer, run_command
+from megarl.workflows.agent_http import (
+    AgentCommandError,
+    AgentHttpWorkflow,
+    CommandLimits,
+    parse_answer,
+    run_command,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -243,6 +249,51 @@ def test_run_command_fails_on_exit_status_and_timeout():
 
     echo, waited = asyncio.run(main())
     assert echo == "42 k1\n" and waited < 10
+
+
+def test_commands_run_under_the_configured_resource_limits():
+    limits = CommandLimits(memory_mb=256, cpu_s=1, open_files=64)
+    show = ("import resource as r; print([r.getrlimit(k) for k in (r.RLIMIT_AS, r.RLIMIT_CPU, r.RLIMIT_NOFILE, "
+            "r.RLIMIT_CORE)])")
+
+    async def main():
+        seen = await run_command([sys.executable, "-c", show], {}, {}, 30.0, limits)
+        small = await run_command([sys.executable, "-c", "x = bytearray(32 << 20); print(len(x) >> 20)"], {}, {},
+                                  30.0, limits)
+        with pytest.raises(AgentCommandError, match=r"exited with status 1 \(out of memory: "
+                                                    r"agent.command_memory_mb=256 limits its address space\)"):
+            await run_command([sys.executable, "-c", "x = bytearray(512 << 20)"], {}, {}, 30.0, limits)
+        with pytest.raises(AgentCommandError, match=r"exited with status -24 \(killed by signal 24: past "
+                                                    r"agent.command_cpu_s=1\?\)"):
+            await run_command([sys.executable, "-c", "while True: pass"], {}, {}, 30.0, limits)
+        return seen, small
+
+    seen, small = asyncio.run(main())
+    mb = 1 << 20
+    assert seen == f"[({256 * mb}, {256 * mb}), (1, 2), (64, 64), (0, 0)]\n" and small == "32\n"
+
+
+def test_a_command_past_its_memory_limit_fails_its_episode_and_the_next_episode_runs(text_tokenizer):
+    # the command allocates what its row asks for
+    hungry = [sys.executable, "-c", "import json, sys; x = bytearray(json.load(sys.stdin)['mb'] << 20); "
+                                    "print('\\\\boxed{1}')"]
+    wf = AgentHttpWorkflow(hungry, text_tokenizer, AgentLimits(SAMPLING, max_turns=1, max_tokens=128),
+                           command_limits=CommandLimits(memory_mb=256))
+
+    async def main():
+        out = []
+        try:
+            for j, mb in enumerate((1024, 8)):
+                traj = Trajectory(f"g0-{j}", "g0", [1], meta={"row": {"prompt": "p", "mb": mb}}, logp_old=[])
+                out.append(await wf.run(traj, ScriptedModel(text_tokenizer, [])))
+        finally:
+            await wf.aclose()
+        return out
+
+    over, within = asyncio.run(main())
+    assert over.reward == 0.0 and "out of memory: agent.command_memory_mb=256" in over.meta["agent_error"]
+    assert "agent_error" not in within.meta and within.meta["final_response"] == "\\boxed{1}"
+    assert wf.stats()["n_agent_failed"] == 1
 
 
 def test_the_example_agent_runs_as_an_episode_and_failures_cost_the_episode(text_tokenizer):
