@@ -9,6 +9,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -83,6 +84,61 @@ def test_http_records_exactly_what_the_in_process_client_records(text_tokenizer)
     assert there.stats.n_tool_calls == 1
     check_token_exact(traj_there, there.records)
     assert model.contexts[1] == traj_there.tokens[:len(model.contexts[1])]
+
+
+async def streamed(oa, **kw):
+    """One completion with stream=True, as its chunks and the message they add up to."""
+    chunks = [c async for c in await oa.chat.completions.create(model="tiny", stream=True, **kw)]
+    content, calls = "", {}
+    for c in chunks:
+        for choice in c.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                calls[call.index] = {"id": call.id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": call.function.arguments}}
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return chunks, message
+
+
+def test_a_streamed_completion_is_recorded_exactly_as_a_plain_one(text_tokenizer):
+    here, traj_here, _ = client_for(text_tokenizer, [CALL, "3"])
+    asyncio.run(two_turns(here.chat.completions.create, lambda m: m.model_dump(exclude_none=True)))
+    there, traj_there, _ = client_for(text_tokenizer, [CALL, "3"])
+    seen = []
+
+    async def over_http(server):
+        async def create(**kw):  # what two_turns reads of a response: the tool calls' ids; and the message
+            chunks, message = await streamed(oa, stream_options={"include_usage": True}, **kw)
+            seen.append(chunks)
+            return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(
+                tool_calls=[SimpleNamespace(id=c["id"]) for c in message.get("tool_calls", ())], sent=message))])
+
+        session = server.open_session(there)
+        async with aiohttp.ClientSession() as http:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}
+            async with http.post(server.base_url + "/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {session.key}"}) as r:
+                bad = r.status, (await r.json())["error"]["code"]
+        async with api(server, session.key) as oa:
+            turns = await two_turns(create, lambda m: m.sent)  # the message the chunks add up to, sent back
+        return bad, turns
+
+    bad, (r1, r2) = asyncio.run(serving(over_http))
+    m1, m2 = r1.choices[0].message.sent, r2.choices[0].message.sent
+    assert bad == (400, "invalid_stream")
+    assert m1["content"] == "" and m1["tool_calls"][0]["function"]["name"] == "add"
+    assert json.loads(m1["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert m2 == {"role": "assistant", "content": "3"}
+    first, second = seen
+    assert [c.object for c in second] == ["chat.completion.chunk"] * 3 and len({c.id for c in second}) == 1
+    assert [c.choices[0].finish_reason if c.choices else None for c in first] == [None, "tool_calls", None]
+    assert second[-1].choices == [] and second[-1].usage.completion_tokens == 2  # "3" and EOS
+    assert [(r.prompt_ids, r.output_ids, r.versions) for r in there.records] == \
+           [(r.prompt_ids, r.output_ids, r.versions) for r in here.records]
+    assert (traj_there.tokens, traj_there.loss_mask, traj_there.versions) == \
+           (traj_here.tokens, traj_here.loss_mask, traj_here.versions)
 
 
 def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
@@ -181,7 +237,6 @@ def test_bad_requests_get_400_and_the_session_goes_on(text_tokenizer):
         "unknown_tool": dict(messages=[*user, {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "nope", "arguments": "{}"}}]}], tools=[ADD]),
         "unknown_tool_call": dict(messages=[*user, {"role": "tool", "tool_call_id": "c9", "content": "3"}]),
-        "stream_unsupported": dict(messages=user, stream=True),
         "unsupported_stop": dict(messages=user, stop=["two tokens"]),
     }
 
