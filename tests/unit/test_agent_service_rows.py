@@ -77,6 +77,19 @@ async def run_episode(http, workflow, session, reward):
     assert status == 200
 
 
+async def run_groups(http, workflow, groups):
+    """Every episode of ``groups``, the j-th of each rewarded 1 + j."""
+    await asyncio.gather(*(run_episode(http, workflow, s, 1.0 + j) for g in groups
+                           for j, s in enumerate(g["sessions"])))
+
+
+async def post_and_run(http, workflow, ks):
+    """Post the rows ``ks`` and run their groups."""
+    groups = [(await post(http, workflow, "/sessions", {"row": row(k)}))[1] for k in ks]
+    await run_groups(http, workflow, groups)
+    return groups
+
+
 def row(k):
     return {"prompt": f"What is {k} + {k}?", "answer": str(2 * k), "topic": "sums"}
 
@@ -93,8 +106,7 @@ def first_attempt(tokenizer):
         async with aiohttp.ClientSession() as http:
             groups = [(await post(http, workflow, "/sessions", {"row": row(k)}))[1] for k in range(4)]
             held = await post(http, workflow, "/sessions", {"row": row(9)})  # 8 trajectories admitted: gate closed
-            await asyncio.gather(*(run_episode(http, workflow, s, 1.0 + j) for g in groups[:2]
-                                   for j, s in enumerate(g["sessions"])))
+            await run_groups(http, workflow, groups[:2])
             await asyncio.wait_for(train, 30)
         await workflow.aclose()
         return groups, held
@@ -187,9 +199,7 @@ def test_a_run_ends_while_its_loop_waits_for_a_row(text_tokenizer):
         await workflow.serve_rows(rows)
         train = asyncio.create_task(c.train(1))
         async with aiohttp.ClientSession() as http:
-            groups = [(await post(http, workflow, "/sessions", {"row": row(k)}))[1] for k in range(2)]
-            await asyncio.gather(*(run_episode(http, workflow, s, 1.0 + j) for g in groups
-                                   for j, s in enumerate(g["sessions"])))
+            await post_and_run(http, workflow, range(2))
             # the gate has room for two more groups: the loop waits in ServiceRows.next when the step ends
             await asyncio.wait_for(train, 10)
         await workflow.aclose()
@@ -217,3 +227,39 @@ def test_the_run_takes_its_rows_from_one_source_named_in_the_config(text_tokeniz
         prompts("data.path=", "agent.rows_from_service=true", "agent.row_wait_s=0", *service)
     rows = prompts("data.path=", "agent.rows_from_service=true", "rollout.group_size=3", *service)
     assert isinstance(rows, ServiceRows) and rows.group_size == 3 and rows.wait_s == 60.0
+
+
+def test_a_row_posted_during_a_publish_starts_its_group_at_the_new_version(text_tokenizer):
+    rows, workflow = service_side(text_tokenizer, wait_s=10.0)
+    c, trainer = controller(rows, workflow, KeepStates())
+    loading, loaded = asyncio.Event(), asyncio.Event()
+    apply = c.publisher.apply
+
+    async def slow_apply(version):  # the engines load version 1 until the test lets them
+        loading.set()
+        await loaded.wait()
+        await apply(version)
+
+    c.publisher.apply = slow_apply
+
+    async def main():
+        await workflow.serve_rows(rows)
+        train = asyncio.create_task(c.train(2))
+        async with aiohttp.ClientSession() as http:
+            await post_and_run(http, workflow, range(2))
+            await loading.wait()  # step 1 is done and publishing: the loop waits for a row with generation closed
+            late = asyncio.create_task(post(http, workflow, "/sessions", {"row": row(2)}))
+            await asyncio.sleep(0.2)
+            held = late.done()
+            loaded.set()
+            g2 = (await late)[1]
+            start = c.buffer.running_groups[g2["group_id"]].start_version
+            more = (await post(http, workflow, "/sessions", {"row": row(3)}))[1]
+            await run_groups(http, workflow, (g2, more))
+            await asyncio.wait_for(train, 10)
+        await workflow.aclose()
+        return held, g2, start
+
+    held, g2, start = asyncio.run(main())
+    assert not held and g2["group_id"] == "g2" and start == 1
+    assert len(trainer.trained) == 2 and sorted(trainer.trained[1][2]) == ["g2-0", "g2-1", "g3-0", "g3-1"]
