@@ -8,9 +8,11 @@ only when the staleness gate admits a group, so the request waits while the
 gate is closed (backpressure) and, past ``agent.row_wait_s``, is answered 503
 with ``Retry-After``; its row is then not rolled out. An admitted row is rolled
 out as one group of ``rollout.group_size`` episodes, and the request is answered
-with their keys. GRPO compares the episodes of a group: the service runs every
-one of them and reports each reward (``POST /sessions/<key>/reward``); an
-episode not ended within ``agent.timeout_s`` fails (reward 0, ``n_agent_failed``).
+with their keys. Its prompt id is ``service:<n>`` (the n-th row taken, counted
+across a resume); an ``id`` field stays in the row the episodes get. GRPO
+compares the episodes of a group: the service runs every one of them and
+reports each reward (``POST /sessions/<key>/reward``); an episode not ended
+within ``agent.timeout_s`` fails (reward 0, ``n_agent_failed``).
 
 Resume: a posted row whose group had not finished at the checkpoint is
 regenerated from the row like any running group; its episodes have no waiting
