@@ -261,6 +261,8 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
         stack.callback(workflow.close)  # an agent's tool workers
         if hasattr(workflow, "aclose"):  # an agent endpoint listening on this loop
             stack.push_async_callback(workflow.aclose)
+        if cfg.agent.rows_from_service:  # no episode starts the endpoint: the service's rows start them
+            await workflow.serve_rows(inputs.dataset)
         evaluator = None
         if inputs.eval_dataset is not None:
             eval_workflow = _eval_workflow(cfg, inputs.tokenizer)

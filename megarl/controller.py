@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
 from megarl.checkpoint_schedule import CheckpointSchedule
-from megarl.data import Prompt
+from megarl.data import Prompt, prompt_stream
 from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
 from megarl.group_tasks import gather_or_cancel
@@ -220,7 +220,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         return max(rewards) - min(rewards) <= 1e-9
 
     async def _rollout_loop(self) -> None:
-        data = iter(self.dataset)
+        next_prompt = prompt_stream(self.dataset)
         while not self._stopping:
             if self.router.failure is not None:  # every engine is gone for good
                 raise self.router.failure
@@ -233,7 +233,13 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 return
             if self._fatal is not None:
                 raise self._fatal
-            item = self._regenerate.pop(0) if self._regenerate else next(data)
+            if self._regenerate:
+                item = self._regenerate.pop(0)
+            else:
+                item = await next_prompt()
+                if not self.generation.is_open() or self._stopping:  # it waited for a row: a publish may have begun
+                    self._regenerate.insert(0, item)
+                    continue
             gid = f"{self.id_prefix}g{self.group_counter}"
             trajs = [Trajectory(traj_id=f"{gid}-{j}", group_id=gid, prompt_ids=list(item.prompt_ids),
                                 meta={"prompt_id": item.prompt_id, "answer": item.answer, "row": item.row},
@@ -345,6 +351,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
             await self.buffer.notify()
             self.generation.open()
             await self.router.abort_all()
+            roll.cancel()  # it may wait for a prompt (rows an agent service posts)
             await asyncio.gather(roll, return_exceptions=True)
             for task in list(self._tasks):
                 task.cancel()

@@ -33,7 +33,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 from megarl.errors import ConfigError, InputError
 
@@ -136,6 +136,43 @@ def _hf_rows(spec: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
         yield f"hf:{spec} row {i}", f"hf:{spec}:{i}", dict(row)
 
 
+def prompt_stream(source: Any) -> Callable[[], Awaitable[Any]]:
+    """An async ``next`` over the run's prompts: the source's own (one that waits for prompts, e.g. the rows an
+    agent service posts, megarl/agents/service_rows.py) or one over an iterator (a :class:`PromptDataset`)."""
+    if callable(getattr(source, "next", None)):
+        return source.next
+    it = iter(source)
+
+    async def next_prompt() -> Any:
+        return next(it)
+    return next_prompt
+
+
+def check_row(where: str, row: dict[str, Any], prompt_key: str, answer_key: str,
+              vocab_size: int | None = None) -> tuple[Any, list[int] | None, Any]:
+    """A row's prompt as written (or None), its pre-tokenized ``prompt_ids`` (or None) and its ground truth;
+    InputError naming ``where`` and the missing or malformed key."""
+    prompt, ids = get_dotted(row, prompt_key), None
+    if prompt is MISSING and "prompt_ids" in row:
+        prompt, ids = None, PromptDataset._check_ids(where, row["prompt_ids"], vocab_size)
+    elif prompt is MISSING:
+        raise InputError(f"{where}: no field {prompt_key!r} (data.prompt_key) and no 'prompt_ids'; "
+                         f"fields: {sorted(row)[:12]}")
+    elif not isinstance(prompt, (str, list)):
+        raise InputError(f"{where}: field {prompt_key!r} must be a string or a list of chat messages, "
+                         f"got {type(prompt).__name__}")
+    answer = None
+    if answer_key:
+        answer = get_dotted(row, answer_key)
+        if answer is MISSING:
+            raise InputError(f"{where}: no field {answer_key!r} (data.answer_key) holding the ground truth; "
+                             f"set data.answer_key to the right field, or to '' if rows have no answer")
+        if answer is None:  # every sample of the row would fail its reward or score a silent 0
+            raise InputError(f"{where}: field {answer_key!r} (data.answer_key) is null; give the row its "
+                             f"ground truth or remove it from the data")
+    return prompt, ids, answer
+
+
 class PromptDataset:
     """Endless prompt stream over the rows of ``source`` (module docstring)."""
 
@@ -176,27 +213,10 @@ class PromptDataset:
         ids: list[list[int] | None] = []
         texts: dict[int, str] = {}  # row index -> rendered text, for rows that are not pre-tokenized
         for where, default_id, row in read_rows(source):
-            prompt = get_dotted(row, prompt_key)
-            if prompt is MISSING and "prompt_ids" in row:
-                ids.append(self._check_ids(where, row["prompt_ids"], vocab_size))
-            elif prompt is MISSING:
-                raise InputError(f"{where}: no field {prompt_key!r} (data.prompt_key) and no 'prompt_ids'; "
-                                 f"fields: {sorted(row)[:12]}")
-            elif isinstance(prompt, (str, list)):
+            prompt, p_ids, answer = check_row(where, row, prompt_key, answer_key, vocab_size)
+            if p_ids is None:
                 texts[len(ids)] = tokenizer.render(prompt, where)
-                ids.append(None)
-            else:
-                raise InputError(f"{where}: field {prompt_key!r} must be a string or a list of chat messages, "
-                                 f"got {type(prompt).__name__}")
-            answer = None
-            if answer_key:
-                answer = get_dotted(row, answer_key)
-                if answer is MISSING:
-                    raise InputError(f"{where}: no field {answer_key!r} (data.answer_key) holding the ground truth; "
-                                     f"set data.answer_key to the right field, or to '' if rows have no answer")
-                if answer is None:  # every sample of the row would fail its reward or score a silent 0
-                    raise InputError(f"{where}: field {answer_key!r} (data.answer_key) is null; give the row its "
-                                     f"ground truth or remove it from the data")
+            ids.append(p_ids)
             pid = str(row["id"]) if row.get("id") is not None else default_id
             if pid in seen:
                 raise InputError(f"{where}: duplicate id {pid!r} (first at {seen[pid]}); prompt ids must be unique")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl import batch_invariant
+from megarl.agents.service_rows import ServiceRows
 from megarl.checkpoint import check_run_settings, find_latest_checkpoint, read_manifest
 from megarl.config import MegaRLConfig, save_config
 from megarl.cpu_affinity import check_affinity
@@ -36,7 +37,7 @@ class RunInputs:
     """What a run reads before it starts: the tokenizer and the prompts (checked before anything is written)."""
 
     tokenizer: RunTokenizer
-    dataset: PromptDataset
+    dataset: PromptDataset | ServiceRows
     eval_dataset: PromptDataset | None
 
 
@@ -175,10 +176,30 @@ def refuse_unwired(cfg: MegaRLConfig) -> None:
                           "or placement.trainer_ranks=1")
 
 
+def training_prompts(cfg: MegaRLConfig, tokenizer: RunTokenizer, vocab_size: int) -> PromptDataset | ServiceRows:
+    """The rows of data.path, or the rows an agent service posts (agent.rows_from_service)."""
+    a = cfg.agent
+    if not a.rows_from_service:
+        if not cfg.data.path:
+            raise ConfigError("data.path is empty: set it to a .jsonl or .parquet file of prompts or hf:NAME[:SPLIT] "
+                              "(README, section Data), or let an agent service post the rows with "
+                              "agent.rows_from_service=true (rollout.workflow=agent_http, agent.serve=true)")
+        return PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size)
+    if cfg.rollout.workflow != "agent_http" or not a.serve:
+        raise ConfigError(f"agent.rows_from_service=true needs rollout.workflow=agent_http and agent.serve=true "
+                          f"(got {cfg.rollout.workflow!r}, serve={a.serve}): the rows come from an agent service")
+    if cfg.data.path:
+        raise ConfigError(f"agent.rows_from_service=true and data.path={cfg.data.path!r}: the prompts come either "
+                          f"from the agent service or from data.path; set data.path= or agent.rows_from_service=false")
+    if a.row_wait_s <= 0:
+        raise ConfigError(f"agent.row_wait_s={a.row_wait_s} must be > 0")
+    return ServiceRows(tokenizer, cfg.data, cfg.rollout.group_size, vocab_size, wait_s=a.row_wait_s)
+
+
 def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
     """The run's tokenizer, training prompts and evaluation prompts; bad input fails here, naming the fix."""
     tokenizer = RunTokenizer.load(cfg.model, cfg.rollout, cfg.data, vocab_size=vocab_size)
-    dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size)
+    dataset = training_prompts(cfg, tokenizer, vocab_size)
     eval_dataset = None
     if cfg.eval.path:
         eval_dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed, vocab_size=vocab_size,

@@ -6,7 +6,8 @@ lower ``max_tokens`` and add ``stop`` strings that are single tokens of the
 model's vocabulary (the stop token stays in the content, as the engine
 returns it), but not change the distribution (``temperature`` and ``top_p``
 must be the run's; penalties and ``logit_bias`` are refused), ask for several
-choices, stream, or force a tool (``tool_choice`` other than ``auto``).
+choices, or force a tool (``tool_choice`` other than ``auto``). ``stream`` and
+``stream_options.include_usage`` are honoured (http_stream.py).
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ def completion_kwargs(body: Any, tokenizer: Any) -> tuple[dict[str, Any], list[i
     """The keyword arguments of ``AgentClient.chat.completions.create`` for ``body``, and its stop token ids."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError("streaming is not supported by megarl's endpoint: send stream=false", "stream_unsupported")
     if body.get("n") not in (None, 1):
         raise RequestError(f"n={body['n']}: megarl's endpoint returns one choice per request (n=1)")
     for key in ("frequency_penalty", "presence_penalty"):
@@ -58,6 +57,23 @@ def completion_kwargs(body: Any, tokenizer: Any) -> tuple[dict[str, Any], list[i
                 raise RequestError(f"{key} must be a positive integer, got {value!r}")
             kwargs["max_tokens"] = min(value, kwargs.get("max_tokens", value))
     return kwargs, _stop_ids(body.get("stop"), tokenizer)
+
+
+def stream_mode(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether the completion is streamed (``stream``) and its last chunk reports the usage
+    (``stream_options.include_usage``)."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r:.80}", "invalid_stream")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise RequestError("stream_options is only allowed with stream=true", "invalid_stream")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(f"stream_options must be {{'include_usage': true or false}}, got {options!r:.200}",
+                           "invalid_stream")
+    return True, options.get("include_usage", False)
 
 
 def _tools(tools: Any) -> list[dict]:

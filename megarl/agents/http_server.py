@@ -15,7 +15,8 @@ or finished key, 409 for a second completion while one of the same session is
 running, 400 for malformed input. A completion past ``agent.max_turns`` or the
 token budget, or one that fails inside megarl, fails the episode
 (:attr:`Session.error`); bad input does not. The request checks live in
-http_requests.py.
+http_requests.py. ``stream: true`` sends the finished completion as
+server-sent events (http_stream.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from megarl.agents.client import AgentClient, AgentLimitError
-from megarl.agents.http_requests import RequestError, completion_kwargs
+from megarl.agents.http_requests import RequestError, completion_kwargs, stream_mode
+from megarl.agents.http_stream import send_streamed
 from megarl.errors import InputError
 
 log = logging.getLogger("megarl.agents.http")
@@ -164,7 +166,9 @@ class AgentHttpServer:
         client, limits = session.client, session.client.limits
         try:
             try:
-                kwargs, stop_ids = completion_kwargs(await request.json(), client.tokenizer)
+                body = await request.json()
+                kwargs, stop_ids = completion_kwargs(body, client.tokenizer)
+                stream, include_usage = stream_mode(body)
             except ValueError as e:  # not JSON, or a RequestError
                 return error_response(400, f"the request body is not JSON: {e}" if not isinstance(e, RequestError)
                                       else str(e), "invalid_request_error", getattr(e, "code", "invalid_json"))
@@ -189,6 +193,8 @@ class AgentHttpServer:
             session.busy = False
             session.idle.set()
         client.stats.n_tool_calls += len(resp.choices[0].message.tool_calls or ())  # the agent runs them itself
+        if stream:  # recorded above like any completion; only the delivery differs
+            return await send_streamed(request, resp.model_dump(mode="json"), include_usage)
         return web.json_response(resp.model_dump(mode="json"))
 
 

@@ -1,14 +1,20 @@
 """Episodes for long-lived agent services (``agent.serve``): the service claims them over HTTP instead of megarl
 running ``agent.command`` per episode.
 
-megarl owns the data and the groups (every prompt is rolled out
-``rollout.group_size`` times), so a service asks for work rather than bringing
-rows:
+Every prompt is rolled out ``rollout.group_size`` times (a group). A service
+either asks megarl for work or brings its own rows
+(``agent.rows_from_service``, megarl/agents/service_rows.py):
 
 - ``POST /sessions`` (``Authorization: Bearer $MEGARL_AGENT_SERVICE_KEY``)
-  waits up to :data:`CLAIM_WAIT_S` for the next episode and answers
-  ``{"key", "row", "base_url"}`` (204 when none came); the service then talks
-  to ``base_url`` with ``key`` as its OpenAI API key, as a command would;
+  with an empty body waits up to :data:`CLAIM_WAIT_S` for the next episode and
+  answers ``{"key", "row", "group_id", "base_url"}`` (204 when none came); the
+  service then talks to ``base_url`` with ``key`` as its OpenAI API key, as a
+  command would;
+- ``POST /sessions`` with ``{"row": {...}}`` (``agent.rows_from_service=true``)
+  rolls the row out as one group and answers ``{"group_id", "sessions":
+  [{"key", "base_url"}, ...]}``, one session per episode of the group, all of
+  which the service runs and rewards; 400 for a bad row, 503 with
+  ``Retry-After`` when the staleness gate held it back for ``agent.row_wait_s``;
 - ``POST /sessions/{key}/reward`` with ``{"reward": r}`` or ``{"answer": "..."}``
   (scored by ``reward.fn``) ends the episode; the key is refused from then on.
 
@@ -25,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from megarl.agents.http_server import Session, bearer, error_response
+from megarl.errors import InputError
 
 #: how long one POST /sessions waits for an episode before answering 204
 CLAIM_WAIT_S = 20.0
@@ -38,6 +45,8 @@ class EpisodeOffers:
         self.service_key = service_key
         self._queue: asyncio.Queue[Session] | None = None
         self._outcomes: dict[str, asyncio.Future] = {}
+        #: where posted rows go (agent.rows_from_service; megarl/agents/service_rows.py), None when megarl has data
+        self.rows: Any = None
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/sessions", self._claim)
@@ -50,7 +59,8 @@ class EpisodeOffers:
         session.row = row
         outcome = asyncio.get_running_loop().create_future()
         self._outcomes[session.key] = outcome
-        self._queue.put_nowait(session)
+        if self.rows is None or not self.rows.take(session):  # not an episode of a row a request is waiting for
+            self._queue.put_nowait(session)
         return outcome
 
     def withdraw(self, session: Session) -> None:
@@ -64,6 +74,12 @@ class EpisodeOffers:
         if not hmac.compare_digest(bearer(request).encode(), self.service_key.encode()):
             return error_response(401, "POST /sessions needs 'Authorization: Bearer <the run's "
                                        "MEGARL_AGENT_SERVICE_KEY>'", "invalid_request_error", "invalid_api_key")
+        try:
+            body = await request.json() if await request.read() else {}
+        except ValueError as e:
+            return error_response(400, f"the request body is not JSON: {e}", "invalid_request_error", "invalid_json")
+        if isinstance(body, dict) and "row" in body:
+            return await self._rollout_row(body["row"])
         if self._queue is None:
             self._queue = asyncio.Queue()
         try:
@@ -74,7 +90,29 @@ class EpisodeOffers:
                         break
         except TimeoutError:
             return web.Response(status=204)
-        return web.json_response({"key": session.key, "row": session.row, "base_url": self.server.base_url})
+        return web.json_response({"key": session.key, "row": session.row,
+                                  "group_id": session.client.traj.group_id, "base_url": self.server.base_url})
+
+    async def _rollout_row(self, row: Any) -> web.Response:
+        if self.rows is None:
+            return error_response(400, "this run takes its prompts from data.path: POST /sessions with an empty body "
+                                       "claims its episodes; set agent.rows_from_service=true to post rows",
+                                  "invalid_request_error", "rows_not_taken")
+        try:
+            sessions = await self.rows.post(row)
+        except InputError as e:
+            return error_response(400, str(e), "invalid_request_error", "invalid_row")
+        except RuntimeError as e:
+            return error_response(500, str(e), "server_error", "group_failed")
+        if sessions is None:
+            wait = self.rows.wait_s
+            return web.json_response(
+                {"error": {"message": f"the staleness gate admitted no new group within agent.row_wait_s={wait:g}s "
+                                      f"(training is behind generation); post the row again later",
+                           "type": "server_error", "code": "busy", "param": None}},
+                status=503, headers={"Retry-After": str(max(1, math.ceil(wait / 4)))})
+        return web.json_response({"group_id": sessions[0].client.traj.group_id,
+                                  "sessions": [{"key": s.key, "base_url": self.server.base_url} for s in sessions]})
 
     async def _report(self, request: web.Request) -> web.Response:
         key = request.match_info["key"]

@@ -11,10 +11,16 @@ of its stdout is the final answer, scored by ``reward.fn``, or a JSON object
 past ``agent.max_turns`` / ``agent.max_tokens`` fails the episode exactly as
 a failing in-process agent does (megarl/workflows/agent.py: reward 0, counted
 in ``n_agent_failed``). At most ``rollout.max_concurrency`` commands run at once.
+Each command runs under resource limits (:class:`CommandLimits`: address space
+``agent.command_memory_mb``, CPU time ``agent.command_cpu_s``, open files
+``agent.command_open_files``, no core dumps); a command past one fails its
+episode the same way.
 
 With ``agent.serve=true`` no command runs: each episode waits for a
 long-lived agent service to claim it (megarl/agents/http_service.py) and to
-report its reward or answer within ``agent.timeout_s``.
+report its reward or answer within ``agent.timeout_s``; with
+``agent.rows_from_service=true`` the service also brings the rows
+(megarl/agents/service_rows.py).
 
 The episode is an :class:`AgentWorkflow` episode whose agent is the command:
 recording, token-exactness checks and counts are the in-process workflow's.
@@ -25,9 +31,11 @@ import asyncio
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 from megarl.agents.client import AgentClient, AgentLimits
@@ -45,6 +53,48 @@ SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
 
 class AgentCommandError(RuntimeError):
     """The agent command failed: non-zero exit, timeout, or output that names no answer."""
+
+
+@dataclass(frozen=True)
+class CommandLimits:
+    """Resource limits of one episode's command (``agent.command_*``; 0 = none); core dumps are always off."""
+
+    memory_mb: int = 8192
+    cpu_s: int = 600
+    open_files: int = 1024
+
+    @classmethod
+    def from_config(cls, agent_cfg: Any) -> "CommandLimits":
+        for key in ("command_memory_mb", "command_cpu_s", "command_open_files"):
+            if getattr(agent_cfg, key) < 0:
+                raise ConfigError(f"agent.{key}={getattr(agent_cfg, key)} must be >= 0 (0 = no limit)")
+        return cls(agent_cfg.command_memory_mb, agent_cfg.command_cpu_s, agent_cfg.command_open_files)
+
+    def apply(self) -> None:
+        """In the command's process, before it execs: lower its limits (never above megarl's own hard limits,
+        which an unprivileged process cannot raise)."""
+        def lower(which: int, soft: int, hard: int | None = None) -> None:
+            limit = resource.getrlimit(which)[1]
+            hard = soft if hard is None else hard
+            if limit != resource.RLIM_INFINITY:
+                soft, hard = min(soft, limit), min(hard, limit)
+            resource.setrlimit(which, (soft, hard))
+
+        lower(resource.RLIMIT_CORE, 0)
+        if self.memory_mb:
+            lower(resource.RLIMIT_AS, self.memory_mb << 20)
+        if self.cpu_s:  # past it the kernel sends SIGXCPU, which ends the process; SIGKILL a second later
+            lower(resource.RLIMIT_CPU, self.cpu_s, self.cpu_s + 1)
+        if self.open_files:
+            lower(resource.RLIMIT_NOFILE, self.open_files)
+
+    def explain(self, returncode: int, stderr: str) -> str:
+        """Which limit a failed command most likely hit ('' when none)."""
+        if returncode in (-signal.SIGXCPU, -signal.SIGKILL) and self.cpu_s:
+            return f" (killed by signal {-returncode}: past agent.command_cpu_s={self.cpu_s}?)"
+        if "MemoryError" in stderr or "Cannot allocate memory" in stderr or "bad_alloc" in stderr:
+            return f" (out of memory: agent.command_memory_mb={self.memory_mb} limits its address space)"
+        return ""
 
 
 def parse_command(command: str) -> list[str]:
@@ -80,11 +130,15 @@ def agent_source(agent_cfg: Any) -> tuple[list[str] | None, str]:
     return None, key
 
 
-async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str], timeout_s: float) -> str:
-    """Run one episode's command; its stdout. AgentCommandError on a non-zero exit or past ``timeout_s``."""
+async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str], timeout_s: float,
+                      limits: CommandLimits | None = None) -> str:
+    """Run one episode's command under ``limits``; its stdout. AgentCommandError on a non-zero exit or past
+    ``timeout_s``."""
+    limits = limits or CommandLimits()
     proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, env={**os.environ, **env},
-                                                start_new_session=True)  # its own group: a timeout kills it all
+                                                start_new_session=True,  # its own group: a timeout kills it all
+                                                preexec_fn=limits.apply)
     try:
         out, err = await asyncio.wait_for(proc.communicate(json.dumps(row, default=str).encode()), timeout_s)
     except asyncio.TimeoutError:
@@ -98,7 +152,8 @@ async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str],
             await proc.wait()
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip()[-STDERR_TAIL:]
-        raise AgentCommandError(f"agent.command exited with status {proc.returncode}: {tail}")
+        raise AgentCommandError(f"agent.command exited with status {proc.returncode}"
+                                f"{limits.explain(proc.returncode, tail)}: {tail}")
     return out.decode(errors="replace")
 
 
@@ -126,9 +181,11 @@ class AgentHttpWorkflow(AgentWorkflow):
     """Runs ``agent.command`` for one trajectory against the endpoint (module docstring)."""
 
     def __init__(self, argv: list[str] | None, tokenizer: Any, limits: AgentLimits, *, host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 300.0, max_concurrency: int = 8, service_key: str = "") -> None:
+                 port: int = 0, timeout_s: float = 300.0, max_concurrency: int = 8, service_key: str = "",
+                 command_limits: CommandLimits | None = None) -> None:
         """``argv`` None: episodes wait for a long-lived agent service holding ``service_key`` (http_service.py)."""
         super().__init__(self._episode, tokenizer, None, limits)
+        self.command_limits = command_limits or CommandLimits()
         self.argv, self.host, self.port, self.timeout_s = argv, host, port, timeout_s
         self.service_key = service_key
         self.max_concurrency = max_concurrency
@@ -149,6 +206,12 @@ class AgentHttpWorkflow(AgentWorkflow):
             if self.server is None:
                 self.server = await SHARED.acquire(self.host, self.port, self.tokenizer.source, self.service_key)
 
+    async def serve_rows(self, rows: Any) -> None:
+        """Listen now and roll out the rows an agent service posts into ``rows`` (a ServiceRows): nothing
+        else starts the endpoint before the first row arrives."""
+        await self.start()
+        self.server.offers.rows = rows
+
     async def _episode(self, client: AgentClient, row: dict[str, Any]) -> float | None:
         session = self.server.open_session(client)
         try:
@@ -157,7 +220,8 @@ class AgentHttpWorkflow(AgentWorkflow):
             else:
                 async with self._slots:
                     out = await run_command(self.argv, row, {"OPENAI_BASE_URL": self.server.base_url,
-                                                             "OPENAI_API_KEY": session.key}, self.timeout_s)
+                                                             "OPENAI_API_KEY": session.key}, self.timeout_s,
+                                      self.command_limits)
         finally:
             await self.server.close_session(session)
         if session.error is not None:  # a completion past the budget, or megarl failed: the episode fails

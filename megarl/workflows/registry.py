@@ -9,7 +9,7 @@ from megarl.agents.tools import ToolService
 from megarl.errors import ConfigError
 from megarl.types import SamplingParams
 from megarl.workflows.agent import AgentWorkflow, load_agent
-from megarl.workflows.agent_http import AgentHttpWorkflow, agent_source
+from megarl.workflows.agent_http import AgentHttpWorkflow, CommandLimits, agent_source
 from megarl.workflows.base import ToolEnv, Workflow
 from megarl.workflows.multi_turn import MultiTurnWorkflow
 from megarl.workflows.single_turn import SingleTurnWorkflow
@@ -66,7 +66,7 @@ def _agent_http(cfg: Any, tokenizer: Any) -> Workflow:
     argv, service_key = agent_source(a)
     return AgentHttpWorkflow(argv, tokenizer, _agent_limits(cfg, tokenizer), host=a.http_host, port=a.http_port,
                              timeout_s=a.timeout_s, max_concurrency=cfg.rollout.max_concurrency,
-                             service_key=service_key)
+                             service_key=service_key, command_limits=CommandLimits.from_config(a))
 
 
 WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn,

@@ -1,8 +1,10 @@
 """Agents on the real stack: vLLM CPU engine, Megatron trainer, a real HF tokenizer whose template shows tools."""
 import json
+import socket
+import subprocess
 import sys
 
-from conftest import run_megarl
+from conftest import ENV, MEGARL, ROOT, run_megarl
 
 SCRIPTED = "agent.fn=tests.unit.agent_fixtures:scripted"  # three turns, a tool result after each
 
@@ -95,3 +97,40 @@ def test_an_agent_in_another_process_is_recovered_exactly_on_spliced_episodes(tm
         steps = [x for x in _lines(tmp_path / f"verify-{name}" / "metrics.jsonl") if "reward_mean" in x]
         # every completion was recorded token-exactly (a mismatch fails its group: n_dropped)
         assert sum(x["n_dropped"] for x in steps) == 0 and sum(x["n_splice_holds"] for x in steps) >= 2
+
+
+def test_an_agent_service_that_brings_its_rows_trains_the_run(tmp_path):
+    # tests/e2e/row_service.py posts the rows of the arithmetic data (one malformed), three at a time, runs every
+    # episode of each group it gets and reports the completion as the answer (scored by the math reward)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir, log = tmp_path / "run", tmp_path / "service.jsonl"
+    env = {**ENV, "MEGARL_AGENT_SERVICE_KEY": "s3cret-service-key-0123"}
+    service = subprocess.Popen([sys.executable, "tests/e2e/row_service.py", str(port),
+                                "configs/data/arithmetic_train.jsonl", str(log)], cwd=ROOT, env=env)
+    try:
+        r = subprocess.run([*MEGARL, "train", "--config", "configs/tiny_agent_cpu.yaml", "--output-dir", str(run_dir),
+                            f"model.checkpoint={tmp_path / 'ckpt'}", "trainer.total_steps=2", "rollout.backend=hf",
+                            "rollout.workflow=agent_http", "agent.serve=true", "agent.rows_from_service=true",
+                            f"agent.http_port={port}", "agent.row_wait_s=5", "data.path=", "agent.tools=[]",
+                            "rollout.max_new_tokens=16", "eval.path=", "logging.progress=none",
+                            "logging.tensorboard=false"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        service.terminate()
+        service.wait(30)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = [x for x in _lines(run_dir / "metrics.jsonl") if "reward_mean" in x]
+    assert len(steps) == 2 and sum(x["n_dropped"] for x in steps) == 0
+    assert all(x["n_reward_failed"] == x["n_agent_failed"] for x in steps)
+    assert sum(x["n_agent_turns"] for x in steps) >= sum(x["n_reward_calls"] for x in steps) >= 2 * 16
+    posts = [x for x in _lines(log) if "post_status" in x]
+    taken = [x for x in posts if x["post_status"] == 200]
+    # each row taken was rolled out as one group of rollout.group_size=8 episodes, under its own group id
+    assert len(taken) >= 4 and {x["n_sessions"] for x in taken} == {8}
+    assert len({x["group_id"] for x in taken}) == len(taken)
+    bad = [x for x in posts if x["row_id"] == "bad"]
+    assert bad and bad[0]["post_status"] == 400 and "no field 'prompt' (data.prompt_key)" in bad[0]["error"]["message"]
+    sample = _lines(run_dir / "samples.jsonl")[0]
+    assert "Put the answer in \\boxed{}" in sample["prompt"]

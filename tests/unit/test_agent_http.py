@@ -9,6 +9,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -19,7 +20,13 @@ from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.http_server import AgentHttpServer
 from megarl.types import Trajectory
 from megarl.workflows.agent import check_token_exact
-from megarl.workflows.agent_http import AgentCommandError, AgentHttpWorkflow, parse_answer, run_command
+from megarl.workflows.agent_http import (
+    AgentCommandError,
+    AgentHttpWorkflow,
+    CommandLimits,
+    parse_answer,
+    run_command,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -77,6 +84,61 @@ def test_http_records_exactly_what_the_in_process_client_records(text_tokenizer)
     assert there.stats.n_tool_calls == 1
     check_token_exact(traj_there, there.records)
     assert model.contexts[1] == traj_there.tokens[:len(model.contexts[1])]
+
+
+async def streamed(oa, **kw):
+    """One completion with stream=True, as its chunks and the message they add up to."""
+    chunks = [c async for c in await oa.chat.completions.create(model="tiny", stream=True, **kw)]
+    content, calls = "", {}
+    for c in chunks:
+        for choice in c.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                calls[call.index] = {"id": call.id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": call.function.arguments}}
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return chunks, message
+
+
+def test_a_streamed_completion_is_recorded_exactly_as_a_plain_one(text_tokenizer):
+    here, traj_here, _ = client_for(text_tokenizer, [CALL, "3"])
+    asyncio.run(two_turns(here.chat.completions.create, lambda m: m.model_dump(exclude_none=True)))
+    there, traj_there, _ = client_for(text_tokenizer, [CALL, "3"])
+    seen = []
+
+    async def over_http(server):
+        async def create(**kw):  # what two_turns reads of a response: the tool calls' ids; and the message
+            chunks, message = await streamed(oa, stream_options={"include_usage": True}, **kw)
+            seen.append(chunks)
+            return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(
+                tool_calls=[SimpleNamespace(id=c["id"]) for c in message.get("tool_calls", ())], sent=message))])
+
+        session = server.open_session(there)
+        async with aiohttp.ClientSession() as http:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}
+            async with http.post(server.base_url + "/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {session.key}"}) as r:
+                bad = r.status, (await r.json())["error"]["code"]
+        async with api(server, session.key) as oa:
+            turns = await two_turns(create, lambda m: m.sent)  # the message the chunks add up to, sent back
+        return bad, turns
+
+    bad, (r1, r2) = asyncio.run(serving(over_http))
+    m1, m2 = r1.choices[0].message.sent, r2.choices[0].message.sent
+    assert bad == (400, "invalid_stream")
+    assert m1["content"] == "" and m1["tool_calls"][0]["function"]["name"] == "add"
+    assert json.loads(m1["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert m2 == {"role": "assistant", "content": "3"}
+    first, second = seen
+    assert [c.object for c in second] == ["chat.completion.chunk"] * 3 and len({c.id for c in second}) == 1
+    assert [c.choices[0].finish_reason if c.choices else None for c in first] == [None, "tool_calls", None]
+    assert second[-1].choices == [] and second[-1].usage.completion_tokens == 2  # "3" and EOS
+    assert [(r.prompt_ids, r.output_ids, r.versions) for r in there.records] == \
+           [(r.prompt_ids, r.output_ids, r.versions) for r in here.records]
+    assert (traj_there.tokens, traj_there.loss_mask, traj_there.versions) == \
+           (traj_here.tokens, traj_here.loss_mask, traj_here.versions)
 
 
 def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
@@ -175,7 +237,6 @@ def test_bad_requests_get_400_and_the_session_goes_on(text_tokenizer):
         "unknown_tool": dict(messages=[*user, {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "nope", "arguments": "{}"}}]}], tools=[ADD]),
         "unknown_tool_call": dict(messages=[*user, {"role": "tool", "tool_call_id": "c9", "content": "3"}]),
-        "stream_unsupported": dict(messages=user, stream=True),
         "unsupported_stop": dict(messages=user, stop=["two tokens"]),
     }
 
@@ -243,6 +304,51 @@ def test_run_command_fails_on_exit_status_and_timeout():
 
     echo, waited = asyncio.run(main())
     assert echo == "42 k1\n" and waited < 10
+
+
+def test_commands_run_under_the_configured_resource_limits():
+    limits = CommandLimits(memory_mb=256, cpu_s=1, open_files=64)
+    show = ("import resource as r; print([r.getrlimit(k) for k in (r.RLIMIT_AS, r.RLIMIT_CPU, r.RLIMIT_NOFILE, "
+            "r.RLIMIT_CORE)])")
+
+    async def main():
+        seen = await run_command([sys.executable, "-c", show], {}, {}, 30.0, limits)
+        small = await run_command([sys.executable, "-c", "x = bytearray(32 << 20); print(len(x) >> 20)"], {}, {},
+                                  30.0, limits)
+        with pytest.raises(AgentCommandError, match=r"exited with status 1 \(out of memory: "
+                                                    r"agent.command_memory_mb=256 limits its address space\)"):
+            await run_command([sys.executable, "-c", "x = bytearray(512 << 20)"], {}, {}, 30.0, limits)
+        with pytest.raises(AgentCommandError, match=r"exited with status -24 \(killed by signal 24: past "
+                                                    r"agent.command_cpu_s=1\?\)"):
+            await run_command([sys.executable, "-c", "while True: pass"], {}, {}, 30.0, limits)
+        return seen, small
+
+    seen, small = asyncio.run(main())
+    mb = 1 << 20
+    assert seen == f"[({256 * mb}, {256 * mb}), (1, 2), (64, 64), (0, 0)]\n" and small == "32\n"
+
+
+def test_a_command_past_its_memory_limit_fails_its_episode_and_the_next_episode_runs(text_tokenizer):
+    # the command allocates what its row asks for
+    hungry = [sys.executable, "-c", "import json, sys; x = bytearray(json.load(sys.stdin)['mb'] << 20); "
+                                    "print('\\\\boxed{1}')"]
+    wf = AgentHttpWorkflow(hungry, text_tokenizer, AgentLimits(SAMPLING, max_turns=1, max_tokens=128),
+                           command_limits=CommandLimits(memory_mb=256))
+
+    async def main():
+        out = []
+        try:
+            for j, mb in enumerate((1024, 8)):
+                traj = Trajectory(f"g0-{j}", "g0", [1], meta={"row": {"prompt": "p", "mb": mb}}, logp_old=[])
+                out.append(await wf.run(traj, ScriptedModel(text_tokenizer, [])))
+        finally:
+            await wf.aclose()
+        return out
+
+    over, within = asyncio.run(main())
+    assert over.reward == 0.0 and "out of memory: agent.command_memory_mb=256" in over.meta["agent_error"]
+    assert "agent_error" not in within.meta and within.meta["final_response"] == "\\boxed{1}"
+    assert wf.stats()["n_agent_failed"] == 1
 
 
 def test_the_example_agent_runs_as_an_episode_and_failures_cost_the_episode(text_tokenizer):

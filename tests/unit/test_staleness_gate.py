@@ -109,6 +109,24 @@ class Rewards:
         return SimpleNamespace(reward=float(len(traj.response_ids)), failed=False, reason=None)
 
 
+class SimulatedPublisher:
+    """Publishing to the simulated engine: its tokens carry the new version."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def prepare(self, version):
+        pass
+
+    async def apply(self, version):
+        self.engine.version = version
+
+
+def zero_advantages(trajs):
+    for t in trajs:
+        t.advantage = 0.0
+
+
 def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: bool = True, skip=(),
              overrides=(), rewards=None, checkpointer=None, timeout_s: float = 60.0):
     """The loop for ``steps`` steps; ``timeout_s`` bounds the wall time (a hang fails as TimeoutError)."""
@@ -119,24 +137,13 @@ def run_loop(eta: int, B: int, n: int, steps: int, seed: int, interruptible: boo
     trainer = StepCounterTrainerForGateTests(rng, skip)
     prompts = iter(lambda: SimpleNamespace(prompt_id="p", prompt_ids=[1, 5, 2], answer=None, row={}), None)
 
-    class Publisher:
-        async def prepare(self, version):
-            pass
-
-        async def apply(self, version):
-            engine.version = version
-
-    publisher = Publisher()
-
-    def advantages(trajs):
-        for t in trajs:
-            t.advantage = 0.0
+    publisher = SimulatedPublisher(engine)
 
     records = []
     c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(B, eta), published=PublishedVersion(),
                    rewards=rewards or Rewards(), dataset=prompts, workflow=SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)),
-                   publisher=publisher, loss_fn_factory=lambda b, a: None, advantages=advantages,
+                   publisher=publisher, loss_fn_factory=lambda b, a: None, advantages=zero_advantages,
                    on_step=records.append, checkpointer=checkpointer)
     asyncio.run(asyncio.wait_for(c.train(steps), timeout_s))
     trainer.held = c.generation.held
