@@ -69,3 +69,25 @@ def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(c
     # what the engines loaded at each publish: bf16, cast once by the trainer
     print(f"\n[bf16 engines] snapshot max err {snap['max_abs_err']:.2g}; behav |logp_old - logp_behav| "
           f"mean {behav['r_d_abs_mean']:.3g} max {behav['r_d_abs_max']:.3g}")
+
+
+def test_moe_routing_replay_with_bf16_vllm_engines_keeps_the_exact_strategies_exact(tmp_path):
+    # the tiny Qwen3-MoE on the vLLM CPU engine in bf16 beside the fp32 trainer: the engine's routers pick other
+    # experts than the trainer's for a share of the tokens. Its routes (captured by megarl's worker extension)
+    # replay in every forward of snapshot, interrupt_sync and dedicated, which stay exact on spliced sequences
+    # (rollout.splice_at_tokens=2: the digit tokenizer's answers are short); strict: no request may lack routes
+    report = tmp_path / "report.json"
+    r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies",
+                   "snapshot,interrupt_sync,dedicated", "--steps", "3", "--output", str(report),
+                   "model.init_model=configs/models/tiny_qwen3_moe.yaml", f"model.checkpoint={tmp_path / 'moe'}",
+                   "rollout.routing_replay=true", "rollout.routing_replay_strict=true", "rollout.splice_at_tokens=2",
+                   "rollout.max_new_tokens=32", "rollout.dtype=bfloat16", "rollout.kv_cache_gb=1", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name, s in json.loads(report.read_text())["strategies"].items():
+        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert s["n_spliced_sequences"] >= 1 and s["max_versions_per_sequence"] >= 2, (name, s)
+        # without replay the reference would have routed some tokens elsewhere: replay did something
+        assert s["routes"]["tokens_differ_frac"] > 0, (name, s["routes"])
+        records = [json.loads(x) for x in (tmp_path / f"verify-{name}" / "metrics.jsonl").read_text().splitlines()]
+        steps = [x for x in records if "reward_mean" in x]
+        assert len(steps) == 3 and all(x["n_routes_missing"] == 0 and x["routes/n_decisions"] > 0 for x in steps)
