@@ -121,8 +121,8 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     # are lost with it): the step reached is not checkpointed, the newest periodic checkpoint stands
     reached = len(metrics1)
     k1 = step_dirs(run)[-1]
-    assert k1 == reached - reached % 2, (reached, step_dirs(run))
-    if reached % 2:
+    assert k1 % 2 == 0 and reached - 2 <= k1 <= reached, (reached, step_dirs(run))
+    if k1 != reached:
         assert "the checkpoint before stopping on RuntimeError failed" in text, text[-3000:]
 
     # -- between attempts: the newest checkpoint is damaged (its trainer state cut short)
