@@ -7,6 +7,8 @@ interruptible generate path as training rollouts (so a publish in the middle
 resumes them with the new weights, and ``eval/version_min``/``version_max``
 say which versions produced the tokens), but they never pass the staleness
 gate, never enter the replay buffer and are never seen by a recovery strategy.
+A sample that raises fails the evaluation (logged; training goes on) and
+cancels every other sample of it at once (megarl/group_tasks.py).
 
 Metrics (per evaluation, logged under ``eval/``): ``reward_mean`` over all
 samples (the reward an agent gave its episode, else the scorer's; a failed
@@ -25,6 +27,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from megarl.data import Prompt
+from megarl.group_tasks import gather_or_cancel
 from megarl.types import Trajectory
 
 log = logging.getLogger("megarl.controller")
@@ -74,8 +77,9 @@ class Evaluator:
                 traj.reward_failed = bool(traj.meta.get("agent_error")) or not math.isfinite(traj.reward)
             return traj
 
-        groups = await asyncio.gather(*(asyncio.gather(*(one(p, j) for j in range(self.n_samples)))
-                                        for p in self.prompts))
+        # a failing sample fails the evaluation: it stops every other sample at once (they hold engine slots)
+        groups = await gather_or_cancel(*(gather_or_cancel(*(one(p, j) for j in range(self.n_samples)))
+                                          for p in self.prompts))
         k = self.n_samples
         rewards = [t.reward if math.isfinite(t.reward) else 0.0 for g in groups for t in g]
         passed = [sum(t.reward >= self.pass_threshold for t in g) for g in groups]

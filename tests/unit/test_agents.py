@@ -16,6 +16,7 @@ from megarl.agents.client import INVALID_TOOL, AgentClient, AgentLimitError, Age
 from megarl.agents.tool_calls import parse_tool_calls
 from megarl.agents.tools import ToolService, tool_schema
 from megarl.errors import ConfigError
+from megarl.models.tiny_tokenizer import CHATML
 from megarl.types import GenerateResult, SamplingParams, Trajectory
 from megarl.workflows.agent import AgentWorkflow, check_token_exact, load_agent
 
@@ -138,10 +139,18 @@ def test_three_turns_with_tool_results_are_one_token_exact_trajectory(text_token
     assert last.choices[0].message.content == "c3" and last.choices[0].finish_reason == "stop"
     assert traj.parts == [] and len(client.records) == 3
     check_token_exact(traj, client.records)
-    # what the engine saw each turn is exactly the trajectory's prefix; the model's own tokens are
-    # policy tokens of the version that sampled them, the template and tool results are not
-    for ctx, rec in zip(model.contexts, client.records):
-        assert ctx == rec.prompt_ids == traj.tokens[:len(ctx)]
+    # what the engine saw each turn is the conversation so far as ChatML writes it (spelled out here, encoded
+    # whole), and the trajectory's prefix; the model's own tokens are policy tokens of the version that sampled
+    # them, the template and tool results are not
+    def tool_turn(said: str, n: int) -> str:
+        return (f"{said}<|im_end|>\n<|im_start|>user\n<tool_response>\nresult {n}\n</tool_response><|im_end|>\n"
+                f"<|im_start|>assistant\n")
+
+    first = "<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"
+    seen = [first, first + tool_turn("a1", 0), first + tool_turn("a1", 0) + tool_turn("b2", 1)]
+    expected = [text_tokenizer.hf.encode(text, add_special_tokens=False) for text in seen]
+    assert model.contexts == [rec.prompt_ids for rec in client.records] == expected
+    assert all(traj.tokens[:len(ids)] == ids for ids in expected)
     assert traj.policy_versions() == {3, 4, 5} and traj.n_policy_tokens == 3 * 3
     decoded = text_tokenizer.hf.decode(traj.tokens)
     assert decoded == text_tokenizer.render_chat([
@@ -150,23 +159,54 @@ def test_three_turns_with_tool_results_are_one_token_exact_trajectory(text_token
         {"role": "tool", "content": "result 1"}]) + "c3<|im_end|>"
 
 
-def test_a_template_that_rewrites_the_past_starts_a_new_trajectory(text_tokenizer):
-    client, traj, _ = client_for(text_tokenizer, ["x1", "y2"])
+#: ChatML as Qwen3's template writes it: an assistant turn before the last user message loses its reasoning
+#: (``<think>...</think>``), so the next turn's rendering no longer extends what the model saw and wrote
+CHATML_DROPS_PAST_THINKING = CHATML.replace(
+    "{%- for message in messages %}",
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and loop.index0 < ns.last_user and message.content "
+    "and '</think>' in message.content %}"
+    "{%- set message = {'role': 'assistant', 'content': message.content.split('</think>')[-1].lstrip('\\n')} %}"
+    "{%- endif %}", 1)
+#: ChatML writing every tool call's arguments with ``tojson`` (Qwen2.5's, Llama 3.1's templates): a call the
+#: model wrote compactly comes back spaced as json.dumps spaces it
+CHATML_TOJSON = CHATML.replace("fn.arguments if fn.arguments is string else (fn.arguments | tojson)",
+                               "fn.arguments | tojson")
+COMPACT_CALL = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("template, said, rewritten", [
+    (CHATML_DROPS_PAST_THINKING, "<think>hm</think>x1", "<|im_start|>assistant\nx1<|im_end|>\n"),
+    (CHATML_TOJSON, COMPACT_CALL, '\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>\n'),
+], ids=["past-thinking-dropped", "tojson-arguments"])
+def test_a_template_that_rewrites_the_past_starts_a_new_trajectory(text_tokenizer_dir, tmp_path, template, said,
+                                                                   rewritten):
+    assert template != CHATML
+    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, template)
+    client, traj, _ = client_for(tok, [said, "y2"])
 
     async def episode():
         messages = [{"role": "user", "content": "go"}]
+        reply = await client.chat.completions.create(messages=messages)
+        # the agent passes the model's message back untouched: only the template rewrites it
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
         await client.chat.completions.create(messages=messages)
-        # the agent changes what the model said: the rendering no longer extends the context
-        messages += [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "more"}]
-        await client.chat.completions.create(messages=messages)
+        return reply
 
-    run(episode())
+    reply = run(episode())
     # both rows stay unfinished until the episode returns (a publish meanwhile reports them as partial)
     assert [r.traj_id for r in traj.rows()] == ["g0-0", "g0-0.t1"] and not any(r.finished for r in traj.rows())
-    part = traj.parts[0]
-    assert text_tokenizer.hf.decode(part.prompt_ids).endswith("<|im_start|>user\nmore<|im_end|>\n"
-                                                              "<|im_start|>assistant\n")
+    assert client.stats.n_new_trajectories == 1
+    first, part = traj, traj.parts[0]
+    assert tok.hf.decode(first.response_ids) == said + "<|im_end|>"  # the first row keeps what the model wrote
+    past = tok.hf.decode(part.prompt_ids)
+    assert rewritten in past and said not in past
+    assert past.endswith("<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
     assert len(part.logp_old) == len(part.response_ids) == 3  # exact strategies fill it in later
+    assert reply.choices[0].finish_reason == ("tool_calls" if "tool_call" in said else "stop")
     check_token_exact(traj, client.records)
 
 
@@ -251,12 +291,7 @@ def test_past_tool_call_arguments_render_as_objects_in_a_real_template(text_toke
 
 
 def test_tool_turns_stay_one_trajectory_with_a_template_that_applies_tojson(text_tokenizer_dir, tmp_path):
-    from megarl.models.tiny_tokenizer import CHATML
-
-    strict = CHATML.replace("fn.arguments if fn.arguments is string else (fn.arguments | tojson)",
-                            "fn.arguments | tojson")
-    assert strict != CHATML
-    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, strict)
+    tok = _tokenizer_with_template(text_tokenizer_dir, tmp_path, CHATML_TOJSON)
     tools = ToolService(["agent_fixtures:add"], timeout_s=5.0)
     good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     client, traj, _ = client_for(tok, [good, good, "done"], tools=tools)
@@ -285,8 +320,6 @@ def _word_start_tokenizer(out_dir):
     from conftest import run_tokenizer
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from megarl.models.tiny_tokenizer import CHATML
 
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {t: i for i, t in enumerate([*special, "<unk>", *map(chr, range(32, 127)), "\n", "\u2581"])}

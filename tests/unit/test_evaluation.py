@@ -79,3 +79,43 @@ def test_an_agent_episode_keeps_the_reward_its_agent_gave():
     m = asyncio.run(ev.run(generate_for))
     assert m["eval/reward_mean"] == pytest.approx((0.75 + 0.0 + 1.0 + 0.0) / 4)
     assert m["eval/pass@1"] == pytest.approx(1 / 4) and m["eval/n_reward_failed"] == 4
+
+
+def test_a_failing_sample_stops_its_siblings_and_the_other_groups():
+    # prompt "a", sample 0 fails at its 3rd generate call; every other sample keeps generating until cancelled.
+    # Once the evaluation has raised, no sample may call generate again (they would hold engine slots).
+    calls, cancelled = [], set()
+
+    class Looping:
+        async def run(self, traj, generate):
+            try:
+                for n in range(1, 1000):
+                    await generate(traj.prompt_ids, SamplingParams(max_new_tokens=2))
+                    if traj.traj_id.endswith("a-0") and n == 3:
+                        raise RuntimeError("sample a-0 broke")
+                    await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                cancelled.add(traj.traj_id)
+                raise
+
+    def generate_for(traj):
+        async def generate(context, sampling):
+            calls.append(traj.traj_id)
+            return GenerateResult("r", [5], [-0.5], [3], "stop")
+        return generate
+
+    prompts = [Prompt("a", [1, 2], "x", {}), Prompt("b", [1, 3], "y", {})]
+    ev = Evaluator(prompts, Looping(), scorer=None, n_samples=3, pass_threshold=1.0)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="sample a-0 broke"):
+            await ev.run(generate_for)
+        n_calls = len(calls)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return n_calls
+
+    n_calls = asyncio.run(main())
+    assert len(calls) == n_calls, f"{len(calls) - n_calls} generate calls after the evaluation failed"
+    assert cancelled == {"eval0.a-1", "eval0.a-2", "eval0.b-0", "eval0.b-1", "eval0.b-2"}
+    assert calls.count("eval0.a-0") == 3
