@@ -110,7 +110,9 @@ class MegatronTrainer:
                                                  sequence_parallel=sequence_parallel, recompute=recompute)
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
-        if batch_invariant:  # rollout.batch_invariant (megarl/batch_invariant.py): before the model is built
+        #: rollout.batch_invariant (megarl/batch_invariant.py); a dedicated scorer is built in the same mode
+        self.batch_invariant = bool(batch_invariant)
+        if batch_invariant:  # before the model is built
             enable_in_trainer(self.config)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.grad_clip = float(grad_clip)
