@@ -19,9 +19,12 @@ weight-sync numbers, and the engines' own stall phases (``engine_abort_s``,
 Both leave ``weights/v{v}`` on disk for the published version: the
 checkpointer stores it as the engines' weights, and a restarted engine loads
 it (megarl/rollout/supervisor.py). For the broadcast publisher that disk copy
-is written at every publish, in ``prepare`` (off the stall), from the tensors
-it exports anyway. Writing it less often would leave a restarted engine, or a
-checkpoint, without the version the other engines serve.
+is written at every publish, in a background thread from the buckets it
+broadcasts (megarl/rollout/disk_copy.py): neither the export nor the stall
+waits for the disk, and whoever reads the copy waits for its writer
+(:meth:`BroadcastPublisher.wait_written`; the checkpoint does). Writing it
+less often would leave a restarted engine, or a checkpoint, without the
+version the other engines serve.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from megarl.launch.roles import current_role
 from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.broadcast_sender import SenderProcess
 from megarl.rollout.client import free_port
+from megarl.rollout.disk_copy import DiskCopy
 from megarl.rollout.weight_sync import WeightBroadcaster, iter_buckets, rows_bytes
 
 log = logging.getLogger("megarl.publish")
@@ -92,6 +96,9 @@ class DiskPublisher:
         _remove_other_versions(self.weights_dir, current)
         return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors")), **(phases or {})}
 
+    async def wait_written(self) -> None:
+        """The published version is on disk (here it is the transport: written before the engines load it)."""
+
     def close(self) -> None:
         pass
 
@@ -107,10 +114,12 @@ class BroadcastPublisher:
 
     ``prepare`` exports ``trainer.export_hf_weights()`` (a collective with
     several trainer ranks; they replay it, megarl/trainer/spmd.py) into a list
-    on this rank and writes the disk copy. Holding the export costs one full
-    copy of the model in host memory during a publish, which is what
-    ``save_hf_checkpoint`` holds anyway while it writes (DiskPublisher), and
-    it keeps the export off the generation stall. ``apply`` then only sends.
+    on this rank, packs it into the send buckets and starts writing the disk
+    copy from them in the background (megarl/rollout/disk_copy.py). Holding the
+    export costs one full copy of the model in host memory during a publish,
+    which is what ``save_hf_checkpoint`` holds anyway while it writes
+    (DiskPublisher), and it keeps the export off the generation stall.
+    ``apply`` then only sends.
 
     The group is made for the engines live at a publish (ranks in supervisor
     order, one per engine worker) and reused while the same engine processes
@@ -148,14 +157,27 @@ class BroadcastPublisher:
         self._broadcaster_cls = WeightBroadcaster  # what the sender makes its group with
         self._proc: SenderProcess | None = None
         self._sending: concurrent.futures.Future | None = None
+        self._copy = DiskCopy()  # the disk copy's writer
 
     async def prepare(self, version: int) -> None:
         self._buckets = None  # the previous version's export is not needed any more
+        await self._copy.wait()  # nor its disk copy, which reads it (written long before, unless the disk is slow)
         tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
-        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}", hf)
         self._buckets = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
         del tensors  # emptied by the packing: the buckets hold the only copy from here on
+        self._copy.start(self.weights_dir / f"v{version}", self._buckets, hf, version)
         self._ensure_sender()
+
+    async def wait_written(self) -> None:
+        """The published version's disk copy is complete (raises the writer's failure)."""
+        await self._copy.wait()
+
+    async def _written_for_engines(self) -> None:
+        """:meth:`wait_written` for an engine about to load the copy: a failed write is the engine's failure."""
+        try:
+            await self._copy.wait()
+        except RuntimeError as e:
+            raise EngineError(str(e)) from e
 
     async def apply(self, version: int) -> dict:
         """Send ``version``; returns the step record's ``weight_sync_bytes`` (0: no engine took the stream),
@@ -169,13 +191,16 @@ class BroadcastPublisher:
         self._sending = None
         specs = [(name, shape, dtype) for rows, _, _ in buckets for name, shape, dtype, _ in rows]
         try:
+            # an engine restarted from here on loads the disk copy once its writer is done
             phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, buckets),
-                                                                     specs, version, weights=(str(current), version))
+                                                                     specs, version, weights=(str(current), version),
+                                                                     weights_ready=self._written_for_engines)
             stats = await self._sent(buckets)
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
             self._abandon()
             self.n_fallbacks += 1
+            await self._written_for_engines()
             phases = await self.router.update_weights_from_disk(str(current), version)
             stats = None
         if stats:
@@ -248,6 +273,7 @@ class BroadcastPublisher:
             self._proc.close()
         self._proc = None
         self._group = self._members = None
+        self._copy.join()  # a copy being written is finished, not left half-way
 
 
 def _pack_shared(tensors: list, bucket_bytes: int) -> list:

@@ -207,13 +207,17 @@ def receive_named_tensors(pg, device) -> Iterator[tuple[str, torch.Tensor]]:
         if payload_bytes == 0 and meta_bytes == 0:
             return
         meta = json.loads(bytes(_bcast(pg, torch.empty(meta_bytes, dtype=torch.uint8, device=device)).cpu().tolist()))
-        payload = _bcast(pg, torch.empty(payload_bytes, dtype=torch.uint8, device=device))
-        for name, shape, dtype, offset in meta:
-            dt = getattr(torch, dtype)
-            numel = 1
-            for s in shape:
-                numel *= s
-            yield name, payload[offset:offset + numel * dt.itemsize].view(dt).reshape(shape)
+        yield from unpack(meta, _bcast(pg, torch.empty(payload_bytes, dtype=torch.uint8, device=device)))
+
+
+def unpack(meta: list, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of one bucket: views into ``payload`` (uint8) at the offsets of its meta rows."""
+    for name, shape, dtype, offset in meta:
+        dt = getattr(torch, dtype)
+        numel = 1
+        for s in shape:
+            numel *= s
+        yield name, payload[offset:offset + numel * dt.itemsize].view(dt).reshape(shape)
 
 
 def join_weight_group(group_info: dict):
