@@ -44,6 +44,7 @@ from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.broadcast_sender import SenderProcess
 from megarl.rollout.client import free_port
 from megarl.rollout.disk_copy import DiskCopy
+from megarl.rollout.export_buckets import device_budget, pack_export
 from megarl.rollout.weight_sync import WeightBroadcaster, iter_buckets, rows_bytes
 
 log = logging.getLogger("megarl.publish")
@@ -61,15 +62,21 @@ def engine_weights(trainer, engine_dtype: str | None) -> tuple[list[tuple[str, t
     disk copy holds) their own precision and nothing is cast again on their side. A collective on a
     multi-rank trainer, like ``export_hf_weights``.
     """
+    tensors, hf = stream_engine_weights(trainer, engine_dtype)
+    return list(tensors), hf
+
+
+def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = True):
+    """:func:`engine_weights` as a stream, one tensor at a time; ``to_host=False``: left on the trainer's
+    device (``export_hf_weights(to_host=False)``)."""
     hf = dict(trainer.exported_hf_config())  # a copy: the trainer's own config stays as it is
-    exported = trainer.export_hf_weights()
+    exported = trainer.export_hf_weights() if to_host else trainer.export_hf_weights(to_host=False)
     if not engine_dtype or engine_dtype == _recorded_dtype(hf):
-        return list(exported), hf
+        return exported, hf
     target = getattr(torch, engine_dtype)
-    tensors = [(name, t.to(target) if t.is_floating_point() else t) for name, t in exported]
     for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
         hf[key] = engine_dtype
-    return tensors, hf
+    return ((name, t.to(target) if t.is_floating_point() else t) for name, t in exported), hf
 
 
 class DiskPublisher:
@@ -136,6 +143,10 @@ class BroadcastPublisher:
     which holds the group's communicator: under NCCL a lost engine aborts that process, not
     this one, and a step past its deadline gets it killed. ``prepare`` packs the export into
     shared-memory buckets the sender reads without a copy, and starts the sender off the stall.
+    Under NCCL on CUDA the export stays on the trainer's GPU and is packed into device buckets
+    there (as far as :func:`~megarl.rollout.export_buckets.device_budget` allows), which the
+    sender broadcasts from that device; the disk copy is written from pinned host copies of them
+    (megarl/rollout/export_buckets.py).
     """
 
     def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
@@ -158,15 +169,32 @@ class BroadcastPublisher:
         self._proc: SenderProcess | None = None
         self._sending: concurrent.futures.Future | None = None
         self._copy = DiskCopy()  # the disk copy's writer
+        #: bytes of device buckets where the device is not CUDA (a CPU test of the device flow)
+        self.device_budget = 0
 
     async def prepare(self, version: int) -> None:
         self._buckets = None  # the previous version's export is not needed any more
         await self._copy.wait()  # nor its disk copy, which reads it (written long before, unless the disk is slow)
-        tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
-        self._buckets = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
-        del tensors  # emptied by the packing: the buckets hold the only copy from here on
-        self._copy.start(self.weights_dir / f"v{version}", self._buckets, hf, version)
+        device = self._sender_device()
+        if device is None:
+            tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
+            self._buckets = host = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
+            del tensors  # emptied by the packing: the buckets hold the only copy from here on
+        else:  # CUDA + NCCL: packed on the trainer's GPU as the export streams (megarl/rollout/export_buckets.py)
+            self._buckets, host, hf = await asyncio.to_thread(self._pack_on_device, device)
+        self._copy.start(self.weights_dir / f"v{version}", host, hf, version)
         self._ensure_sender()
+
+    def _pack_on_device(self, device: torch.device) -> tuple[list, list, dict]:
+        tensors, hf = stream_engine_weights(self.trainer, self.engine_dtype, to_host=False)
+        budget = device_budget(device) if device.type == "cuda" else self.device_budget
+        return *pack_export(tensors, self.bucket_bytes, device, budget), hf
+
+    def _sender_device(self) -> torch.device | None:
+        """The device the sender broadcasts from: the trainer's GPU under NCCL, None (host) under gloo."""
+        if torch.cuda.is_available() and (self.backend or "nccl") == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
 
     async def wait_written(self) -> None:
         """The published version's disk copy is complete (raises the writer's failure)."""
@@ -239,8 +267,8 @@ class BroadcastPublisher:
             if self._proc is not None:
                 self._proc.kill()
                 self._group = self._members = None  # its group died with it
-            cuda = torch.cuda.is_available() and (self.backend or "nccl") == "nccl"
-            self._proc = SenderProcess(self._broadcaster_cls, torch.cuda.current_device() if cuda else None)
+            device = self._sender_device()
+            self._proc = SenderProcess(self._broadcaster_cls, device.index if device is not None else None)
 
     async def _sent(self, buckets: list) -> dict | None:
         """The sender's stats once every engine that answered has the whole stream.
