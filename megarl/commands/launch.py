@@ -8,7 +8,8 @@ On GPUs it checks the memory plan first, as `megarl plan` does
 (megarl/launch/memory.py): a layout where a trainer, engine or scorer GPU would
 not fit ``placement.gpu_memory_gb`` is refused with exit code 1, before anything
 starts, naming the settings that would fit (a dry run prints the plan and
-commands, then refuses the same way); ``--skip-memory-check`` starts it anyway.
+commands, then refuses the same way); ``--skip-memory-check`` starts it anyway,
+and so does ``--bootstrap-check``, which loads no model.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def run(args) -> int:
             print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem), "launcher": launcher,
                               "commands": [{"name": c.name, "host": c.host, "argv": list(c.argv)} for c in commands]},
                              indent=1))
-            return _memory_refusal(mem, args.skip_memory_check)
+            return _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check)
         print(f"megarl launch plan: {args.config or '(defaults)'} (model fields from {source})")
         print(plan.describe())
         if mem is not None:
@@ -92,8 +93,8 @@ def run(args) -> int:
         for c in commands:
             where = f" (run on {c.host})" if c.host else ""
             print(f"# {c.name}{where}\n{c.shell()}")
-        return _memory_refusal(mem, args.skip_memory_check)
-    if _memory_refusal(mem, args.skip_memory_check):
+        return _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check)
+    if _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check):
         return 1
     if launcher == "torchrun" and plan.allocation.source != "local":
         me = _short(socket.gethostname())
@@ -113,7 +114,7 @@ def _memory_refusal(mem, skip: bool) -> int:
         return 0
     for problem in mem.problems:
         print(f"megarl launch: does not fit: {problem}", file=sys.stderr)
-    print("megarl launch: " + ("--skip-memory-check: not refused" if skip else
+    print("megarl launch: " + ("not refused (--skip-memory-check or --bootstrap-check)" if skip else
                                "refused; change the layout or pass --skip-memory-check to start it anyway"),
           file=sys.stderr)
     return 0 if skip else 1

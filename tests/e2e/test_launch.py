@@ -83,8 +83,9 @@ def test_launch_refuses_a_layout_that_does_not_fit_gpu_memory():
     assert dry.returncode == 1 and "DOES NOT FIT: a trainer GPU needs 844.8 GB" in dry.stdout
     assert "-m megarl.train" in dry.stdout and "does not fit" in dry.stderr
     # past the check, this torchrun launch stops at the next one: the simulated nodes are not this host
-    p = run(cmd + ["--skip-memory-check"])
-    assert p.returncode == 2 and "has no role in the plan" in p.stderr, p.stderr
+    for flag in ("--skip-memory-check", "--bootstrap-check"):  # the rendezvous check loads no model
+        p = run(cmd + [flag])
+        assert p.returncode == 2 and "has no role in the plan" in p.stderr, p.stderr
     assert run(cmd[:-2] + ["--dry-run"]).returncode == 0  # the shipped layout fits
 
 
