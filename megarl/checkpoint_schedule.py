@@ -1,7 +1,8 @@
 """When the controller checkpoints, and what a failed periodic checkpoint costs.
 
 :class:`CheckpointSchedule` is a part of :class:`megarl.controller.Controller` kept in a file of its own;
-it reads the controller's ``checkpointer``, ``step``, ``cfg`` and ``_save_failures``.
+it reads the controller's ``checkpointer``, ``step``, ``cfg``, ``_save_failures`` and ``publisher`` (a checkpoint
+links the engines' disk copy of their version, so it waits for the publisher's writer: megarl/rollout/disk_copy.py).
 
 A periodic checkpoint (``logging.save_every``) that fails (disk full, an I/O error) leaves no checkpoint
 behind that looks valid (``write_checkpoint`` writes into a temp directory and publishes it with one rename)
@@ -27,6 +28,9 @@ class CheckpointSchedule:
             return
         t0 = time.perf_counter()
         try:
+            written = getattr(self.publisher, "wait_written", None)  # the engines' disk copy the checkpoint links
+            if written is not None:
+                await written()
             await self.checkpointer.save(self)
         except Exception as e:
             if not periodic:

@@ -19,9 +19,12 @@ weight-sync numbers, and the engines' own stall phases (``engine_abort_s``,
 Both leave ``weights/v{v}`` on disk for the published version: the
 checkpointer stores it as the engines' weights, and a restarted engine loads
 it (megarl/rollout/supervisor.py). For the broadcast publisher that disk copy
-is written at every publish, in ``prepare`` (off the stall), from the tensors
-it exports anyway. Writing it less often would leave a restarted engine, or a
-checkpoint, without the version the other engines serve.
+is written at every publish, in a background thread from the buckets it
+broadcasts (megarl/rollout/disk_copy.py): neither the export nor the stall
+waits for the disk, and whoever reads the copy waits for its writer
+(:meth:`BroadcastPublisher.wait_written`; the checkpoint does). Writing it
+less often would leave a restarted engine, or a checkpoint, without the
+version the other engines serve.
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ from megarl.launch.roles import current_role
 from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.broadcast_sender import SenderProcess
 from megarl.rollout.client import free_port
+from megarl.rollout.disk_copy import DiskCopy
+from megarl.rollout.export_buckets import device_budget, pack_export
 from megarl.rollout.weight_sync import WeightBroadcaster, iter_buckets, rows_bytes
 
 log = logging.getLogger("megarl.publish")
@@ -57,15 +62,21 @@ def engine_weights(trainer, engine_dtype: str | None) -> tuple[list[tuple[str, t
     disk copy holds) their own precision and nothing is cast again on their side. A collective on a
     multi-rank trainer, like ``export_hf_weights``.
     """
+    tensors, hf = stream_engine_weights(trainer, engine_dtype)
+    return list(tensors), hf
+
+
+def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = True):
+    """:func:`engine_weights` as a stream, one tensor at a time; ``to_host=False``: left on the trainer's
+    device (``export_hf_weights(to_host=False)``)."""
     hf = dict(trainer.exported_hf_config())  # a copy: the trainer's own config stays as it is
-    exported = trainer.export_hf_weights()
+    exported = trainer.export_hf_weights() if to_host else trainer.export_hf_weights(to_host=False)
     if not engine_dtype or engine_dtype == _recorded_dtype(hf):
-        return list(exported), hf
+        return exported, hf
     target = getattr(torch, engine_dtype)
-    tensors = [(name, t.to(target) if t.is_floating_point() else t) for name, t in exported]
     for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
         hf[key] = engine_dtype
-    return tensors, hf
+    return ((name, t.to(target) if t.is_floating_point() else t) for name, t in exported), hf
 
 
 class DiskPublisher:
@@ -92,6 +103,9 @@ class DiskPublisher:
         _remove_other_versions(self.weights_dir, current)
         return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors")), **(phases or {})}
 
+    async def wait_written(self) -> None:
+        """The published version is on disk (here it is the transport: written before the engines load it)."""
+
     def close(self) -> None:
         pass
 
@@ -107,10 +121,12 @@ class BroadcastPublisher:
 
     ``prepare`` exports ``trainer.export_hf_weights()`` (a collective with
     several trainer ranks; they replay it, megarl/trainer/spmd.py) into a list
-    on this rank and writes the disk copy. Holding the export costs one full
-    copy of the model in host memory during a publish, which is what
-    ``save_hf_checkpoint`` holds anyway while it writes (DiskPublisher), and
-    it keeps the export off the generation stall. ``apply`` then only sends.
+    on this rank, packs it into the send buckets and starts writing the disk
+    copy from them in the background (megarl/rollout/disk_copy.py). Holding the
+    export costs one full copy of the model in host memory during a publish,
+    which is what ``save_hf_checkpoint`` holds anyway while it writes
+    (DiskPublisher), and it keeps the export off the generation stall.
+    ``apply`` then only sends.
 
     The group is made for the engines live at a publish (ranks in supervisor
     order, one per engine worker) and reused while the same engine processes
@@ -127,6 +143,10 @@ class BroadcastPublisher:
     which holds the group's communicator: under NCCL a lost engine aborts that process, not
     this one, and a step past its deadline gets it killed. ``prepare`` packs the export into
     shared-memory buckets the sender reads without a copy, and starts the sender off the stall.
+    Under NCCL on CUDA the export stays on the trainer's GPU and is packed into device buckets
+    there (as far as :func:`~megarl.rollout.export_buckets.device_budget` allows), which the
+    sender broadcasts from that device; the disk copy is written from pinned host copies of them
+    (megarl/rollout/export_buckets.py).
     """
 
     def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
@@ -148,14 +168,44 @@ class BroadcastPublisher:
         self._broadcaster_cls = WeightBroadcaster  # what the sender makes its group with
         self._proc: SenderProcess | None = None
         self._sending: concurrent.futures.Future | None = None
+        self._copy = DiskCopy()  # the disk copy's writer
+        #: bytes of device buckets where the device is not CUDA (a CPU test of the device flow)
+        self.device_budget = 0
 
     async def prepare(self, version: int) -> None:
         self._buckets = None  # the previous version's export is not needed any more
-        tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
-        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), self.weights_dir / f"v{version}", hf)
-        self._buckets = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
-        del tensors  # emptied by the packing: the buckets hold the only copy from here on
+        await self._copy.wait()  # nor its disk copy, which reads it (written long before, unless the disk is slow)
+        device = self._sender_device()
+        if device is None:
+            tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
+            self._buckets = host = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
+            del tensors  # emptied by the packing: the buckets hold the only copy from here on
+        else:  # CUDA + NCCL: packed on the trainer's GPU as the export streams (megarl/rollout/export_buckets.py)
+            self._buckets, host, hf = await asyncio.to_thread(self._pack_on_device, device)
+        self._copy.start(self.weights_dir / f"v{version}", host, hf, version)
         self._ensure_sender()
+
+    def _pack_on_device(self, device: torch.device) -> tuple[list, list, dict]:
+        tensors, hf = stream_engine_weights(self.trainer, self.engine_dtype, to_host=False)
+        budget = device_budget(device) if device.type == "cuda" else self.device_budget
+        return *pack_export(tensors, self.bucket_bytes, device, budget), hf
+
+    def _sender_device(self) -> torch.device | None:
+        """The device the sender broadcasts from: the trainer's GPU under NCCL, None (host) under gloo."""
+        if torch.cuda.is_available() and (self.backend or "nccl") == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
+
+    async def wait_written(self) -> None:
+        """The published version's disk copy is complete (raises the writer's failure)."""
+        await self._copy.wait()
+
+    async def _written_for_engines(self) -> None:
+        """:meth:`wait_written` for an engine about to load the copy: a failed write is the engine's failure."""
+        try:
+            await self._copy.wait()
+        except RuntimeError as e:
+            raise EngineError(str(e)) from e
 
     async def apply(self, version: int) -> dict:
         """Send ``version``; returns the step record's ``weight_sync_bytes`` (0: no engine took the stream),
@@ -169,13 +219,16 @@ class BroadcastPublisher:
         self._sending = None
         specs = [(name, shape, dtype) for rows, _, _ in buckets for name, shape, dtype, _ in rows]
         try:
+            # an engine restarted from here on loads the disk copy once its writer is done
             phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, buckets),
-                                                                     specs, version, weights=(str(current), version))
+                                                                     specs, version, weights=(str(current), version),
+                                                                     weights_ready=self._written_for_engines)
             stats = await self._sent(buckets)
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
             self._abandon()
             self.n_fallbacks += 1
+            await self._written_for_engines()
             phases = await self.router.update_weights_from_disk(str(current), version)
             stats = None
         if stats:
@@ -214,8 +267,8 @@ class BroadcastPublisher:
             if self._proc is not None:
                 self._proc.kill()
                 self._group = self._members = None  # its group died with it
-            cuda = torch.cuda.is_available() and (self.backend or "nccl") == "nccl"
-            self._proc = SenderProcess(self._broadcaster_cls, torch.cuda.current_device() if cuda else None)
+            device = self._sender_device()
+            self._proc = SenderProcess(self._broadcaster_cls, device.index if device is not None else None)
 
     async def _sent(self, buckets: list) -> dict | None:
         """The sender's stats once every engine that answered has the whole stream.
@@ -248,6 +301,7 @@ class BroadcastPublisher:
             self._proc.close()
         self._proc = None
         self._group = self._members = None
+        self._copy.join()  # a copy being written is finished, not left half-way
 
 
 def _pack_shared(tensors: list, bucket_bytes: int) -> list:

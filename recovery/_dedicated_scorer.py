@@ -48,15 +48,17 @@ class DedicatedConfig:
 
 
 def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0,
-                  allow_local_spec: bool = False) -> Any:
-    """The scoring model; it scores at the trainer's ``temperature`` (the engines' sampling temperature),
-    or its log-probs would not be the trainer's."""
+                  allow_local_spec: bool = False, batch_invariant: bool = False) -> Any:
+    """The scoring model; it scores at the trainer's ``temperature`` (the engines' sampling temperature)
+    and, under ``rollout.batch_invariant``, on the trainer's batch-invariant kernels, or its log-probs would
+    not be the trainer's. A ``factory`` is handed ``batch_invariant=True`` when the run asks for it."""
     if factory:
         module, _, fn = factory.partition(":")
-        return getattr(importlib.import_module(module), fn)(checkpoint_dir, temperature=temperature)
+        extra = {"batch_invariant": True} if batch_invariant else {}
+        return getattr(importlib.import_module(module), fn)(checkpoint_dir, temperature=temperature, **extra)
     # forward-only: no DDP gradient buffer (fp32, twice the bf16 weights) and no optimizer in a scoring process
     return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature, forward_only=True,
-                           allow_local_spec=allow_local_spec)
+                           allow_local_spec=allow_local_spec, batch_invariant=batch_invariant)
 
 
 def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
@@ -76,12 +78,13 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
 
 
 def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
-                dtype: str = "float32", temperature: float = 1.0, allow_local_spec: bool = False) -> None:
+                dtype: str = "float32", temperature: float = 1.0, allow_local_spec: bool = False,
+                batch_invariant: bool = False) -> None:
     _own_world(env)
     try:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature, allow_local_spec)
+        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature, allow_local_spec, batch_invariant)
         _serve(scorer, in_q.get, out_q.put)
     except BaseException:  # noqa: BLE001 - the parent must hear about any failure
         out_q.put(("error", traceback.format_exc()))
@@ -92,7 +95,8 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
 
     ``run_cfg`` is the run's config (the same file and overrides as the
     trainer's command): the model comes from ``model.checkpoint`` in
-    ``model.dtype`` scoring at ``rollout.temperature``, the options from ``recovery.dedicated``;
+    ``model.dtype`` scoring at ``rollout.temperature`` (under ``rollout.batch_invariant`` on the
+    batch-invariant kernels, as the trainer), the options from ``recovery.dedicated``;
     ``cuda_visible_devices`` does not apply (the launcher gives the role its
     GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``.
 
@@ -124,7 +128,8 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
             scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype,
-                                   logprob_temperature(run_cfg.rollout.temperature), run_cfg.model.allow_local_spec)
+                                   logprob_temperature(run_cfg.rollout.temperature), run_cfg.model.allow_local_spec,
+                                   run_cfg.rollout.batch_invariant)
         except Exception:  # noqa: BLE001 - reported to the trainer below
             build_error = traceback.format_exc()
         conn = pending.get()  # the trainer connects at its first publish

@@ -12,8 +12,9 @@ The scoring process owns its own model: by default a forward-only
 ``MegatronTrainer`` (weights only: no gradient buffer, no optimizer) with
 tp = pp = ep = 1 in its own gloo world of size one (its own MASTER_PORT), built
 from ``ctx.checkpoint_dir`` in the trainer's dtype (``ctx.trainer.dtype``: a
-float32 scorer of a bf16 policy would not return the trainer's log-probs) and at
-its temperature (``ctx.trainer.temperature``, the engines' sampling temperature);
+float32 scorer of a bf16 policy would not return the trainer's log-probs), at
+its temperature (``ctx.trainer.temperature``, the engines' sampling temperature)
+and in its kernel mode (``ctx.trainer.batch_invariant``: ``rollout.batch_invariant``);
 ``scorer_factory`` can name another builder. The scorer's side (its message
 loop, the spawned child, the launched role) is recovery/_dedicated_scorer.py.
 
@@ -130,7 +131,8 @@ class Dedicated(RecoveryStrategy):
                              args=(self.cfg.scorer_factory, self.ctx.checkpoint_dir, env,
                                    self.cfg.num_threads, in_q, out_q,
                                    self.ctx.trainer.dtype, self.ctx.trainer.temperature,
-                                   getattr(self.ctx.trainer, "allow_local_spec", False)))
+                                   getattr(self.ctx.trainer, "allow_local_spec", False),
+                                   getattr(self.ctx.trainer, "batch_invariant", False)))
         proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
         self._link = QueueLink(proc, in_q, out_q)
 

@@ -3,6 +3,13 @@
 ``--dry-run`` prints the plan and the exact per-role commands and starts
 nothing (no GPU, Slurm or MPI needed). The scripts in launch/ are thin
 wrappers around this command.
+
+On GPUs it checks the memory plan first, as `megarl plan` does
+(megarl/launch/memory.py): a layout where a trainer, engine or scorer GPU would
+not fit ``placement.gpu_memory_gb`` is refused with exit code 1, before anything
+starts, naming the settings that would fit (a dry run prints the plan and
+commands, then refuses the same way); ``--skip-memory-check`` starts it anyway,
+and so does ``--bootstrap-check``, which loads no model.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import socket
 import sys
 
 from megarl.errors import ConfigError
-from megarl.launch import cluster
+from megarl.launch import cluster, memory
 from megarl.launch.engine_key_env import ensure_engine_key
 from megarl.launch.overlays import overlay_overrides, recovery_overlay
 from megarl.launch.placement import load_hf_config, resolve_plan
@@ -33,6 +40,8 @@ def register(sub) -> None:
     p.add_argument("--bootstrap-check", action="store_true",
                    help="start only the trainer ranks and run the rendezvous check instead of training")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the memory plan says a GPU would not fit placement.gpu_memory_gb")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. placement.trainer_ranks=2")
     p.set_defaults(func=run)
 
@@ -69,19 +78,24 @@ def run(args) -> int:
     hf, source = load_hf_config(cfg)
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)
+    mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
     if args.dry_run:
         if args.json:
-            print(json.dumps({"plan": plan.to_dict(), "launcher": launcher,
+            print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem), "launcher": launcher,
                               "commands": [{"name": c.name, "host": c.host, "argv": list(c.argv)} for c in commands]},
                              indent=1))
-            return 0
+            return _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check)
         print(f"megarl launch plan: {args.config or '(defaults)'} (model fields from {source})")
         print(plan.describe())
+        if mem is not None:
+            print(mem.describe())
         print(f"\ncommands ({launcher}{', rendezvous check only' if args.bootstrap_check else ''}):")
         for c in commands:
             where = f" (run on {c.host})" if c.host else ""
             print(f"# {c.name}{where}\n{c.shell()}")
-        return 0
+        return _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check)
+    if _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check):
+        return 1
     if launcher == "torchrun" and plan.allocation.source != "local":
         me = _short(socket.gethostname())
         mine = [c for c in commands if _short(c.host) == me]
@@ -92,3 +106,15 @@ def run(args) -> int:
         commands = mine
     ensure_engine_key(plan, launcher)  # in the environment the commands inherit, not on their command lines
     return run_commands(commands)
+
+
+def _memory_refusal(mem, skip: bool) -> int:
+    """1 (the reasons on stderr) when a GPU of the plan would not fit and the check is not skipped."""
+    if mem is None or not mem.problems:
+        return 0
+    for problem in mem.problems:
+        print(f"megarl launch: does not fit: {problem}", file=sys.stderr)
+    print("megarl launch: " + ("not refused (--skip-memory-check or --bootstrap-check)" if skip else
+                               "refused; change the layout or pass --skip-memory-check to start it anyway"),
+          file=sys.stderr)
+    return 0 if skip else 1

@@ -19,7 +19,14 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
 - every publish sends the weights to every engine worker (each receives the
   full tensors); dedicated also writes an HF checkpoint for its scorer, inside
   the publish; snapshot and interrupt_sync copy the new version to host memory
-  inside the publish; interrupt_sync also scores the tokens still in flight.
+  inside the publish; interrupt_sync also scores the tokens still in flight;
+- the dedicated scorer's own costs: its GPU's peak (megarl/launch/memory.py: forward-only
+  weights, one layer's activations, one micro-batch's logits, the runtime reserve; no gradients,
+  no optimizer), the bytes it reads per publish (its checkpoint), its forward seconds per step
+  and the part of them on the critical path: the scorer runs beside the trainer, so a step
+  waits only for what its busy time (forward, plus loading each version) exceeds the trainer's
+  update (forward and backward over the batch: three forwards' FLOPs on the trainer's GPUs;
+  a step that lasts longer, bound by generation, hides more).
 
 Assumptions (:class:`Assumptions`, printed with every table) set the link
 bandwidths, peak FLOP/s and MFU, the fixed part of a publish stall, the mean
@@ -36,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megarl.bench.fit import nonneg_lstsq
+from megarl.launch.memory import dedicated_memory
 from megarl.launch.placement import param_counts
 
 STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated")
@@ -92,8 +100,10 @@ def step_tokens(cfg, a: Assumptions) -> float:
                                      * cfg.rollout.max_new_tokens)
 
 
-def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward: bool = False) -> dict[str, dict]:
-    """Per strategy (:data:`STRATEGIES`): the predicted extra costs (module doc); bytes in bytes, time in s."""
+def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward: bool = False,
+                   table: dict[str, Any] | None = None) -> dict[str, dict]:
+    """Per strategy (:data:`STRATEGIES`): the predicted extra costs (module doc); bytes in bytes, time in s.
+    ``table``: the activation table of the scorer's memory (megarl/launch/memory.py; default the measured one)."""
     lay = layout(cfg, hf, plan)
     eta, every = cfg.rollout.eta, cfg.trainer.publish_every
     shard32 = lay["shard_params"] * FP32
@@ -123,18 +133,27 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
         # its checkpoint is written inside the publish (on_weights_published) and read by the scorer after
         "dedicated": (0, 0.0, fwd, 0, 0, weights / disk, 2 * weights),
     }
+    scorer = dedicated_memory(cfg, hf, table)
+    train_s = 3 * fwd / rate  # the trainer's update over the batch: forward + backward
+    load_s = weights / disk  # the scorer reads each version's checkpoint before it scores with it
     out = {}
     for name, (held, flops, ded_flops, swaps, to_host, stall_extra, extra_bytes) in per.items():
         transient = 1 if name in SWAPPING else 0
+        ded_s = ded_flops / (lay["dedicated_gpus"] * a.peak_tflops * 1e12 * a.mfu)
+        ded = name == "dedicated"
         out[name] = {
             "gpu_bytes_per_trainer_gpu": lay["largest_tensor"] * FP32 if name in SWAPPING else 0.0,
             "host_bytes_per_trainer_node": (held + transient) * shard32 * lay["ranks_per_node"],
             "held_copies": held,
             "dedicated_gpus": lay["dedicated_gpus"] if name == "dedicated" else 0,
-            "dedicated_gpu_bytes": weights if name == "dedicated" else 0.0,
+            "dedicated_gpu_bytes": scorer.peak if ded else 0.0,
+            "dedicated_weights_bytes": scorer.parts["weights"] if ded else 0.0,
+            "dedicated_bytes_per_publish": weights if ded else 0.0,
             "forward_flops_per_step": flops + ded_flops,
             "trainer_forward_s_per_step": flops / rate,
-            "dedicated_forward_s_per_step": ded_flops / (lay["dedicated_gpus"] * a.peak_tflops * 1e12 * a.mfu),
+            "dedicated_forward_s_per_step": ded_s,
+            "dedicated_load_s_per_publish": load_s if ded else 0.0,
+            "dedicated_critical_s_per_step": max(ded_s + load_s / every - train_s, 0.0) if ded else 0.0,
             "pcie_bytes_per_gpu_per_step": swaps * swap + to_host * shard32,
             "pcie_s_per_step": (swaps * swap + to_host * shard32) / pcie,
             "network_bytes_per_publish": publish_bytes + extra_bytes,
@@ -156,12 +175,16 @@ def render_costs(costs: dict[str, dict], lay: dict[str, Any], cfg, a: Assumption
              f"{lay['engine_workers']} engine GPU(s); eta {cfg.rollout.eta}, batch {cfg.trainer.batch_size}, "
              f"{step_tokens(cfg, a):,.0f} tokens per step",
              "  assumptions: " + ", ".join(f"{k}={v:g}" for k, v in asdict(a).items()),
-             "", "| strategy | GPU GB / trainer GPU | host GB / trainer node | dedicated GPUs (GB) | "
+             "", "| strategy | GPU GB / trainer GPU | host GB / trainer node | dedicated scorer | "
              "fwd TFLOP / step | trainer fwd s / step | PCIe GB / GPU / step | network GB / publish | "
              "stall s / publish |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, c in costs.items():
-        ded = f"{c['dedicated_gpus']} ({_gb(c['dedicated_gpu_bytes'])})" if c["dedicated_gpus"] else "0"
+        ded = (f"{c['dedicated_gpus']} GPU, peak {_gb(c['dedicated_gpu_bytes'])} GB (weights "
+               f"{_gb(c['dedicated_weights_bytes'])}, no gradients or optimizer); fwd "
+               f"{c['dedicated_forward_s_per_step']:.3f} s / step, {c['dedicated_critical_s_per_step']:.3f} on the "
+               f"critical path; {_gb(c['dedicated_bytes_per_publish'])} GB read / publish"
+               if c["dedicated_gpus"] else "-")
         lines.append(f"| {name} | {_gb(c['gpu_bytes_per_trainer_gpu'])} | {_gb(c['host_bytes_per_trainer_node'])} | "
                      f"{ded} | {c['forward_flops_per_step'] / 1e12:.1f} | {c['trainer_forward_s_per_step']:.3f} | "
                      f"{_gb(c['pcie_bytes_per_gpu_per_step'])} | {_gb(c['network_bytes_per_publish'])} | "

@@ -290,9 +290,9 @@ def _gather_and_convert(bridge, meta: dict, tensor: torch.Tensor, r: dict, n_loc
 
     name = meta["name"]
     if ".mlp.experts." in name:
-        prefix, local_id = name.rsplit(".weight", 1)
         per_ep = _gather(tensor, r["ep_size"], ps.get_expert_model_parallel_group())
-        pieces = [(f"{prefix}.weight{e * n_local_experts + int(local_id)}", t) for e, t in enumerate(per_ep)]
+        # EP rank e's local expert i is global expert e * n_local + i: the numbering loading uses too
+        pieces = [(canonical_name(name, moe=True, expert_offset=e * n_local_experts), t) for e, t in enumerate(per_ep)]
         size, group = r["etp_size"], ps.get_expert_tensor_parallel_group()
     else:
         pieces = [(name, tensor)]

@@ -23,6 +23,12 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and have_transformer_engine()
 
 
+def grouped_gemm() -> bool:
+    """MoE experts as one grouped GEMM per layer (TEGroupedMLP, ``moe_grouped_gemm``) where the TE spec is used;
+    megatron's local spec would need its legacy GroupedMLP and the grouped_gemm package, so not there."""
+    return use_transformer_engine()
+
+
 TE_FIX = ("install it into the environment that runs the trainer: pip install --no-build-isolation "
           "'transformer_engine[pytorch]' (it builds against the installed torch; README, GPU setup)")
 

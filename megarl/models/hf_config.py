@@ -94,7 +94,7 @@ def validate_parallel(hf: dict, tp: int, pp: int, ep: int, world_size: int) -> N
 
 def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 1,
                                dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                               recompute: str = "none"):
+                               recompute: str = "none", grouped_gemm: bool = False):
     """Translate a Qwen3 / Qwen3-MoE ``config.json`` dict into a megatron ``TransformerConfig``.
 
     Architecture: GQA (``num_query_groups``), per-head RMSNorm on q and k
@@ -105,8 +105,11 @@ def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 
     those k, which equals the renormalized probabilities; with
     ``moe_router_pre_softmax=True`` it softmaxes first and keeps the raw top-k
     probabilities, which is ``norm_topk_prob=False``. Experts are one
-    ``SequentialMLP`` per layer (``moe_grouped_gemm=False``: grouped GEMM needs
-    TransformerEngine / CUDA). No load-balancing loss (RL fine-tuning).
+    ``SequentialMLP`` per layer, or with ``grouped_gemm`` (CUDA and
+    TransformerEngine: megarl.models.build.grouped_gemm) one ``TEGroupedMLP``
+    running all local experts as one grouped GEMM (``moe_grouped_gemm``; its
+    ``linear_fcN.weight{e}`` are the names the bridge maps to HF). No
+    load-balancing loss (RL fine-tuning).
 
     ``recompute`` (activation recomputation, :func:`recompute_fields`) changes
     what the backward keeps, never what it computes.
@@ -126,7 +129,7 @@ def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 
             moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", False)),
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=grouped_gemm,
             # each router gets a RouterReplay; it routes live until megarl/models/routing_replay.py sets routes
             moe_enable_routing_replay=True,
         )

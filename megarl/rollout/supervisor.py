@@ -88,6 +88,8 @@ class EngineSupervisor:
         self.slots = [_Slot(i, client, proc) for i, (proc, client) in enumerate(engines)]
         self.launch = launch
         self.weights = (str(weights[0]), int(weights[1]))
+        #: awaited before a restarted engine loads ``weights``: a copy still being written (broadcast publishes)
+        self.weights_ready: Callable[[], Any] | None = None
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.max_restarts = max_restarts
@@ -219,6 +221,8 @@ class EngineSupervisor:
                     if self._closed:
                         raise EngineError("supervisor closed")
                     if self.weights[1] != 0:
+                        if self.weights_ready is not None:
+                            await self.weights_ready()
                         await client.update_weights_from_disk(*self.weights)
                 except EngineError as e:
                     log.warning("engine %d: restarted engine refused weights version %d: %s", slot.index,
@@ -310,13 +314,14 @@ class EngineSupervisor:
     async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
         """Every live engine loads ``path``; per update phase, the slowest engine's seconds."""
         async with self._publish_lock:
-            self.weights = (str(path), int(version))
+            self.weights, self.weights_ready = (str(path), int(version)), None
             return slowest_phases(await self._each_live(lambda s: s.client.update_weights_from_disk(path, version),
                                                         timeout_s=self.publish_timeout_s))
 
     async def update_weights_from_broadcast(self, group_info: dict | Callable[[list], dict | None],
                                             names_shapes_dtypes: list, version: int, *,
-                                            weights: tuple[str, int] | None = None) -> dict[str, float] | None:
+                                            weights: tuple[str, int] | None = None,
+                                            weights_ready: Callable[[], Any] | None = None) -> dict[str, float] | None:
         """Every live engine receives the trainer's broadcast: rank 0 is the trainer, then each engine's workers.
 
         Under the publish lock the live engines are asked for their worker count
@@ -327,11 +332,13 @@ class EngineSupervisor:
         ``members`` the answering engines' ``(index, incarnation, n_workers)``:
         the group's info for exactly them, ranks in that order (None: nothing to
         send). ``weights``: the same version on disk, which a restarted engine
-        loads from now on. Returns, per update phase, the slowest engine's seconds (None: nothing sent).
+        loads from now on, once ``weights_ready()`` (awaited; may raise EngineError)
+        says it is written. Returns, per update phase, the slowest engine's
+        seconds (None: nothing sent).
         """
         async with self._publish_lock:
             if weights is not None:
-                self.weights = (str(weights[0]), int(weights[1]))
+                self.weights, self.weights_ready = (str(weights[0]), int(weights[1])), weights_ready
             slots, workers = await self._worker_counts()
             ranks, world = group_ranks(workers)
             first = {slot.index: rank for slot, rank in zip(slots, ranks)}

@@ -20,6 +20,7 @@ trainer never hangs on an engine that said no). Nothing here imports vLLM.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -151,29 +152,66 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
                  device=None, share: bool = False) -> Iterator[tuple[list, torch.Tensor, torch.Tensor]]:
     """Pack tensors into buckets of at most ``bucket_bytes``: ``(meta rows, meta bytes, payload)`` each.
 
-    One tensor larger than ``bucket_bytes`` gets a bucket of its own. ``device``: where each payload is
-    assembled (None: where the first tensor of the bucket lives), so a GPU trainer packs on its GPU.
-    ``share``: host payloads go to shared memory as they are made, so handing them to another
-    process (megarl/rollout/broadcast_sender.py) copies nothing.
+    One tensor larger than ``bucket_bytes`` gets a bucket of its own (:func:`plan_buckets` says which
+    tensors share one, and where each sits). ``device``: where each payload is assembled (None: where
+    the first tensor of the bucket lives), so a GPU trainer packs on its GPU. ``share``: host payloads
+    go to shared memory as they are made, so handing them to another process
+    (megarl/rollout/broadcast_sender.py) copies nothing.
     """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield _pack(bucket, device, share)
+    for bucket in group_tensors(named_tensors, bucket_bytes):
+        yield pack(bucket, device, share)
+
+
+def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors in order, in groups of one bucket each (:func:`plan_buckets`), holding one group at a time."""
+    yield from _groups(((name, t.detach()) for name, t in named_tensors), lambda nt: _nbytes(nt[1]), bucket_bytes)
+
+
+def plan_buckets(specs: Iterable[tuple[str, list, str]], bucket_bytes: int) -> list[tuple[list, int]]:
+    """``(meta rows, payload bytes)`` of each bucket that tensors ``(name, shape, dtype name)`` are packed into,
+    in order: consecutive tensors share a bucket while it stays within ``bucket_bytes`` (a larger tensor
+    has one of its own); rows ``[name, shape, dtype, offset]``, each offset 16-byte aligned."""
+    sized = [(name, list(shape), dtype, math.prod(shape) * getattr(torch, dtype).itemsize)
+             for name, shape, dtype in specs]
+    return [_rows(bucket) for bucket in _groups(sized, lambda spec: spec[3], bucket_bytes)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _groups(items, nbytes, bucket_bytes: int) -> Iterator[list]:
+    bucket, size = [], 0
+    for item in items:
+        n = nbytes(item)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor.detach()))
-        size += nbytes + _ALIGN
+        bucket.append(item)
+        size += n + _ALIGN
     if bucket:
-        yield _pack(bucket, device, share)
+        yield bucket
 
 
-def _pack(bucket: list[tuple[str, torch.Tensor]], device, share: bool) -> tuple[list, torch.Tensor, torch.Tensor]:
+def payload_bytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """The payload bytes :func:`pack` makes of ``bucket`` (each tensor 16-byte aligned)."""
+    return _rows([(name, t.shape, dtype_name(t.dtype), _nbytes(t)) for name, t in bucket])[1]
+
+
+def _rows(sized: list) -> tuple[list, int]:
+    """Meta rows of one bucket's ``(name, shape, dtype, nbytes)``, and its payload bytes."""
     meta, offset = [], 0
-    for name, t in bucket:
-        meta.append([name, list(t.shape), dtype_name(t.dtype), offset])
-        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    for name, shape, dtype, nbytes in sized:
+        meta.append([name, list(shape), dtype, offset])
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return meta, offset
+
+
+def pack(bucket: list[tuple[str, torch.Tensor]], device=None, share: bool = False) -> tuple[list, torch.Tensor,
+                                                                                             torch.Tensor]:
+    """One bucket's ``(meta rows, meta bytes, payload)`` (:func:`iter_buckets`)."""
+    meta, offset = _rows([(name, t.shape, dtype_name(t.dtype), _nbytes(t)) for name, t in bucket])
     payload = torch.empty(offset, dtype=torch.uint8, device=device if device is not None else bucket[0][1].device)
     if share and payload.device.type == "cpu":
         payload.share_memory_()  # still empty: nothing to copy yet
@@ -207,13 +245,17 @@ def receive_named_tensors(pg, device) -> Iterator[tuple[str, torch.Tensor]]:
         if payload_bytes == 0 and meta_bytes == 0:
             return
         meta = json.loads(bytes(_bcast(pg, torch.empty(meta_bytes, dtype=torch.uint8, device=device)).cpu().tolist()))
-        payload = _bcast(pg, torch.empty(payload_bytes, dtype=torch.uint8, device=device))
-        for name, shape, dtype, offset in meta:
-            dt = getattr(torch, dtype)
-            numel = 1
-            for s in shape:
-                numel *= s
-            yield name, payload[offset:offset + numel * dt.itemsize].view(dt).reshape(shape)
+        yield from unpack(meta, _bcast(pg, torch.empty(payload_bytes, dtype=torch.uint8, device=device)))
+
+
+def unpack(meta: list, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of one bucket: views into ``payload`` (uint8) at the offsets of its meta rows."""
+    for name, shape, dtype, offset in meta:
+        dt = getattr(torch, dtype)
+        numel = 1
+        for s in shape:
+            numel *= s
+        yield name, payload[offset:offset + numel * dt.itemsize].view(dt).reshape(shape)
 
 
 def join_weight_group(group_info: dict):

@@ -51,6 +51,7 @@ from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
 from megarl.models import routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
+from megarl.models.build import grouped_gemm
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
 from megarl.trainer.chunks import build_chunks
 from megarl.trainer.metrics import reduce_metrics
@@ -107,10 +108,13 @@ class MegatronTrainer:
         #: log-probs are of softmax(logits / temperature): the engines' sampling temperature (module doc)
         self.temperature = float(temperature)
         self.config = transformer_config_from_hf(self.hf_config, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype],
-                                                 sequence_parallel=sequence_parallel, recompute=recompute)
+                                                 sequence_parallel=sequence_parallel, recompute=recompute,
+                                                 grouped_gemm=grouped_gemm())
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
-        if batch_invariant:  # rollout.batch_invariant (megarl/batch_invariant.py): before the model is built
+        #: rollout.batch_invariant (megarl/batch_invariant.py); a dedicated scorer is built in the same mode
+        self.batch_invariant = bool(batch_invariant)
+        if batch_invariant:  # before the model is built
             enable_in_trainer(self.config)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.grad_clip = float(grad_clip)

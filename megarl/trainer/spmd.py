@@ -231,11 +231,12 @@ class DrivingTrainer:
             self.channel.send(("save_hf_checkpoint", out_dir))
         return self.trainer.save_hf_checkpoint(out_dir)
 
-    def export_hf_weights(self):
-        """The full HF tensors; consume the iterator to the end (the followers take part in its gathers)."""
+    def export_hf_weights(self, *, to_host: bool = True):
+        """The full HF tensors (``to_host=False``: on this rank's device); consume the iterator to the end
+        (the followers take part in its gathers)."""
         with self.channel.lock:
             self.channel.send(("export_hf_weights",))
-        return self.trainer.export_hf_weights()
+        return self.trainer.export_hf_weights(to_host=to_host)
 
     def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
         """Every rank writes its trainer and strategy state into ``step_dir``; returns once all have."""

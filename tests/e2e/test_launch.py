@@ -41,8 +41,9 @@ def test_launch_dry_run_30b_on_four_simulated_nodes():
 
 
 def test_launch_dry_run_json_and_errors():
+    # the scorer holds all of the 30B's weights on one GPU: an H200 (141 GB), not an 80 GB H100
     p = run([PY, "-m", "megarl.cli", "launch", "--dry-run", "--json", "--config", CFG_30B, "--recovery", "dedicated",
-             "--nodes", "5", "--gpus-per-node", "8"])
+             "--nodes", "5", "--gpus-per-node", "8", "placement.gpu_memory_gb=141"])
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     assert data["plan"]["dedicated"]["host"] == "node05" and data["launcher"] == "torchrun"
@@ -67,6 +68,25 @@ def test_launch_dry_run_json_and_errors():
     assert "plan needs 32 GPUs on 4 nodes (trainer 16 + engines 16), allocation has 16 GPUs on 2 node(s)" in p.stderr
     p = run([PY, "-m", "megarl.cli", "launch", "--config", CFG_30B, "--launcher", "slurm"])
     assert p.returncode == 2 and "needs a Slurm allocation" in p.stderr
+
+
+def test_launch_refuses_a_layout_that_does_not_fit_gpu_memory():
+    """The memory plan of `megarl plan` is checked before anything starts; --skip-memory-check overrides it."""
+    cmd = [PY, "-m", "megarl.cli", "launch", "--config", CFG_30B, "--nodes", "4", "--gpus-per-node", "8",
+           "trainer.recompute=none", "trainer.micro_batch_tokens=65536"]
+    p = run(cmd)
+    assert p.returncode == 1, p.stderr
+    assert "megarl launch: does not fit: a trainer GPU needs 844.8 GB > 80 GB; set trainer.recompute=full" in p.stderr
+    assert "trainer.micro_batch_tokens=9216" in p.stderr and "parallel.tp" in p.stderr and "parallel.ep" in p.stderr
+    assert "--skip-memory-check" in p.stderr
+    dry = run(cmd + ["--dry-run"])  # the plan, its memory and the commands, then the same refusal
+    assert dry.returncode == 1 and "DOES NOT FIT: a trainer GPU needs 844.8 GB" in dry.stdout
+    assert "-m megarl.train" in dry.stdout and "does not fit" in dry.stderr
+    # past the check, this torchrun launch stops at the next one: the simulated nodes are not this host
+    for flag in ("--skip-memory-check", "--bootstrap-check"):  # the rendezvous check loads no model
+        p = run(cmd + [flag])
+        assert p.returncode == 2 and "has no role in the plan" in p.stderr, p.stderr
+    assert run(cmd[:-2] + ["--dry-run"]).returncode == 0  # the shipped layout fits
 
 
 def test_slurm_sbatch_dry_run_without_slurm():

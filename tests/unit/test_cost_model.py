@@ -68,11 +68,46 @@ def test_costs_hand_computed(setup):
     # interrupt_sync: copy + swap in the publish, and a forward over 8 in-flight requests x (5 + 15 / 2) tokens
     assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 0.88 + 2.64 + 2 * 220 * 100 / 1000)
     ded = c["dedicated"]  # its forward on its own GPU; its checkpoint (440 B) written inside the publish
-    assert ded["dedicated_gpus"] == 1 and ded["dedicated_gpu_bytes"] == 440
+    assert ded["dedicated_gpus"] == 1 and ded["dedicated_weights_bytes"] == 440
     assert ded["trainer_forward_s_per_step"] == 0 and ded["dedicated_forward_s_per_step"] == approx(70.4)
     assert ded["stall_s_per_publish"] == approx(0.94 + 0.44)
     with_kept = cost.strategy_costs(cfg, HF, plan, SLOW, interpolation_forward=True)
     assert with_kept["linear"]["forward_flops_per_step"] == 35200
+
+
+#: a hand-made activation table: one dense model of hidden size 64 (the scorer's activations scale by 4 / 64)
+TABLE = {"how": "by hand", "measured": "today", "models": {"toy": {
+    "kind": "dense", "hidden_size": 64, "loss_bytes_per_token_per_vocab": 4.0,
+    "none": {"bytes_per_token": 1000.0, "bytes_per_token_squared": 10.0},
+    "selective": {"bytes_per_token": 900.0, "bytes_per_token_squared": 0.0},
+    "full": {"bytes_per_token": 128.0, "bytes_per_token_squared": 0.0}}}}
+
+
+def test_dedicated_scorer_costs_hand_computed(setup):
+    cfg, plan = setup
+    ded = cost.strategy_costs(cfg, HF, plan, SLOW, table=TABLE)["dedicated"]
+    # its GPU, forward-only: weights 440 B; one layer's activations over a 4096-token micro-batch
+    # (1000 / 16 B per token); the micro-batch's logits 4096 x 10 x (4 + 6) B; the 3 GB runtime reserve
+    assert ded["dedicated_gpu_bytes"] == 440 + 256_000 + 409_600 + 3e9 and ded["dedicated_weights_bytes"] == 440
+    assert ded["dedicated_bytes_per_publish"] == 440 and ded["dedicated_load_s_per_publish"] == approx(0.44)
+    # busy 70.4 s forward + 0.44 s load per step against the trainer's update 3 x 35200 / 1000 = 105.6 s: hidden
+    assert ded["dedicated_forward_s_per_step"] == approx(70.4) and ded["dedicated_critical_s_per_step"] == 0
+    assert all(c["dedicated_gpu_bytes"] == c["dedicated_critical_s_per_step"] == 0
+               for name, c in cost.strategy_costs(cfg, HF, plan, SLOW, table=TABLE).items() if name != "dedicated")
+    # four trainer GPUs update in 3 x 35200 / 2000 = 52.8 s; one scorer GPU publishing every 2 steps is busy
+    # 70.4 + 0.44 / 2 s: 17.82 s of each step wait for it
+    cfg4 = load_run_config(None, ["placement.device=gpu", "placement.gpus_per_node=4", "placement.engine_nodes=1",
+                                  "rollout.n_engines=2", "model.dtype=bfloat16", "trainer.batch_size=4",
+                                  "rollout.group_size=2", "data.max_prompt_len=10", "rollout.max_new_tokens=30",
+                                  "rollout.eta=2", "rollout.max_concurrency=8", "trainer.publish_every=2"])
+    plan4 = resolve_plan(cfg4, HF, cluster.simulated(2, 4))
+    assert plan4.trainer.world_size == 4
+    ded4 = cost.strategy_costs(cfg4, HF, plan4, SLOW, table=TABLE)["dedicated"]
+    assert ded4["dedicated_critical_s_per_step"] == approx(70.4 + 0.22 - 52.8)
+    row = next(x for x in cost.render_costs({"dedicated": ded4}, cost.layout(cfg4, HF, plan4), cfg4, SLOW,
+                                            "t").splitlines() if x.startswith("| dedicated"))
+    assert ("1 GPU, peak 3.0 GB (weights 0.0, no gradients or optimizer); fwd 70.400 s / step, 17.820 on the "
+            "critical path; 0.0 GB read / publish") in row
 
 
 TRUE = cost.CpuConstants(forward_call_s=0.004, flops_per_s=2e9, copy_bytes_per_s=1e9, stall_floor_s=0.02,
