@@ -172,8 +172,10 @@ def test_a_reward_that_fails_on_most_calls_stops_the_run(ckpt, tmp_path):
 
 
 def test_math_on_text_problems_end_to_end(tmp_path):
+    # text data, the math reward and evaluation; the hf engine (no engine start-up: 40 s less than vLLM here),
+    # the vLLM engine runs the same loop in test_async_run_outputs
     r = megarl("train", "--config", "configs/tiny_math_cpu.yaml", "--output-dir", str(tmp_path / "run"),
-               f"model.checkpoint={tmp_path / 'ckpt'}", "trainer.total_steps=4", "eval.every=2",
+               f"model.checkpoint={tmp_path / 'ckpt'}", "trainer.total_steps=4", "eval.every=2", "rollout.backend=hf",
                "logging.progress=none", "logging.tensorboard=false", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
