@@ -27,3 +27,7 @@ class TrainingError(MegarlError):
 
 class RewardError(TrainingError):
     """Too many reward calls fail: the reward function or the data is broken (the error shows one failure)."""
+
+
+class ScorerError(TrainingError):
+    """A strategy's scoring process (the dedicated scorer) died, hung up or did not answer in time."""

@@ -79,8 +79,9 @@ class RunStops:
         """Checkpoint before ``error`` ends the run; a failing save is logged and ``error`` still raised."""
         try:
             await self._checkpoint()
-        except Exception:
-            log.exception("the checkpoint before stopping on %s failed", type(error).__name__)
+        except Exception as e:  # e.g. a strategy whose scorer died cannot save its state: the newest one stands
+            log.warning("the checkpoint before stopping on %s failed (%s: %s); the run's newest checkpoint "
+                        "is where --resume goes on", type(error).__name__, type(e).__name__, e)
 
     async def _next_batch(self, roll: asyncio.Task) -> list[Trajectory]:
         """The next batch; if the rollout loop dies instead, checkpoint and raise its error (no waiting forever

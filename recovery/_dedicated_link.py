@@ -44,7 +44,10 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
-from megarl.errors import ConfigError
+from megarl.errors import ConfigError, ScorerError
+
+#: what a lost scorer's error adds: the run stops, and where it goes on from
+RESUME_HINT = "; `megarl train --resume RUN_DIR` continues from the run's newest checkpoint"
 
 AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
 _CLOSE = object()
@@ -121,7 +124,7 @@ class QueueLink:
         return time.monotonic() - self._dead_since < self._grace_s
 
     def failure(self) -> Exception:
-        return RuntimeError(f"dedicated scoring process died (exit code {self.proc.exitcode})")
+        return ScorerError(f"dedicated scoring process died (exit code {self.proc.exitcode}){RESUME_HINT}")
 
     def close(self, stop: bool) -> None:
         if stop:  # else it is still building its model: nothing to finish
@@ -174,7 +177,7 @@ class TcpLink:
             except (OSError, EOFError) as e:  # not listening yet, or it went away during the handshake
                 last = e
             if time.monotonic() > self._deadline:
-                self._failure = TimeoutError(f"dedicated scorer at {self.addr} did not accept a connection within "
+                self._failure = ScorerError(f"dedicated scorer at {self.addr} did not accept a connection within "
                                              f"{self._timeout_s:g} s (recovery.dedicated.start_timeout_s); "
                                              f"last error: {last!r}")
                 return None
@@ -208,7 +211,7 @@ class TcpLink:
 
     def _lost(self, why: str) -> None:
         if self._failure is None and not self._closing.is_set():
-            self._failure = RuntimeError(why)
+            self._failure = ScorerError(why + RESUME_HINT)
 
     # -- the strategy's side -------------------------------------------------------------
     def put(self, msg: tuple) -> None:
@@ -221,7 +224,7 @@ class TcpLink:
         return self._failure is None
 
     def failure(self) -> Exception:
-        return self._failure or RuntimeError(f"dedicated scorer at {self.addr}: connection closed")
+        return self._failure or ScorerError(f"dedicated scorer at {self.addr}: connection closed{RESUME_HINT}")
 
     def close(self, stop: bool) -> None:
         """Send ``stop`` (when asked) after everything queued, then close; the scorer exits on either."""

@@ -70,6 +70,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from megarl.errors import ScorerError
 from megarl.launch.roles import current_role
 from megarl.rollout.client import free_port
 from megarl.types import AnchorResult, TrainBatch, Trajectory
@@ -177,10 +178,10 @@ class Dedicated(RecoveryStrategy):
             if not self._link.alive():
                 while self._drain(None):  # an error message may still be in the pipe
                     pass
-                failure = self._link.failure()
-                raise type(failure)(f"{failure} during {what}")
+                raise ScorerError(f"{self._link.failure()} (during {what})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"dedicated scoring process: {what} did not finish within {timeout_s} s")
+                raise ScorerError(f"dedicated scoring process: {what} did not finish within {timeout_s} s "
+                                  f"(recovery.dedicated.wait_timeout_s)")
 
     # -- enqueueing --------------------------------------------------------------------
     def _enqueue(self, trajs: list[Trajectory]) -> None:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from recovery_scorer import HFScorerForTests, LoopState, drive_history, tiny_checkpoint
 
-from megarl.errors import ConfigError
+from megarl.errors import ConfigError, ScorerError
 from megarl.rollout.client import free_port
 from recovery import _dedicated_link as link
 from recovery import verifier
@@ -87,7 +87,7 @@ def test_missing_key_bad_address_and_nobody_listening():
         link.TcpLink("node05", b"k", connect_timeout_s=1)
     lonely = link.TcpLink(f"127.0.0.1:{free_port()}", b"k", connect_timeout_s=0.5, retry_s=0.1)
     _wait(lambda: not lonely.alive())
-    assert isinstance(lonely.failure(), TimeoutError)
+    assert isinstance(lonely.failure(), ScorerError)
     assert "did not accept a connection within 0.5 s (recovery.dedicated.start_timeout_s)" in str(lonely.failure())
     lonely.close(stop=True)
     # the role refuses to start without a port, or for a run that would never connect to it

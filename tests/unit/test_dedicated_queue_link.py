@@ -8,6 +8,7 @@ import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 
+from megarl.errors import ScorerError
 from recovery import _dedicated_link as link
 
 
@@ -45,5 +46,8 @@ def test_a_child_killed_mid_reply_ends_in_a_clear_error_not_a_blocked_read():
     assert not reader.is_alive(), "a read blocked on the half-written reply"
     assert time.monotonic() - t0 < 10
     assert got == [("loaded", 3)], "the whole message before the broken one still arrives"
-    assert str(q.failure()) == "dedicated scoring process died (exit code -9)"
+    # one clear error (the CLI prints a MegarlError as one line, no traceback) that says how the run goes on
+    assert isinstance(q.failure(), ScorerError)
+    assert str(q.failure()) == ("dedicated scoring process died (exit code -9); `megarl train --resume RUN_DIR` "
+                                "continues from the run's newest checkpoint")
     q.close(stop=False)
