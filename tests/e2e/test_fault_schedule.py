@@ -125,7 +125,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     k1 = step_dirs(run)[-1]
     assert k1 % 2 == 0 and reached - 2 <= k1 <= reached, (reached, step_dirs(run))
     if k1 != reached:
-        assert "the checkpoint before stopping on RuntimeError failed" in text, text[-3000:]
+        assert "the checkpoint before stopping on ScorerError failed" in text, text[-3000:]
 
     # -- between attempts: the newest checkpoint is damaged (its trainer state cut short)
     valid = step_dirs(run)[:-1]
