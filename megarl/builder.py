@@ -42,7 +42,7 @@ from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
-from megarl.rollout.engine_pool import EnginePool, engine_launch_kwargs
+from megarl.rollout.engine_pool import PooledEngines, engine_launch_kwargs
 from megarl.rollout.supervisor import EngineSupervisor
 from megarl.run_log import RunLogger
 from megarl.tokenizer import RunTokenizer
@@ -121,7 +121,7 @@ class _EngineStarts:
     """
 
     def __init__(self, cfg: MegaRLConfig, ckpt: Path, run_dir: Path, remote: tuple[str, ...],
-                 pool: EnginePool | None = None) -> None:
+                 pool: PooledEngines | None = None) -> None:
         self.cfg, self.ckpt, self.run_dir = cfg, ckpt, run_dir
         self.remote = remote
         self.pool = None if remote else pool
@@ -140,7 +140,7 @@ class _EngineStarts:
         await client.update_weights_from_disk(str(self.ckpt), 0)  # the previous run left its last version there
         return proc, client
 
-    def relaunch(self):
+    def launcher(self):
         """The supervisor's ``launch``: None (engines elsewhere: a dead one is dropped), the pool's, or ours."""
         return None if self.remote else self.pool.relaunch if self.pool is not None else self.launch
 
@@ -210,7 +210,7 @@ class Run:
 
 
 async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None = None,
-                    wrap_strategy: StrategyWrapper | None = None, engine_pool: EnginePool | None = None) -> Run:
+                    wrap_strategy: StrategyWrapper | None = None, engine_pool: PooledEngines | None = None) -> Run:
     """Build every piece of a run on trainer rank 0 (module doc); ``resume``: the engines start at its weights;
     ``engine_pool``: the engines come from it instead of being started for this run alone."""
     run_dir, ckpt, inputs = setup.run_dir, setup.checkpoint, setup.inputs
@@ -233,7 +233,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
             stack.callback(driver.stop_followers)  # also after an error: followers must not wait for events forever
 
         supervisor = EngineSupervisor(
-            await engines.started(), launch=engines.relaunch(),
+            await engines.started(), launch=engines.launcher(),
             weights=(resume and resume.engine_weights) or (str(ckpt), 0),
             health_interval_s=cfg.rollout.health_interval_s, health_timeout_s=cfg.rollout.health_timeout_s,
             max_restarts=cfg.rollout.max_engine_restarts, work_dir=run_dir,

@@ -26,14 +26,14 @@ from megarl.cpu_affinity import pin_process
 from megarl.errors import MegarlError
 from megarl.preflight import RunSetup, preflight
 from megarl.resume import ResumePoint, prepare_resume
-from megarl.rollout.engine_pool import EnginePool
+from megarl.rollout.engine_pool import PooledEngines
 from megarl.run_stop import stop_on_signals
 from megarl.trainer.parallel import init_ranks
 from megarl.trainer.spmd import receive_go, share_go
 
 
 def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
-          resume: str | Path | None = None, engine_pool: EnginePool | None = None) -> Path:
+          resume: str | Path | None = None, engine_pool: PooledEngines | None = None) -> Path:
     """Run the loop; ``wrap_strategy(strategy) -> strategy`` may wrap the recovery strategy (verification).
 
     ``engine_pool``: engines kept running between the runs of one command (megarl/rollout/engine_pool.py);
@@ -67,7 +67,7 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
 
 
 async def _train(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None,
-                 wrap_strategy: StrategyWrapper | None, engine_pool: EnginePool | None = None) -> dict:
+                 wrap_strategy: StrategyWrapper | None, engine_pool: PooledEngines | None = None) -> dict:
     async with await build_run(cfg, setup, resume, wrap_strategy, engine_pool) as run:
         if resume is not None:
             run.restore(resume)

@@ -19,18 +19,24 @@ The runs of one multi-run command share the model and the engine settings, so
   (``with EnginePool(dir) as pool:``). The engines also exit with this process.
 
 Engine logs go to the pool's directory: ``engineN.log``, then
-``engineN.launchK.log`` for the K-th later start of engine N.
+``engineN.launchK.log`` for the K-th later start of engine N. Every engine of
+a pool has the same key (``MEGARL_ENGINE_KEY``, or a new one), so that a run
+in another process (``megarl bench`` runs each in a child) reaches them with
+:class:`ConnectedEngines` given only their URLs and that key.
 """
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from megarl import batch_invariant
 from megarl.config import MegaRLConfig
+from megarl.errors import ConfigError
 from megarl.rollout.base import wants_routed_experts
 from megarl.rollout.client import EngineClient, launch_engine_process, stop_engine_process
+from megarl.rollout.engine_key import ENGINE_KEY_ENV, engine_key_from_env, new_engine_key
 from megarl.rollout.local_gpus import engine_gpu_env
 
 
@@ -57,6 +63,8 @@ class EnginePool:
         self._lock = threading.Lock()
         #: how many engines the pool started in all (tests and logs)
         self.n_started = 0
+        #: the key every engine of the pool serves with (megarl/rollout/engine_key.py)
+        self.key = engine_key_from_env() or new_engine_key()
 
     def __enter__(self) -> EnginePool:
         return self
@@ -96,10 +104,22 @@ class EnginePool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / (f"engine{i}.log" if not n else f"engine{i}.launch{n}.log")
         self._engines[i] = None
-        proc, client = launch_engine_process(**self._kwargs[i], log_path=str(log))
+        kwargs = self._kwargs[i]
+        proc, client = launch_engine_process(**{**kwargs, "env": {**(kwargs["env"] or {}), ENGINE_KEY_ENV: self.key}},
+                                             log_path=str(log))
         self._engines[i] = (proc, client)
         self.n_started += 1
         return None, EngineClient(client.url, key=client.key)
+
+    def start(self, cfg: MegaRLConfig, ckpt: Path) -> list[str]:
+        """:meth:`use`, then the URL of every engine, each started (in parallel) when it is not running."""
+        self.use(cfg, ckpt)
+        with ThreadPoolExecutor(max(1, len(self._engines))) as threads:
+            return [client.url for _, client in threads.map(self.engine, range(len(self._engines)))]
+
+    def pids(self) -> list[int]:
+        """The process ids of the engines running now."""
+        return [held[0].pid for held in self._engines if held is not None and held[0].poll() is None]
 
     def close(self) -> None:
         """Stop every engine of the pool (without waiting for their orderly shutdown)."""
@@ -112,3 +132,28 @@ class EnginePool:
             if held is not None:
                 stop_engine_process(held[0], 30.0, wait=wait)
         self._engines = []
+
+
+class ConnectedEngines:
+    """A pool's engines seen from a run in another process: their URLs (the key: ``MEGARL_ENGINE_KEY``).
+
+    The pool's process started them and checked that their settings are the run's. A run cannot start
+    them again from here: one that dies is dropped, and the run fails when none is left.
+    """
+
+    relaunch = None
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = list(urls)
+
+    def use(self, cfg: MegaRLConfig, ckpt: Path) -> None:
+        if len(self.urls) != cfg.rollout.n_engines:
+            raise ConfigError(f"{len(self.urls)} pooled engine(s) given for rollout.n_engines="
+                              f"{cfg.rollout.n_engines}; start the pool with the run's config")
+
+    def engine(self, i: int) -> tuple[None, EngineClient]:
+        return None, EngineClient(self.urls[i])
+
+
+#: what a run takes as its ``engine_pool`` (megarl/train.py)
+PooledEngines = EnginePool | ConnectedEngines

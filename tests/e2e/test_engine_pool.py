@@ -25,9 +25,10 @@ def test_two_runs_through_one_pool_sample_and_train_alike(ckpt, tmp_path):
         first = _run(ckpt, tmp_path / "first", pool)
         second = _run(ckpt, tmp_path / "second", pool)
         assert pool.n_started == 1  # one engine served both runs
-    # 2 steps of 8 samples; step 1 sampled by version 0 (the base checkpoint), step 2 by version 1
-    assert [s["versions"][0][0] for s in second] == [0] * 8 + [1] * 8, [s["versions"] for s in second]
-    assert [s["step"] for s in second] == [1] * 8 + [2] * 8
+    # samples.jsonl holds 4 samples of each of the 2 steps (logging.n_samples): step 1's sampled by version 0
+    # (the base checkpoint), step 2's by version 1
+    assert [s["step"] for s in second] == [1] * 4 + [2] * 4
+    assert [s["versions"][0][0] for s in second] == [0] * 4 + [1] * 4, [s["versions"] for s in second]
     assert second == first
     weights = [(tmp_path / run / "final" / "model.safetensors").read_bytes() for run in ("first", "second")]
     assert weights[0] == weights[1]

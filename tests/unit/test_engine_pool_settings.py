@@ -4,8 +4,10 @@ from pathlib import Path
 import pytest
 
 from megarl.builder import load_run_config
+from megarl.errors import ConfigError
 from megarl.rollout import engine_pool
-from megarl.rollout.engine_pool import EnginePool
+from megarl.rollout.engine_key import ENGINE_KEY_ENV
+from megarl.rollout.engine_pool import ConnectedEngines, EnginePool
 
 
 class FakeProc:
@@ -50,6 +52,8 @@ def test_same_settings_share_the_engines_other_settings_get_their_own(launched, 
             pool.use(cfg(), Path("/m"))
             urls = [pool.engine(i)[1].url for i in range(2)]
         assert urls == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"] and len(calls) == 2 and not stopped
+        # one key for all: a run in another process reaches every engine with it
+        assert [kw["env"][ENGINE_KEY_ENV] for kw, _ in calls] == [pool.key, pool.key] and pool.key
         pool.use(cfg("rollout.dtype=bfloat16"), Path("/m"))  # another engine dtype: new engines
         assert stopped == [1001, 1002]
         assert pool.engine(0)[1].url == "http://127.0.0.1:9003"
@@ -71,3 +75,11 @@ def test_a_dead_engine_is_started_again_and_the_run_gets_no_process(launched, tm
         assert [name for _, name in calls] == ["engine0.log", "engine0.launch1.log"]
         assert pool.relaunch(0)[1].url == "http://127.0.0.1:9003"  # the supervisor's restart during a run
         assert stopped == [1001, 1002]
+
+
+def test_connected_engines_must_be_as_many_as_the_run_wants():
+    engines = ConnectedEngines(["http://127.0.0.1:9001"])
+    engines.use(cfg("rollout.n_engines=1"), Path("/m"))
+    assert engines.engine(0)[1].url == "http://127.0.0.1:9001" and engines.relaunch is None
+    with pytest.raises(ConfigError, match=r"1 pooled engine\(s\) given for rollout.n_engines=2"):
+        engines.use(cfg(), Path("/m"))
