@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl import batch_invariant
 from megarl.advantages import advantage_fn
 from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.checkpoint import Checkpointer, SingleRankStates, run_settings
@@ -41,9 +40,9 @@ from megarl.publish import make_publisher
 from megarl.resume import ResumePoint, restore
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
-from megarl.rollout.base import logprob_temperature, wants_routed_experts
+from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
-from megarl.rollout.local_gpus import engine_gpu_env
+from megarl.rollout.engine_pool import PooledEngines, engine_launch_kwargs
 from megarl.rollout.supervisor import EngineSupervisor
 from megarl.run_log import RunLogger
 from megarl.tokenizer import RunTokenizer
@@ -114,35 +113,43 @@ def _eval_workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
 
 
 class _EngineStarts:
-    """The run's engines, started (or, launched on other nodes, connected to) in the background.
+    """The run's engines, started (or, launched on other nodes or kept in a pool, connected to) in the background.
 
     Until :meth:`hand_over` gives them to a supervisor, :meth:`close` stops every engine process that came up.
+    Pooled engines (megarl/rollout/engine_pool.py) are first reset to the base checkpoint at version 0, where a
+    fresh engine starts; the pool, not the run, stops them.
     """
 
-    def __init__(self, cfg: MegaRLConfig, ckpt: Path, run_dir: Path, remote: tuple[str, ...]) -> None:
+    def __init__(self, cfg: MegaRLConfig, ckpt: Path, run_dir: Path, remote: tuple[str, ...],
+                 pool: PooledEngines | None = None) -> None:
         self.cfg, self.ckpt, self.run_dir = cfg, ckpt, run_dir
         self.remote = remote
+        self.pool = None if remote else pool
         self.launches = [0] * cfg.rollout.n_engines
         if remote:  # started by a launcher on other nodes: connect to them
             self.tasks = [asyncio.create_task(connect_engine(addr)) for addr in remote]
+        elif self.pool is not None:
+            self.pool.use(cfg, ckpt)
+            self.tasks = [asyncio.create_task(self._pooled(i)) for i in range(cfg.rollout.n_engines)]
         else:
             self.tasks = [asyncio.create_task(asyncio.to_thread(self.launch, i)) for i in range(cfg.rollout.n_engines)]
         self.handed_over = False
 
+    async def _pooled(self, i: int):
+        proc, client = await asyncio.to_thread(self.pool.engine, i)
+        await client.update_weights_from_disk(str(self.ckpt), 0)  # the previous run left its last version there
+        return proc, client
+
+    def launcher(self):
+        """The supervisor's ``launch``: None (engines elsewhere: a dead one is dropped), the pool's, or ours."""
+        return None if self.remote else self.pool.relaunch if self.pool is not None else self.launch
+
     def launch(self, i: int):
         """(process, client) of engine ``i`` on the base checkpoint (an engine may read its start directory
         later); the supervisor then loads the current weights into it. Blocking: run in a thread."""
-        ro = self.cfg.rollout
         log_name = f"engine{i}.log" if not self.launches[i] else f"engine{i}.restart{self.launches[i]}.log"
         self.launches[i] += 1
-        routes = ["--routed-experts"] if wants_routed_experts(ro) else []
-        return launch_engine_process(str(self.ckpt), ro.backend, ro.base_port + i if ro.base_port else None,
-                                     extra_args=["--dtype", self.cfg.engine_dtype, *routes],
-                                     kv_cache_gb=ro.kv_cache_gb, cpu_threads=ro.cpu_threads,
-                                     cpu_cores=self.cfg.placement.cpu_affinity.engines,
-                                     # a GPU of its own on a multi-GPU machine, never the trainer's GPU 0
-                                     env={**(engine_gpu_env(i, ro.n_engines) or {}),
-                                          **batch_invariant.engine_env(self.cfg)} or None,
+        return launch_engine_process(**engine_launch_kwargs(self.cfg, self.ckpt, i),
                                      log_path=str(self.run_dir / log_name))
 
     async def started(self) -> list:
@@ -203,8 +210,9 @@ class Run:
 
 
 async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None = None,
-                    wrap_strategy: StrategyWrapper | None = None) -> Run:
-    """Build every piece of a run on trainer rank 0 (module doc); ``resume``: the engines start at its weights."""
+                    wrap_strategy: StrategyWrapper | None = None, engine_pool: PooledEngines | None = None) -> Run:
+    """Build every piece of a run on trainer rank 0 (module doc); ``resume``: the engines start at its weights;
+    ``engine_pool``: the engines come from it instead of being started for this run alone."""
     run_dir, ckpt, inputs = setup.run_dir, setup.checkpoint, setup.inputs
     async with AsyncExitStack() as stack:
         rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
@@ -212,7 +220,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
         stack.callback(rewards.close)
         scorer = TrajectoryScorer(inputs.tokenizer, rewards)
         remote = current_role().engine_addrs
-        engines = _EngineStarts(cfg, ckpt, run_dir, remote)
+        engines = _EngineStarts(cfg, ckpt, run_dir, remote, engine_pool)
         stack.push_async_callback(engines.close)
 
         trainer = build_trainer(cfg, ckpt)  # while the engines start
@@ -225,7 +233,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
             stack.callback(driver.stop_followers)  # also after an error: followers must not wait for events forever
 
         supervisor = EngineSupervisor(
-            await engines.started(), launch=None if remote else engines.launch,
+            await engines.started(), launch=engines.launcher(),
             weights=(resume and resume.engine_weights) or (str(ckpt), 0),
             health_interval_s=cfg.rollout.health_interval_s, health_timeout_s=cfg.rollout.health_timeout_s,
             max_restarts=cfg.rollout.max_engine_restarts, work_dir=run_dir,

@@ -16,6 +16,7 @@ from typing import Any
 
 from megarl.builder import DEFAULT_TOL, VerifyingStrategy, load_run_config
 from megarl.errors import ConfigError
+from megarl.rollout.engine_pool import EnginePool
 from megarl.train import train
 
 __all__ = ["DEFAULT_TOL", "failures", "verify_recovery"]
@@ -43,10 +44,19 @@ def _routes_line(r: dict[str, float]) -> str:
 
 def verify_recovery(config_path: str, strategies: list[str], steps: int, output: str, overrides: list[str],
                     tol: float = DEFAULT_TOL) -> dict:
-    """Run the loop once per strategy (same seed and config) and write ``output`` (report.json)."""
-    report: dict[str, Any] = {"tol": tol, "strategies": {}}
+    """Run the loop once per strategy (same seed and config) and write ``output`` (report.json).
+
+    The runs share one set of engines, reset to the base checkpoint before each (megarl/rollout/engine_pool.py);
+    their logs are in ``engines/`` beside ``output``."""
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with EnginePool(out.parent / "engines") as pool:
+        return _verify_each(config_path, strategies, steps, out, overrides, tol, pool)
+
+
+def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path, overrides: list[str],
+                 tol: float, pool: EnginePool) -> dict:
+    report: dict[str, Any] = {"tol": tol, "strategies": {}}
     for name in strategies:
         run_dir = out.parent / f"verify-{name}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of an old one
@@ -62,7 +72,7 @@ def verify_recovery(config_path: str, strategies: list[str], steps: int, output:
             verifiers.append(VerifyingStrategy(inner))
             return verifiers[-1]
 
-        train(cfg, wrap_strategy=wrap)
+        train(cfg, wrap_strategy=wrap, engine_pool=pool)
         rep = verifiers[-1].report(tol)
         report["strategies"][name] = rep
         by_conv = "".join(f" max_abs_err[{c}]={e['max_abs_err']:.3g}" for c, e in rep.get("conventions", {}).items())

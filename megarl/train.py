@@ -26,14 +26,18 @@ from megarl.cpu_affinity import pin_process
 from megarl.errors import MegarlError
 from megarl.preflight import RunSetup, preflight
 from megarl.resume import ResumePoint, prepare_resume
+from megarl.rollout.engine_pool import PooledEngines
 from megarl.run_stop import stop_on_signals
 from megarl.trainer.parallel import init_ranks
 from megarl.trainer.spmd import receive_go, share_go
 
 
 def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
-          resume: str | Path | None = None) -> Path:
+          resume: str | Path | None = None, engine_pool: PooledEngines | None = None) -> Path:
     """Run the loop; ``wrap_strategy(strategy) -> strategy`` may wrap the recovery strategy (verification).
+
+    ``engine_pool``: engines kept running between the runs of one command (megarl/rollout/engine_pool.py);
+    this run resets them to the base checkpoint and leaves them running. None: the run starts its own.
 
     ``resume`` (default ``logging.resume``): a run directory to continue from its
     newest valid checkpoint (the run keeps writing there; ``logging.output_dir`` is ignored).
@@ -57,14 +61,14 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     share_go(world, run_dir=str(setup.run_dir))
     _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
     point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
-    summary = asyncio.run(_train(cfg, setup, point, wrap_strategy))
+    summary = asyncio.run(_train(cfg, setup, point, wrap_strategy, engine_pool))
     (setup.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return setup.run_dir
 
 
 async def _train(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None,
-                 wrap_strategy: StrategyWrapper | None) -> dict:
-    async with await build_run(cfg, setup, resume, wrap_strategy) as run:
+                 wrap_strategy: StrategyWrapper | None, engine_pool: PooledEngines | None = None) -> dict:
+    async with await build_run(cfg, setup, resume, wrap_strategy, engine_pool) as run:
         if resume is not None:
             run.restore(resume)
         with stop_on_signals(run.controller):  # checkpoint, then exit with code 75 (megarl/run_stop.py)

@@ -3,7 +3,10 @@
 Every strategy runs from the same config and seed, one after another, each in
 its own fresh Python process (``python -m megarl.bench.run SPEC``) so that its
 peak memory is its own: the parent samples the resident set of that process
-and all its descendants (vLLM engines, reward workers, the dedicated scorer).
+and all its descendants (reward workers, the dedicated scorer) and of the
+engines. The engines are the parent's (megarl/rollout/engine_pool.py): started
+once for all the runs whose engine settings agree, each run connects to them
+and resets them to the base checkpoint first.
 
 Inside the child the strategy is wrapped in :class:`BenchStrategy`, a
 :class:`~recovery.verifier.VerifyingStrategy` that also times every hook. The
@@ -46,6 +49,9 @@ from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
 from megarl.cpu_affinity import available_cores, format_cores
 from megarl.errors import MegarlError
+from megarl.preflight import ensure_checkpoint
+from megarl.rollout.engine_key import ENGINE_KEY_ENV
+from megarl.rollout.engine_pool import ConnectedEngines, EnginePool
 from megarl.train import train
 from megarl.types import NO_VERSION, AnchorResult, TrainBatch, Trajectory
 
@@ -135,7 +141,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         return wrapped[-1]
 
     t0 = time.perf_counter()
-    train(cfg, wrap_strategy=wrap)
+    pool = ConnectedEngines(spec["engines"]) if spec.get("engines") else None
+    train(cfg, wrap_strategy=wrap, engine_pool=pool)
     kib = 1024.0  # ru_maxrss is in KiB on Linux
     summary = {"strategy": spec["strategy"], "total_s": time.perf_counter() - t0,
                "verify": wrapped[-1].report() if spec["verify"] else None,
@@ -152,11 +159,12 @@ def _json_default(x: Any) -> Any:
 
 # -- the parent: processes, memory, report ----------------------------------------------
 class _TreeRssSampler(threading.Thread):
-    """Peak of the summed RSS of a process and all its descendants (psutil; idle without it)."""
+    """Peak of the summed RSS of processes and all their descendants (psutil; idle without it)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, extra_pids: list[int] = ()) -> None:
         super().__init__(daemon=True)
         self.pid = pid
+        self.extra_pids = list(extra_pids)
         self.peak_mb = 0.0
         self._stop_event = threading.Event()
         self._psutil = psutil
@@ -171,12 +179,15 @@ class _TreeRssSampler(threading.Thread):
         ps = self._psutil
         try:
             root = ps.Process(self.pid)
+            extra = [ps.Process(pid) for pid in self.extra_pids]  # the pooled engines: not the run's children
         except ps.Error:
             return
         while not self._stop_event.is_set():
             total = 0
             try:
                 procs = [root, *root.children(recursive=True)]
+                for e in extra:
+                    procs += [e, *e.children(recursive=True)]
             except ps.Error:
                 return
             for p in procs:
@@ -202,16 +213,23 @@ def _prepare_run_dir(run_dir: Path) -> None:
     run_dir.mkdir(parents=True)
 
 
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one strategy in a fresh process; adds ``peak_rss_mb`` (process tree) to its summary."""
+def run_child(spec: dict[str, Any], pool: EnginePool | None = None) -> dict[str, Any]:
+    """Run one strategy in a fresh process, on ``pool``'s engines (None: its own); adds ``peak_rss_mb``
+    (process tree and engines) to its summary."""
     run_dir = Path(spec["run_dir"])
     _prepare_run_dir(run_dir)
     log_path = run_dir / "bench.log"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    engine_pids: list[int] = []
+    if pool is not None:
+        cfg = child_config(spec)
+        spec = {**spec, "engines": pool.start(cfg, ensure_checkpoint(cfg))}
+        env[ENGINE_KEY_ENV] = pool.key  # in the environment: a command line is readable by other users
+        engine_pids = pool.pids()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "megarl.bench.run", json.dumps(spec)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
-    sampler = _TreeRssSampler(proc.pid)
+    sampler = _TreeRssSampler(proc.pid, engine_pids)
     sampler.start()
     try:
         rc = proc.wait()
@@ -241,9 +259,9 @@ def weights_nbytes(run_dir: Path) -> int:
     return sum(f.stat().st_size for f in (run_dir / "final").glob("*.safetensors"))
 
 
-def run_strategy(spec: dict[str, Any]) -> dict[str, Any]:
+def run_strategy(spec: dict[str, Any], pool: EnginePool | None = None) -> dict[str, Any]:
     """:func:`run_child`, then the run's records: ``{"records", "child", "weights_nbytes"}``."""
-    child = run_child(spec)
+    child = run_child(spec, pool)
     run_dir = Path(spec["run_dir"])
     return {"records": report.load_metrics(run_dir / "metrics.jsonl"), "child": child,
             "weights_nbytes": weights_nbytes(run_dir)}
@@ -269,23 +287,24 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
     meta = {"config": config, "overrides": overrides, "steps": steps, "eta": cfg.rollout.eta, "verify": verify,
             **machine_meta()}
     runs: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(strategies, 1):
-        log(f"[{i}/{len(strategies)}] {name} ...")
-        runs[name] = run_strategy({"config": config, "overrides": overrides, "strategy": name, "steps": steps,
-                                   "run_dir": str(out / name), "verify": verify})
-        child = runs[name]["child"]
-        log(f"      done in {child['total_s']:.0f} s, peak RSS {child['peak_rss_mb']:.0f} MB")
-
     by_key: dict[str, list[dict]] | None = None
-    if planned:
-        by_key = {}
-        trainer_cores, engine_cores = split_cores(disjoint_cores)
-        meta["compare_sync"] = {"eta": eta, "trainer_cores": format_cores(trainer_cores),
-                                "engine_cores": format_cores(engine_cores)}
-        for key, run_name, extra in planned:
-            log(f"[compare-sync] behav, {' '.join(extra)} ...")
-            by_key[key] = run_strategy({"config": config, "overrides": [*overrides, *extra], "strategy": "behav",
-                                        "steps": steps, "run_dir": str(out / run_name), "verify": False})["records"]
+    with EnginePool(out / "engines") as pool:  # one set of engines for every run whose engine settings agree
+        for i, name in enumerate(strategies, 1):
+            log(f"[{i}/{len(strategies)}] {name} ...")
+            runs[name] = run_strategy({"config": config, "overrides": overrides, "strategy": name, "steps": steps,
+                                       "run_dir": str(out / name), "verify": verify}, pool)
+            child = runs[name]["child"]
+            log(f"      done in {child['total_s']:.0f} s, peak RSS {child['peak_rss_mb']:.0f} MB")
+        if planned:
+            by_key = {}
+            trainer_cores, engine_cores = split_cores(disjoint_cores)
+            meta["compare_sync"] = {"eta": eta, "trainer_cores": format_cores(trainer_cores),
+                                    "engine_cores": format_cores(engine_cores)}
+            for key, run_name, extra in planned:
+                log(f"[compare-sync] behav, {' '.join(extra)} ...")
+                by_key[key] = run_strategy({"config": config, "overrides": [*overrides, *extra],
+                                            "strategy": "behav", "steps": steps, "run_dir": str(out / run_name),
+                                            "verify": False}, pool)["records"]
 
     replay = None
     if cfg.rollout.routing_replay:

@@ -9,6 +9,7 @@ bench also reports what replay costs (megarl/bench/replay_cost.py).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from megarl.bench.report import print_table
@@ -79,6 +80,7 @@ def run(args) -> int:
     from megarl.bench import quality, sweep
     from megarl.bench.run import bench, machine_meta, run_strategy, write_report
     from megarl.builder import load_run_config
+    from megarl.rollout.engine_pool import EnginePool
 
     if args.sweep and args.quality:
         raise ConfigError("--sweep and --quality are separate benchmarks; run them one after the other")
@@ -115,16 +117,21 @@ def run(args) -> int:
               f"(megarl/bench/sweep.py ESTIMATE_*)", flush=True)
         if args.estimate_only:
             return 0
+        # one set of engines for every cell whose engine settings agree (a sweep's models each get their own)
+        with EnginePool(Path(args.output) / "engines") as pool:
+            run_cell = functools.partial(run_strategy, pool=pool)
+            if args.sweep:
+                rep = sweep.run_sweep(args.config, models, etas, strategies, steps, args.output, overrides,
+                                      run=run_cell, meta=meta)
+            else:
+                window = args.final_window or max(5, steps // 10)
+                rep = quality.run_quality(args.config, variants, etas, seeds, steps, args.output, overrides,
+                                          run=run_cell, meta=meta, window=window, threshold=args.threshold)
         if args.sweep:
-            rep = sweep.run_sweep(args.config, models, etas, strategies, steps, args.output, overrides,
-                                  run=run_strategy, meta=meta)
             rep["meta"]["loadavg_end"] = machine_meta()["loadavg_start"]
             write_report(Path(args.output), rep, sweep.render_sweep_markdown(rep))
             print(f"wrote {args.output}/report.json, report.md, scaling.png")
         else:
-            window = args.final_window or max(5, steps // 10)
-            rep = quality.run_quality(args.config, variants, etas, seeds, steps, args.output, overrides,
-                                      run=run_strategy, meta=meta, window=window, threshold=args.threshold)
             rep["meta"]["loadavg_end"] = machine_meta()["loadavg_start"]
             write_report(Path(args.output), rep, quality.render_quality_markdown(rep))
             print(f"wrote {args.output}/report.json, report.md, quality.png")

@@ -71,7 +71,8 @@ Launcher = Callable[[int], tuple[Any, Any]]
 class EngineSupervisor:
     """The controller's router (the :class:`~megarl.rollout.router.EngineRouter` interface) with supervision.
 
-    ``engines`` are ``(proc, client)`` pairs serving the base checkpoint;
+    ``engines`` are ``(proc, client)`` pairs serving the base checkpoint
+    (proc None: started by someone else, who stops it);
     ``launch`` starts engine i again (None: engines cannot be restarted and a
     failed one is dropped); ``weights`` is ``(weights dir, version)`` the engines
     must serve (version 0: the base checkpoint itself). ``await start()`` loads
@@ -137,7 +138,8 @@ class EngineSupervisor:
             except Exception:  # noqa: BLE001 - it failed to start: nothing to stop
                 continue
             await client.close()
-            await asyncio.to_thread(self.stop, proc, 30.0)
+            if proc is not None:  # None: a pooled engine (megarl/rollout/engine_pool.py), the pool stops it
+                await asyncio.to_thread(self.stop, proc, 30.0)
         await asyncio.gather(*(s.client.close() for s in self.slots), return_exceptions=True)
         procs = [s.proc for s in self.slots if s.proc is not None]
         await asyncio.gather(*(asyncio.to_thread(self._stop_at_close, p, 30.0) for p in procs),
@@ -228,12 +230,14 @@ class EngineSupervisor:
                     log.warning("engine %d: restarted engine refused weights version %d: %s", slot.index,
                                 self.weights[1], e)
                     await client.close()
-                    await asyncio.to_thread(self.stop, proc, 5.0)
+                    if proc is not None:
+                        await asyncio.to_thread(self.stop, proc, 5.0)
                     continue
                 slot.proc, slot.client, slot.state = proc, client, "live"
                 self.n_restarts += 1
                 self._write_pid(slot)
-            log.warning("engine %d restarted (pid %d) at version %d", slot.index, proc.pid, self.weights[1])
+            log.warning("engine %d restarted (pid %s) at version %d", slot.index, getattr(proc, "pid", "-"),
+                        self.weights[1])
             await self._notify()
             return
         slot.state = "dropped"

@@ -4,7 +4,8 @@ tiny batches, the HF engine, which starts in seconds): --compare-sync and --swee
 --quality (two, then the same command again, which reuses both). Benchmarks are commands; these tests
 check that they run and write what they promise, not numbers.
 
-Each strategy is a full run (engine start-up ~20-50 s), so each test takes ~1-2 minutes.
+The runs of one command share their engines when the engine settings agree (megarl/rollout/engine_pool.py);
+each test takes ~1-2 minutes.
 """
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def test_bench_two_strategies(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("snapshot", "loglinear"):
         assert len((out / name / "metrics.jsonl").read_text().splitlines()) == 3
-        assert "kv cache 1 GiB, 1 CPU thread(s)" in (out / name / "engine0.log").read_text()  # rollout.* defaults
+    # one engine served both runs
+    assert "kv cache 1 GiB, 1 CPU thread(s)" in (out / "engines" / "engine0.log").read_text()  # rollout.* defaults
+    assert sorted(p.name for p in (out / "engines").iterdir()) == ["engine0.log"]
 
 
 SMOKE = ["--steps", "2", "rollout.backend=hf", "trainer.batch_size=8", "rollout.max_new_tokens=8"]
@@ -94,9 +97,11 @@ def test_compare_sync_smoke(tmp_path):
     assert report["meta"]["compare_sync"]["eta"] == 2 and report["strategies"] == {}  # --compare-sync alone
     for run in ("async_eta2_disjoint", "sync_eta0_disjoint"):  # the trainer and its engine each on their cores
         assert json.loads((out / run / "bench_child.json").read_text())["trainer_cores"] == trainer
-        assert f"on core(s) {format_cores(engines)}" in (out / run / "engine0.log").read_text()
     shared = json.loads((out / "async_eta2" / "bench_child.json").read_text())["trainer_cores"]
-    assert shared == cores and "on core(s)" not in (out / "async_eta2" / "engine0.log").read_text()
+    # the two runs on shared cores share an engine, the two on disjoint cores one started on its cores
+    assert sorted(p.name for p in (out / "engines").iterdir()) == ["engine0.launch1.log", "engine0.log"]
+    assert f"on core(s) {format_cores(engines)}" in (out / "engines" / "engine0.launch1.log").read_text()
+    assert shared == cores and "on core(s)" not in (out / "engines" / "engine0.log").read_text()
     md = (out / "report.md").read_text()
     assert f"trainer on core(s) {format_cores(trainer)}, engines on core(s) {format_cores(engines)}" in md
 
@@ -116,6 +121,10 @@ def test_sweep_smoke(tmp_path):
     assert rows[2]["weights_nbytes"] > 5 * rows[0]["weights_nbytes"]  # 0.99M vs 0.13M parameters
     assert set(rep["sweep"]["growth"]) == set(rep["sweep"]["fits"]) == {"snapshot"}
     assert (out / "scaling.png").read_bytes()[:8] == PNG
+    # the two etas of a model share an engine; the other model gets its own
+    assert sorted(p.name for p in (out / "engines").iterdir()) == ["engine0.launch1.log", "engine0.log"]
+    for log, model in (("engine0.log", "tiny_qwen3"), ("engine0.launch1.log", "tiny_qwen3_s")):
+        assert f"serving {out / 'checkpoints' / model} on" in (out / "engines" / log).read_text()
     md = (out / "report.md").read_text()
     assert "## Which costs grow with eta" in md and "## Fitted growth of recovery seconds" in md
 
@@ -136,8 +145,10 @@ def test_quality_smoke(tmp_path):
     assert row["steps_to_threshold"]["of"] == 2 and row["r_d_abs_logp_mean"] is None  # behav's anchor is not exact
     assert 0 <= row["active_frac_min"] <= 1 and rep["quality"]["vs_behav"] == []
     assert all((out / "runs" / f"behav_eta8_seed{s}" / "done.json").exists() for s in (0, 1))
+    assert sorted(p.name for p in (out / "engines").iterdir()) == ["engine0.log"]  # both seeds on one engine
     # the same command again: both runs finished, so nothing starts and the report is the same
     p = _bench(tmp_path, "--quality", "--strategies", "behav", "--etas", "8", "--seeds", "2", "--output",
                str(out), *SMOKE)
     assert "2 of 2 runs finished before" in p.stdout and "0 runs of 2 steps" in p.stdout
     assert json.loads((out / "report.json").read_text())["quality"]["final"] == final
+    assert sorted(p.name for p in (out / "engines").iterdir()) == ["engine0.log"]  # nor an engine

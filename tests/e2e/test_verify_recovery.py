@@ -39,7 +39,7 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
                    "--steps", "10", "--output", str(report), f"model.checkpoint={tmp_path / 'text_model'}",
                    "rollout.kv_cache_gb=2", timeout=600, unset=ENGINE_VARS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
+    assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "engines" / "engine0.log").read_text()
     s = json.loads(report.read_text())["strategies"]["snapshot"]
     assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, s
     assert s["n_sequences"] == 40 and s["max_versions_per_sequence"] >= 2, s
@@ -63,7 +63,7 @@ def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(c
     assert snap["measured_exact"] and snap["max_abs_err"] <= 1e-5 and snap["n_tokens"] > 0, snap
     assert behav["max_abs_err"] > 1e-4 and behav["r_d_abs_max"] == behav["max_abs_err"], behav
     assert snap["r_d_abs_mean"] > 1e-5, snap  # the engines' discrepancy is there under snapshot too
-    assert "megarl engine (hf, bfloat16)" in (tmp_path / "verify-snapshot" / "engine0.log").read_text()
+    assert "megarl engine (hf, bfloat16)" in (tmp_path / "engines" / "engine0.log").read_text()
     records = [json.loads(line) for line in (tmp_path / "verify-snapshot" / "metrics.jsonl").read_text().splitlines()]
     assert all(x["r_d/abs_logp_max"] > 0 and x["behav_w/masked_frac"] >= 0 for x in records), records[-1]
     # what the engines loaded at each publish: bf16, cast once by the trainer
