@@ -82,8 +82,8 @@ def test_sync_run_trains_only_current_version(ckpt, tmp_path):
 
 def test_verify_exact_strategies(text_ckpt, tmp_path):
     # configs/verify_cpu.yaml splices by construction (rollout.splice_at_tokens): the odd groups' trajectories,
-    # two per group, stop at 8 tokens until the next publish, so at least groups 1 and 3 of the 8 trained
-    # are spliced whatever the timing
+    # two per group, stop at 8 tokens until the next publish. Group 1's reach their 8th token while group 0's
+    # batch trains (one request at a time: group 0's go first), so they are held at version 0 and spliced
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
                "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "8", "--output", str(report),
@@ -94,7 +94,7 @@ def test_verify_exact_strategies(text_ckpt, tmp_path):
         s = strategies[name]
         assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
         assert s["n_tokens"] > 0 and s["max_versions_per_sequence"] >= 2, (name, s)
-        assert s["n_spliced_sequences"] >= 4, (name, s)
+        assert s["n_spliced_sequences"] >= 2, (name, s)
     loglinear = strategies["loglinear"]
     assert not loglinear["claims_exact"] and loglinear["max_abs_err"] > 0
     # both v_theta conventions are measured; the run trained with megarl's, so its error is that one

@@ -44,8 +44,8 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, s
     assert s["n_sequences"] == 40 and s["max_versions_per_sequence"] >= 2, s
     # rollout.splice_at_tokens (configs/verify_cpu.yaml): every other group's 2 trajectories are held at 8
-    # tokens until a publish, so of the 10 groups trained, at least groups 1 and 3 are spliced
-    assert s["n_spliced_sequences"] >= 4, s
+    # tokens until a publish; group 1's are held at version 0 while group 2 completes the first batch
+    assert s["n_spliced_sequences"] >= 2, s
 
 
 def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(ckpt, tmp_path):
