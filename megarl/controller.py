@@ -43,6 +43,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
@@ -115,7 +116,9 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                          "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0}
         self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
         self.generation.may_hold = self._may_hold
-        self._reward_failure: str | None = None  # one failing reward call of the current step, for the error
+        self._reward_failure: str | None = None  # the latest failing reward call, for the error
+        #: whether each of the last B reward outcomes failed (what reward.max_fail_frac is checked on)
+        self.recent_rewards_failed: deque[bool] = deque(maxlen=self.B)
         self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
         self._failed_groups_in_a_row = 0
         self._prev_workflow_stats: dict[str, int] = {}
@@ -169,7 +172,8 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
             # against reward.max_fail_frac like a failed reward
             self.counters["n_reward_calls"] += 1
             self.counters["n_reward_failed"] += failure is not None
-            if failure is not None and self._reward_failure is None:
+            self.recent_rewards_failed.append(failure is not None)
+            if failure is not None:
                 self._reward_failure = f"trajectory {traj.traj_id}: {failure}"
             return traj
 
@@ -208,7 +212,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 part.reward, part.advantage = t.reward, t.advantage
         self._items.pop(group.group_id, None)
         if self._fatal is None:  # with on_failure=drop nothing reaches a step: check here too, per B calls
-            self._fatal = self._reward_failure_error(min_calls=self.B)
+            self._fatal = self._reward_failure_error()
         accepted_total = await self.buffer.accept(group, kept)
         if kept and self.journal is not None:
             self.journal.write("accepted", {"step": self.step, "accepted_total": accepted_total,
@@ -325,8 +329,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 self.step += 1
                 record.update(pub)
                 record.update(self._step_record(trajs, t0, t_got, t_trained, t_start))
-                reward_error = self._reward_failure_error(min_calls=1, since=self._prev_step_counters)
-                self._reward_failure = None
+                reward_error = self._reward_failure_error()
                 self.on_step(record)
                 self._log_samples(trajs)
                 if self.journal is not None:

@@ -59,14 +59,13 @@ class StepBookkeeping:
             out.update(discrepancy(old, batch.logp_behav, batch.loss_mask))
         return out
 
-    def _reward_failure_error(self, min_calls: int, since: dict[str, int] | None = None) -> RewardError | None:
-        """The error to stop with when more than reward.max_fail_frac of the reward calls since ``since``
-        (default: the last step) failed, if there were at least ``min_calls`` of them."""
-        since = self._step_counters if since is None else since
-        calls = self.counters["n_reward_calls"] - since["n_reward_calls"]
-        failed = self.counters["n_reward_failed"] - since["n_reward_failed"]
+    def _reward_failure_error(self) -> RewardError | None:
+        """The error to stop with when more than reward.max_fail_frac of the last B reward calls failed (a window
+        of a batch's worth of calls: a step that happened to see one call, a failed one, is not a failing run)."""
+        recent = self.recent_rewards_failed
+        calls, failed = len(recent), sum(recent)
         frac = self.cfg.reward.max_fail_frac
-        if calls < max(min_calls, 1) or failed <= frac * calls:
+        if calls < self.B or failed <= frac * calls:
             return None
         return RewardError(f"{failed} of {calls} reward calls failed at step {self.step} (more than "
                            f"reward.max_fail_frac={frac}) with reward.fn={self.cfg.reward.fn!r}; one of them: "

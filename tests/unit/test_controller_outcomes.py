@@ -239,3 +239,19 @@ def test_an_evaluation_longer_than_eval_every_is_never_overlapped_and_the_skippe
     assert evals[0]["step"] == 1 and evals[-1]["step"] == 8
     assert evals[-1]["eval/n_skipped"] == 7 - (len(evals) - 1) >= 3
     assert evaluator.n_runs == len(evals)
+
+
+def test_the_failure_share_is_checked_over_the_last_batch_of_reward_calls_not_one_step_window():
+    # a step that happened to see one reward call, a failed one, stopped a run whose rewards failed 1 time in 4
+    # ("1 of 1 reward calls failed at step 4"): the share is checked over the last B calls
+    c, records = loop([])
+    prev = dict(c.counters)
+    c._prev_step_counters = prev
+    c.counters["n_reward_calls"] += 1
+    c.counters["n_reward_failed"] += 1  # this step's window: 1 of 1 failed
+    c.recent_rewards_failed.extend([False] * 7 + [True])
+    c._reward_failure = "trajectory g9-0: failed"
+    assert c._reward_failure_error() is None
+    c.recent_rewards_failed.extend([True] * 5)  # the last 8: 2 passed, 6 failed: more than max_fail_frac=0.5
+    err = c._reward_failure_error()
+    assert err is not None and str(err).startswith("6 of 8 reward calls failed at step 4")
