@@ -6,14 +6,14 @@ from pathlib import Path
 
 from megarl.rollout.client import stop_engine_process
 
-# a stand-in server: exits on SIGTERM after a second (an orderly shutdown), leaving a child that ignores
+# a stand-in server: exits on SIGTERM after 3 s (an orderly shutdown), leaving a child that ignores
 # SIGTERM (an engine-core process that would outlive it)
 SERVER = """
 import signal, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                           "print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
 child.stdout.readline()
-signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0)))
+signal.signal(signal.SIGTERM, lambda *a: (time.sleep(3.0), sys.exit(0)))
 print(child.pid, flush=True)
 time.sleep(60)
 """
@@ -30,9 +30,8 @@ def test_stop_without_waiting_returns_at_once_and_the_group_is_reaped():
     proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     child = int(proc.stdout.readline())
-    t0 = time.monotonic()
-    assert stop_engine_process(proc, timeout_s=3.0, wait=False) is None
-    assert time.monotonic() - t0 < 0.5  # the orderly shutdown (1 s here) is not waited for
+    assert stop_engine_process(proc, timeout_s=10.0, wait=False) is None
+    assert proc.poll() is None  # returned while the server is still in its orderly shutdown: not waited for
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and not (proc.poll() is not None and gone(child)):
         time.sleep(0.1)
