@@ -123,7 +123,6 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self._failed_groups_in_a_row = 0
         self._prev_workflow_stats: dict[str, int] = {}
         self._step_counters = dict(self.counters)
-        self._prev_step_counters = dict(self.counters)
         self.gen_stall_s = 0.0
         #: groups admitted so far; trajectory ids are {id_prefix}g{k}-{j}. A resumed attempt gets its own
         #: prefix, so groups a killed attempt admitted after its last checkpoint never share an id with new ones
@@ -385,7 +384,6 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.group_counter = int(state["group_counter"])
         self.counters.update(state["counters"])
         self._step_counters = dict(self.counters)
-        self._prev_step_counters = dict(self.counters)
         self.gen_stall_s = float(state.get("gen_stall_s", 0.0))
         self.buffer.load_state_dict(state["buffer"])
         self.dataset.load_state_dict(state["dataset"])

@@ -3,8 +3,8 @@ decoded samples, the check of failed reward calls and the stall message.
 
 :class:`StepBookkeeping` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it
 reads the controller's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``,
-``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundaries ``_step_counters`` and
-``_prev_step_counters``), ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,
+``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundary ``_step_counters``),
+``recent_rewards_failed``, ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,
 ``eta`` and ``gen_stall_s``.
 """
 from __future__ import annotations
@@ -96,7 +96,6 @@ class StepBookkeeping:
     def _step_record(self, trajs, t0, t_got, t_trained, t_start) -> dict[str, Any]:
         rewards = [t.reward for t in trajs if t.reward is not None]
         step_counts = {k: self.counters[k] - self._step_counters[k] for k in self.counters}
-        self._prev_step_counters = self._step_counters
         self._step_counters = dict(self.counters)
         resp_lens = [t.n_policy_tokens for t in trajs]
         return {

@@ -245,8 +245,7 @@ def test_the_failure_share_is_checked_over_the_last_batch_of_reward_calls_not_on
     # a step that happened to see one reward call, a failed one, stopped a run whose rewards failed 1 time in 4
     # ("1 of 1 reward calls failed at step 4"): the share is checked over the last B calls
     c, records = loop([])
-    prev = dict(c.counters)
-    c._prev_step_counters = prev
+    c._step_counters = dict(c.counters)
     c.counters["n_reward_calls"] += 1
     c.counters["n_reward_failed"] += 1  # this step's window: 1 of 1 failed
     c.recent_rewards_failed.extend([False] * 7 + [True])
