@@ -13,10 +13,11 @@ megarl = run_megarl
 @pytest.fixture(scope="module")
 def async_run(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    # few requests in flight make generation the bottleneck, so publishes find requests to interrupt
-    # (with 256 in flight the engine can finish every admitted sample before the trainer publishes)
+    # few requests in flight make generation the bottleneck, so publishes usually find requests to interrupt;
+    # rollout.splice_at_tokens makes sure of it (a fast engine can finish every admitted sample before a publish)
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
-               "trainer.total_steps=8", "rollout.eta=2", "rollout.max_concurrency=4", *SMALL,
+               "trainer.total_steps=8", "rollout.eta=2", "rollout.max_concurrency=4", "rollout.splice_at_tokens=2",
+               *SMALL,
                "eval.path=configs/data/reverse_digits_eval.jsonl", "eval.every=4", "eval.n_samples=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out

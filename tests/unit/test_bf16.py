@@ -194,7 +194,12 @@ def test_bf16_export_and_reload(ckpts, tmp_path):
 
     from megarl.publish import BroadcastPublisher
 
-    asyncio.run(BroadcastPublisher(trainer, None, tmp_path / "weights").prepare(1))
+    async def publish_copy():
+        publisher = BroadcastPublisher(trainer, None, tmp_path / "weights")
+        await publisher.prepare(1)
+        await publisher.wait_written()  # the copy is written in the background; its readers wait for it
+
+    asyncio.run(publish_copy())
     copy = tmp_path / "weights" / "v1"
     assert json.loads((copy / "config.json").read_text()) == config
     assert load_file(copy / "model.safetensors").keys() == saved.keys()
