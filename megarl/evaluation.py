@@ -107,7 +107,8 @@ class EvaluationSchedule:
     ``trainer``."""
 
     def _generate_for_eval(self, traj: Trajectory):
-        return lambda ctx, sp: self.generation.generate(traj, ctx, sp, counted=False)
+        # as in training, an agent's client may write a completion into a part of its episode (into=row)
+        return lambda ctx, sp, into=None: self.generation.generate(into or traj, ctx, sp, counted=False)
 
     async def _evaluate(self, step: int) -> None:
         version = self.version

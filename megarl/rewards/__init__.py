@@ -35,6 +35,7 @@ REWARD_INFO_KEYS = ("prompt", "row", "finish_reason", "response_ids", "prompt_id
 # built-in name -> dotted path; the workers resolve the same path.
 BUILTIN_REWARDS: dict[str, str] = {
     "reverse_digits": "megarl.tasks.reverse_digits:reward",
+    "digits": "megarl.rewards.digits:digit_reward",
     "math": "megarl.rewards.math:math_reward",
     "code": "megarl.rewards.code:code_reward",
 }

@@ -9,14 +9,8 @@ numbers are parameters: the CPU demo's rows use mean 1 and at most 8 digits
 (``--mean-extra 1 --max-digits 8``), short enough for a random-init model to
 learn exact answers within minutes.
 
-Reward on the decoded response ``out`` (special tokens skipped) and the answer ``tgt``::
-
-    pos = #{i: out[i] == tgt[i]} / max(|out|, |tgt|)
-    len = 0 if the response did not end on a stop token else max(0, 1 - abs(|out| - |tgt|) / |tgt|)
-    r   = 0.75 * pos + 0.25 * len
-
-``len`` keeps the length distribution honest: rewarding ``pos`` alone learns
-faster but collapses output lengths into buckets.
+The reward is the shared per-position digit credit (megarl/rewards/digits.py):
+``r = 0.75 * pos + 0.25 * len``, 1.0 only for the exact answer.
 
 ``python -m megarl.tasks.reverse_digits OUT.jsonl --n N --seed S [--mean-extra M] [--max-digits K]``
 writes N rows.
@@ -29,6 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from megarl.rewards.digits import digit_reward
 from megarl.tasks import main, write_rows
 
 MAX_DIGITS = 16
@@ -53,14 +48,8 @@ def make_row(rng: random.Random, mean_extra: float = MEAN_EXTRA_DIGITS,
 
 
 def reward(response: str, answer: Any, *, finish_reason: str | None = "stop") -> float:
-    """r = 0.75*pos + 0.25*len (module docstring); in [0, 1], 1.0 only for the exact answer."""
-    tgt = str(answer)
-    if not tgt:
-        raise ValueError("reverse_digits needs a non-empty answer")
-    out = response
-    pos = sum(o == t for o, t in zip(out, tgt)) / max(len(out), len(tgt))
-    length = max(0.0, 1.0 - abs(len(out) - len(tgt)) / len(tgt)) if finish_reason == "stop" else 0.0
-    return 0.75 * pos + 0.25 * length
+    """r = 0.75*pos + 0.25*len (megarl/rewards/digits.py); in [0, 1], 1.0 only for the exact answer."""
+    return digit_reward(response, answer, finish_reason=finish_reason)
 
 
 def write_jsonl(path: str | Path, n: int, seed: int, mean_extra: float = MEAN_EXTRA_DIGITS,

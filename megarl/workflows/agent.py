@@ -29,7 +29,9 @@ from megarl.workflows.base import GenerateFn
 
 log = logging.getLogger("megarl.agents")
 
-BUILTIN_AGENTS: dict[str, str] = {"math_python": "megarl.workflows.math_python:agent"}
+BUILTIN_AGENTS: dict[str, str] = {"math_python": "megarl.workflows.math_python:agent",
+                                   "calculator": "megarl.workflows.calculator:agent",
+                                   "calculator_off": "megarl.workflows.calculator:agent_without_tool"}
 
 
 def load_agent(name: str):

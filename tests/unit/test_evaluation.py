@@ -119,3 +119,25 @@ def test_a_failing_sample_stops_its_siblings_and_the_other_groups():
     assert len(calls) == n_calls, f"{len(calls) - n_calls} generate calls after the evaluation failed"
     assert cancelled == {"eval0.a-1", "eval0.a-2", "eval0.b-0", "eval0.b-1", "eval0.b-2"}
     assert calls.count("eval0.a-0") == 3
+
+
+def test_an_agent_writing_into_a_part_of_its_episode_generates_into_that_part_in_evaluation():
+    # an agent's client calls generate(context, sampling, into=row) (as in training); evaluation must accept it
+    from megarl.evaluation import EvaluationSchedule
+    from megarl.types import Trajectory
+
+    class Generation:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, traj, ctx, sp, counted=True):
+            self.calls.append((traj.traj_id, counted))
+            return traj.traj_id
+
+    schedule = EvaluationSchedule()
+    schedule.generation = Generation()
+    episode, part = Trajectory(traj_id="e", group_id="g", prompt_ids=[1]), Trajectory(traj_id="e.t2", group_id="g",
+                                                                                        prompt_ids=[1])
+    generate = schedule._generate_for_eval(episode)
+    assert generate([1], SamplingParams()) == "e" and generate([1], SamplingParams(), into=part) == "e.t2"
+    assert schedule.generation.calls == [("e", False), ("e.t2", False)]

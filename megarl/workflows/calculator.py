@@ -1,0 +1,81 @@
+"""The built-in agent "calculator": arithmetic that needs a tool, in a form a tiny random model can learn.
+
+The environment holds the operands; the model's tool action is one character.
+Turn 1 shows the problem (``4821*907``, a row of megarl/tasks/long_arithmetic.py).
+A reply that starts with an operator (``+`` or ``*``, leading whitespace
+ignored; what follows it is ignored too) calls the calculator on the problem's
+two operands with that operator: its result comes back as a ``tool`` message (a ``<tool_response>`` block in a user
+turn with the ChatML template) and turn 2's reply is the final answer. Any
+other turn-1 reply is the final answer itself, so the model decides whether to
+use the tool, and with which operator. The agent returns None: the reward
+service scores the final answer (``reward.fn: digits``).
+
+A calculator call counts in the run's ``n_tool_calls`` (so per step,
+``n_tool_calls / n_reward_calls`` is the share of episodes that used the tool).
+The agent ``calculator_off`` is the baseline without the tool: an operator
+reply gets an empty tool response, the rest is the same.
+``megarl.workflows.calculator:agent_always_calls`` is a diagnostic: every
+episode calls the calculator with the problem's own operator (turn 1 is part
+of the prompt, not sampled), so the model only learns to read the result: it
+separates learning to use a result from learning to ask for it.
+Configured by ``configs/tiny_calc_agent_cpu.yaml``.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+OPERATORS = {"+": operator.add, "*": operator.mul}
+_PROBLEM = re.compile(r"\s*(\d+)\s*([+*])\s*(\d+)\s*")
+
+
+def calculate(a: int, op: str, b: int) -> int:
+    """``a op b`` for integers and op ``+`` or ``*`` (no evaluation of text); ValueError otherwise."""
+    if op not in OPERATORS:
+        raise ValueError(f"the calculator knows {sorted(OPERATORS)}, not {op!r}")
+    if not (isinstance(a, int) and isinstance(b, int)) or isinstance(a, bool) or isinstance(b, bool):
+        raise ValueError(f"the calculator takes integers, got {a!r} and {b!r}")
+    return OPERATORS[op](a, b)
+
+
+def parse_problem(prompt: str) -> tuple[int, str, int]:
+    """``"4821*907"`` -> ``(4821, "*", 907)``; ValueError for anything else."""
+    m = _PROBLEM.fullmatch(prompt) if isinstance(prompt, str) else None
+    if m is None:
+        raise ValueError(f"the calculator agent needs a prompt 'A+B' or 'A*B' of digits, got {prompt!r}")
+    return int(m.group(1)), m.group(2), int(m.group(3))
+
+
+async def run_episode(client, row, tool_on: bool = True) -> None:
+    """One episode (module docstring); the final answer is the last completion, which the reward service scores."""
+    a, _, b = parse_problem(client.prompt)
+    messages = [{"role": "user", "content": client.prompt}]
+    reply = await client.chat.completions.create(messages=messages)
+    text = reply.choices[0].message.content or ""
+    op = text.lstrip()[:1]
+    if op not in OPERATORS:
+        return None  # the reply is the final answer
+    client.stats.n_tool_calls += 1
+    result = str(calculate(a, op, b)) if tool_on else ""
+    messages += [{"role": "assistant", "content": text}, {"role": "tool", "tool_call_id": "calc", "content": result}]
+    await client.chat.completions.create(messages=messages)
+    return None
+
+
+async def agent(client, row) -> None:
+    """The calculator agent (module docstring)."""
+    return await run_episode(client, row, tool_on=True)
+
+
+async def agent_without_tool(client, row) -> None:
+    """The baseline: the same protocol, but an operator reply gets an empty tool response."""
+    return await run_episode(client, row, tool_on=False)
+
+
+async def agent_always_calls(client, row) -> None:
+    """The diagnostic (module docstring): the calculator's result on the problem is in the prompt."""
+    a, op, b = parse_problem(client.prompt)
+    messages = [{"role": "user", "content": client.prompt}, {"role": "assistant", "content": op},
+                {"role": "tool", "tool_call_id": "calc", "content": str(calculate(a, op, b))}]
+    await client.chat.completions.create(messages=messages)
+    return None
