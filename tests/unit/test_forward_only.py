@@ -43,7 +43,7 @@ def test_dedicated_scorer_allocates_no_gradient_buffer(ckpt, dtype):
     from megarl.trainer.megatron_trainer import MegatronTrainer
     from recovery._dedicated_scorer import _build_scorer
 
-    full = MegatronTrainer(ckpt, dtype=dtype, micro_batch_tokens=48)
+    full = MegatronTrainer(ckpt, dtype=dtype)  # the scorer's micro-batch layout: same GEMM shapes, same rounding
     n_params = sum(p.numel() for p in full._module().parameters())
     # the full trainer's fp32 buffer: 4 bytes per parameter (measured against the count, not assumed)
     assert gradient_state(full)["grad_buffer_bytes"] == 4 * n_params
