@@ -117,6 +117,9 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError(f"rollout.splice_at_tokens={cfg.rollout.splice_at_tokens} with rollout.eta="
                           f"{cfg.rollout.eta}: a held turn waits for the next publish, which needs eta >= 1 "
                           f"(set rollout.eta >= 1, or rollout.splice_at_tokens=0 to turn holding off)")
+    if cfg.loss.entropy_coef < 0:
+        raise ConfigError(f"loss.entropy_coef={cfg.loss.entropy_coef} must be >= 0 (a negative bonus would push the "
+                          f"policy to collapse onto one answer); 0 turns the bonus off")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:

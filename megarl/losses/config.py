@@ -27,5 +27,7 @@ class PolicyLossConfig:
     """How per-token losses are reduced to a scalar."""
     denominator: Literal["all", "kept"] = "all"
     """Token counts for the means: all valid tokens before masking (AReaL's choice) or only kept tokens."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef x the policy's mean entropy over policy tokens (at the sampling temperature; summed over tokens and divided by the batch's policy-token count, whatever agg is), which keeps groups from collapsing onto one answer. > 0 computes the full-vocabulary entropy in the training forward (vocab-parallel under TP): an fp32 copy of the logits and its graph, in the train step only. 0 = off."""
     allow_truncated_sampling: bool = False
     """Train even when rollout.top_p < 1 or rollout.top_k > 0: logp_behav is then the log-prob under the renormalized truncated distribution, which the trainer cannot reproduce from full logits, so r_d = exp(logp_anchor - logp_behav) is biased (refused unless set)."""

@@ -76,7 +76,7 @@ def loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None, strategy:
             rows = {tid: i for i, tid in enumerate(batch.traj_ids)}
             n_valid = max(float(batch.loss_mask.sum()), 1.0)
 
-        def loss_fn(logp_theta, mb, _counts=None):
+        def loss_fn(logp_theta, mb, _counts=None, entropy=None):
             if anchor.from_theta is not None:
                 logp_anchor = anchor.from_theta(logp_theta.detach(), mb)
                 if anchor.exact:
@@ -93,11 +93,26 @@ def loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None, strategy:
                 kl = (torch.exp(diff) - diff - 1.0).sum() / n_valid
                 loss = loss + kl_coef * kl
                 metrics = {**metrics, "kl_ref": float(kl.detach()) * n_valid / max(float(mask.sum()), 1.0)}
+            if loss_cfg.entropy_coef > 0:
+                loss, metrics = _entropy_bonus(loss, metrics, entropy, mb, _counts, loss_cfg.entropy_coef)
             return loss, metrics
 
+        loss_fn.wants_entropy = loss_cfg.entropy_coef > 0  # the trainer then passes entropy=
         return loss_fn
 
     return factory
+
+
+def _entropy_bonus(loss, metrics, entropy, mb, counts, coef: float):
+    """``loss - coef * sum(entropy over mb's policy tokens) / the batch's policy-token count`` (so the
+    micro-batch terms add up to coef x the batch's mean entropy), and the micro-batch's mean entropy."""
+    if entropy is None or counts is None:
+        raise TrainingError("loss.entropy_coef > 0 needs the policy's entropy, but the trainer passed none: "
+                            "it must honour the loss function's wants_entropy (megarl/models/entropy.py)")
+    mask = mb.loss_mask.to(entropy.device)[:, : entropy.shape[1]] > 0
+    total = torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
+    loss = loss - coef * total / max(counts["n_valid_tokens"], 1.0)
+    return loss, {**metrics, "entropy": float(total.detach()) / max(float(mask.sum()), 1.0)}
 
 
 def loss_fn_factory_for_run(cfg, trainer):

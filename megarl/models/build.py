@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megarl.errors import ConfigError
+from megarl.models import entropy
 from megarl.models.hf_config import gpt_model_kwargs_from_hf
 from megarl.models.sp_norm import allow_sequence_parallel
 from megarl.platform import have_transformer_engine
@@ -57,7 +58,8 @@ def build_gpt_model(hf: dict, config, temperature: float = 1.0, *, allow_local_s
     Parameters are allocated on the current device (CPU without CUDA) with
     megatron's random init; load real weights with megarl.models.bridge.
     With ``temperature`` != 1 the per-token cross entropy the model returns for
-    ``labels`` is that of softmax(logits / temperature) (:func:`divide_logits`).
+    ``labels`` is that of softmax(logits / temperature) (megarl/models/entropy.py ``install``, which
+    also returns the per-token entropy on request).
     """
     from megatron.core import parallel_state, tensor_parallel  # megatron: module doc
     from megatron.core.models.gpt import GPTModel
@@ -75,26 +77,7 @@ def build_gpt_model(hf: dict, config, temperature: float = 1.0, *, allow_local_s
     # megatron's optimizer expects every parameter to carry TP attributes
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-    if temperature != 1.0:
-        divide_logits(model, temperature)
+    entropy.install(model, temperature)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-def divide_logits(model, temperature: float) -> None:
-    """Make ``model``'s loss for labels the cross entropy of logits / ``temperature``.
-
-    The engines sample from softmax(logits / T) and report that distribution's
-    log-probs as logp_behav, so the trainer's log-probs must be taken at the
-    same T. The division happens on the logits as the output layer gives them
-    (vocab-parallel shards under TP, which the vocab-parallel cross entropy
-    then normalizes over the whole vocabulary) and in fp32, as the engines
-    divide their fp32 logits: a bf16 quotient would round once more.
-    """
-    plain = model.compute_language_model_loss
-
-    def tempered(labels, logits):
-        return plain(labels, logits.float() / temperature)
-
-    model.compute_language_model_loss = tempered

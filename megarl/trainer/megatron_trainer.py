@@ -35,7 +35,7 @@ sampled from, softmax(logits / T) (megarl/rollout/base.py), so every log-prob
 the trainer computes, ``logp_theta`` in :meth:`train_step` and
 :meth:`logprobs` (the forwards of every recovery strategy, the verifier and
 the reference KL), is taken at the same ``temperature``: the fp32 logits are
-divided by it before the log-softmax (megarl/models/build.py ``divide_logits``).
+divided by it before the log-softmax (megarl/models/entropy.py ``install``).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
-from megarl.models import routing_replay
+from megarl.models import entropy, routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
 from megarl.models.build import grouped_gemm
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
@@ -175,8 +175,9 @@ class MegatronTrainer:
         if lo < 0 or hi >= vocab:
             raise InputError(f"token ids must be in [0, {vocab}); got range [{lo}, {hi}]")
 
-    def _run(self, batch, loss_func_for: Callable, forward_only: bool) -> list:
-        """megatron forward(-backward) over this DP rank's micro-batches; returns the last stage's outputs."""
+    def _run(self, batch, loss_func_for: Callable, forward_only: bool, with_entropy: bool = False) -> list:
+        """megatron forward(-backward) over this DP rank's micro-batches; returns the last stage's outputs.
+        ``loss_func_for`` gets the cross entropy [b, n], or [b, n, 2] (with the entropy) ``with_entropy``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = plan_microbatches(batch, self.parallel.dp_rank, self.parallel.dp, self.micro_batch_tokens,
@@ -207,7 +208,7 @@ class MegatronTrainer:
             return out, lambda output: loss_func_for(mb, output[:, :n])
 
         fb = get_forward_backward_func()
-        with routing_replay.fresh(self.model):
+        with routing_replay.fresh(self.model), entropy.returning_entropy(self.model, on=with_entropy):
             return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
                       num_microbatches=len(mbs),
                       seq_length=max(-(-(mb.tokens.shape[1] - 1) // multiple) * multiple for mb in mbs),
@@ -243,7 +244,9 @@ class MegatronTrainer:
         """One optimizer step on ``batch``; see the module doc for the loss semantics.
 
         ``loss_fn(logp_theta [b, l-1] with grad, mb: TrainBatch, normalizer) -> (loss, metrics)``
-        with ``normalizer = {"n_valid_tokens", "n_seqs"}`` (global counts over the batch).
+        with ``normalizer = {"n_valid_tokens", "n_seqs"}`` (global counts over the batch). A ``loss_fn``
+        whose ``wants_entropy`` attribute is true is also given ``entropy=`` [b, l-1] with grad: the
+        policy's entropy at each position, at the sampling temperature (megarl/models/entropy.py).
         Returns metrics averaged over micro-batches plus ``loss`` (sum of losses), ``grad_norm``
         (before clipping), ``lr`` and ``skipped`` (1.0 when the step was not applied because the
         loss or the gradient norm was not finite; ``skipped_nonfinite_loss`` /
@@ -256,16 +259,20 @@ class MegatronTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        def loss_func(mb: MicroBatch, ce: torch.Tensor):
+        with_entropy = bool(getattr(loss_fn, "wants_entropy", False))
+
+        def loss_func(mb: MicroBatch, out: torch.Tensor):
+            ce, ent = (out[..., 0], out[..., 1]) if with_entropy else (out, None)
             logp = -ce.float()
             if mb.dummy:  # weight-0 filler keeps MoE collectives aligned across DP ranks
-                return logp.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"dummy": True}
-            loss, metrics = loss_fn(logp, mb.batch, normalizer)
+                return out.float().sum() * 0.0, torch.tensor(1, dtype=torch.int), {"dummy": True}
+            extra = {"entropy": ent} if with_entropy else {}
+            loss, metrics = loss_fn(logp, mb.batch, normalizer, **extra)
             if loss.dim() != 0:
                 raise InputError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), "metrics": metrics}
 
-        outputs = self._run(batch, loss_func, forward_only=False)
+        outputs = self._run(batch, loss_func, forward_only=False, with_entropy=with_entropy)
         metrics, loss_sum = reduce_metrics(outputs, dp=self.parallel.dp, pp=self.parallel.pp)
         # every rank must take the same skip decision: the loss lives on the last PP stage only
         bad_loss = torch.tensor([0.0 if math.isfinite(loss_sum) else 1.0], device=comm_device())

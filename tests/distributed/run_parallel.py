@@ -8,7 +8,7 @@ parallel state between them), which saves the ~5 s import per launch.
 
 Per mode and rank it writes ``OUT/<mode>.rank<r>.json`` with: log-probs of a
 fixed batch, whether the exported HF weights equal the checkpoint
-bit-exactly, the metrics of one train step, log-probs after it, and (TP) the
+bit-exactly, the metrics of one train step (its loss has an entropy bonus), log-probs after it, and (TP) the
 q/k layernorm weights after the step.
 """
 from __future__ import annotations
@@ -63,9 +63,14 @@ def make_batch():
                       advantages=z, traj_ids=[str(i) for i in range(B)])
 
 
-def nll_loss(logp, mb, normalizer):
-    loss = -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"]
-    return loss, {"nll": float(loss.detach())}
+def nll_loss(logp, mb, normalizer, entropy):
+    """Mean NLL minus 0.5 x mean entropy (the entropy bonus's vocab-parallel reductions and their gradient)."""
+    nll = -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"]
+    ent = (entropy * mb.loss_mask).sum() / normalizer["n_valid_tokens"]
+    return nll - 0.5 * ent, {"nll": float(nll.detach()), "entropy": float(ent.detach())}
+
+
+nll_loss.wants_entropy = True
 
 
 def run_mode(mode: str, ckpts: dict, out: Path) -> None:
