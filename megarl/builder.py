@@ -106,10 +106,11 @@ def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
 
 
 def _eval_workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):
-    """The run's workflow with the evaluation's temperature and response length."""
+    """The run's workflow with the evaluation's temperature, response length and agent (eval.agent_fn)."""
     rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval.temperature,
                                   max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
-    return _workflow(dataclasses.replace(cfg, rollout=rollout), tokenizer)
+    agent = dataclasses.replace(cfg.agent, fn=cfg.eval.agent_fn or cfg.agent.fn)
+    return _workflow(dataclasses.replace(cfg, rollout=rollout, agent=agent), tokenizer)
 
 
 class _EngineStarts:

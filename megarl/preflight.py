@@ -27,7 +27,7 @@ from megarl.models.tiny import write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rollout.base import engine_options, truncates_sampling
 from megarl.tokenizer import RunTokenizer
-from megarl.workflows.agent import check_agent_config
+from megarl.workflows.agent import check_agent_config, load_agent
 
 log = logging.getLogger("megarl.preflight")
 
@@ -211,4 +211,10 @@ def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
         log.warning("eval.every=%d has no effect: eval.path is empty (no evaluation in this run)", cfg.eval.every)
     if cfg.rollout.workflow in ("agent", "agent_http"):  # the agent, its tools and the template, before anything starts
         check_agent_config(cfg.agent, tokenizer, http=cfg.rollout.workflow == "agent_http")
+    if cfg.eval.agent_fn:
+        if cfg.rollout.workflow != "agent":
+            raise ConfigError(f"eval.agent_fn={cfg.eval.agent_fn!r} needs rollout.workflow=agent (it is "
+                              f"{cfg.rollout.workflow!r}); leave eval.agent_fn empty")
+        if cfg.eval.path:
+            load_agent(cfg.eval.agent_fn, key="eval.agent_fn")
     return RunInputs(tokenizer, dataset, eval_dataset)

@@ -195,6 +195,8 @@ class EvalConfig:
     """Longest evaluation response; 0 = rollout.max_new_tokens."""
     pass_threshold: float = 1.0
     """A sample passes when its reward is at least this (1.0: an exact answer)."""
+    agent_fn: str = ""
+    """rollout.workflow=agent: the agent evaluation runs (a built-in name or pkg.mod:agent, as agent.fn); empty = agent.fn. For training with a helper agent (a curriculum, forced tool calls) while evaluating the agent alone."""
 
 
 @dataclass

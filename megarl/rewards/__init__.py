@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from megarl.errors import ConfigError
 
@@ -48,32 +48,36 @@ def register_reward(name: str, path: str) -> None:
     BUILTIN_REWARDS[name] = path
 
 
-def _split_path(path: str) -> tuple[str, str]:
+def _split_path(path: str, what: str = "reward function", builtins: Mapping[str, str] | None = None) -> tuple[str, str]:
     if ":" in path:
         module, _, attr = path.partition(":")
     else:
         module, _, attr = path.rpartition(".")
     if not module or not attr:
-        raise ConfigError(f"reward function {path!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) "
+        names = sorted(BUILTIN_REWARDS if builtins is None else builtins)
+        raise ConfigError(f"{what} {path!r} is neither a built-in ({names}) "
                           f"nor a dotted path 'pkg.mod:func' / 'pkg.mod.func'")
     return module, attr
 
 
-def resolve_reward_fn(name: str) -> Callable[..., Any]:
-    """The callable named by a built-in reward name or a dotted path; ConfigError if it cannot be loaded."""
-    path = BUILTIN_REWARDS.get(name, name)
-    module_name, attr = _split_path(path)
+def resolve_reward_fn(name: str, what: str = "reward function",
+                      builtins: Mapping[str, str] | None = None) -> Callable[..., Any]:
+    """The callable named by a built-in name (of ``builtins``, default the built-in rewards) or a dotted path;
+    ConfigError (naming it as ``what``) if it cannot be loaded."""
+    builtins = BUILTIN_REWARDS if builtins is None else builtins
+    path = builtins.get(name, name)
+    module_name, attr = _split_path(path, what, builtins)
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # any import-time failure of user code is a config problem
-        raise ConfigError(f"reward function {name!r}: cannot import module {module_name!r} "
+        raise ConfigError(f"{what} {name!r}: cannot import module {module_name!r} "
                           f"({type(e).__name__}: {e})") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"reward function {name!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"{what} {name!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"reward function {name!r}: {path!r} is not callable")
+        raise ConfigError(f"{what} {name!r}: {path!r} is not callable")
     return obj
 
 

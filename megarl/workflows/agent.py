@@ -31,19 +31,21 @@ log = logging.getLogger("megarl.agents")
 
 BUILTIN_AGENTS: dict[str, str] = {"math_python": "megarl.workflows.math_python:agent",
                                    "calculator": "megarl.workflows.calculator:agent",
-                                   "calculator_off": "megarl.workflows.calculator:agent_without_tool"}
+                                   "calculator_off": "megarl.workflows.calculator:agent_without_tool",
+                                   "calculator_guided": "megarl.workflows.calculator:agent_guided"}
 
 
-def load_agent(name: str):
-    """The agent function ``name`` (built-in or dotted path); ConfigError unless it is an ``async def``."""
-    fn = resolve_reward_fn(BUILTIN_AGENTS.get(name, name))
+def load_agent(name: str, key: str = "agent.fn"):
+    """The agent function ``name`` (built-in or dotted path); ConfigError (naming the config ``key``) unless
+    it is an ``async def``."""
+    fn = resolve_reward_fn(name, what=key, builtins=BUILTIN_AGENTS)
     if not inspect.iscoroutinefunction(fn):
-        raise ConfigError(f"agent.fn={name!r} is not an async function: define it as "
+        raise ConfigError(f"{key}={name!r} is not an async function: define it as "
                           f"`async def agent(client, row) -> float | None`")
     try:
         inspect.signature(fn).bind("client", "row")
     except TypeError:
-        raise ConfigError(f"agent.fn={name!r} has signature {inspect.signature(fn)}; it must take "
+        raise ConfigError(f"{key}={name!r} has signature {inspect.signature(fn)}; it must take "
                           f"(client, row)") from None
     return fn
 

@@ -18,12 +18,19 @@ reply gets an empty tool response, the rest is the same.
 episode calls the calculator with the problem's own operator (turn 1 is part
 of the prompt, not sampled), so the model only learns to read the result: it
 separates learning to use a result from learning to ask for it.
+The agent ``calculator_guided`` mixes the two: half of the episodes (chosen by a
+hash of the trajectory id, so about half of every group) get the forced call of
+``agent_always_calls``, the rest are free episodes of ``calculator``. Forced
+episodes teach reading a result; free episodes that call the tool then pay as
+soon as it is read, which is what turns the call itself into a rewarded
+choice. Only free episodes' calls count in ``n_tool_calls``.
 Configured by ``configs/tiny_calc_agent_cpu.yaml``.
 """
 from __future__ import annotations
 
 import operator
 import re
+import zlib
 
 OPERATORS = {"+": operator.add, "*": operator.mul}
 _PROBLEM = re.compile(r"\s*(\d+)\s*([+*])\s*(\d+)\s*")
@@ -79,3 +86,15 @@ async def agent_always_calls(client, row) -> None:
                 {"role": "tool", "tool_call_id": "calc", "content": str(calculate(a, op, b))}]
     await client.chat.completions.create(messages=messages)
     return None
+
+
+def is_guided(traj_id: str) -> bool:
+    """Whether ``calculator_guided`` forces the call in the episode of ``traj_id`` (half of all ids)."""
+    return zlib.crc32(traj_id.encode()) % 2 == 0
+
+
+async def agent_guided(client, row) -> None:
+    """The guided mix (module docstring): a forced call in half of the episodes, the free agent in the rest."""
+    if is_guided(client.traj.traj_id):
+        return await agent_always_calls(client, row)
+    return await run_episode(client, row, tool_on=True)

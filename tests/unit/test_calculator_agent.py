@@ -35,11 +35,11 @@ class Replay:
         return GenerateResult("r", ids, [-0.5] * len(ids), [0] * len(ids), "stop")
 
 
-def episode(tok, prompt, replies, agent="calculator"):
+def episode(tok, prompt, replies, agent="calculator", traj_id="g0-0"):
     """Run one episode of the built-in ``agent``: (the trajectory, the decoded contexts the model saw, stats)."""
     limits = AgentLimits(SamplingParams(temperature=1.0, max_new_tokens=12), max_turns=2, max_tokens=96)
     wf = AgentWorkflow(load_agent(agent), tok, None, limits)
-    traj = Trajectory("g0-0", "g0", [], meta={"row": {"prompt": prompt, "answer": "0"}}, logp_old=[])
+    traj = Trajectory(traj_id, "g0", [], meta={"row": {"prompt": prompt, "answer": "0"}}, logp_old=[])
     model = Replay(tok, replies)
     asyncio.run(wf.run(traj, model))
     assert not model.replies and "agent_error" not in traj.meta, traj.meta.get("agent_error")
@@ -138,3 +138,50 @@ def test_the_diagnostic_agent_always_calls_with_the_problems_operator(calc_token
     assert contexts == ["<|im_start|>user\n82*61<|im_end|>\n<|im_start|>assistant\n*<|im_end|>\n<|im_start|>user\n"
                         "<tool_response>\n5002\n</tool_response><|im_end|>\n<|im_start|>assistant\n"]
     assert traj.meta["final_response"] == "5002" and stats["n_agent_turns"] == 1
+
+
+def test_the_guided_agent_forces_the_call_in_half_of_the_episodes(calc_tokenizer):
+    from megarl.workflows.calculator import is_guided
+
+    ids = [f"g{g}-{i}" for g in range(64) for i in range(16)]
+    share = sum(map(is_guided, ids)) / len(ids)
+    assert 0.45 < share < 0.55
+    # about half of each group: a group's samples are compared with each other (GRPO)
+    assert all(3 <= sum(is_guided(f"g{g}-{i}") for i in range(16)) <= 13 for g in range(64))
+    forced = next(t for t in ids if is_guided(t))
+    free = next(t for t in ids if not is_guided(t))
+    _, contexts, stats = episode(calc_tokenizer, "82*61", ["5002"], agent="calculator_guided", traj_id=forced)
+    assert contexts[0].endswith("<tool_response>\n5002\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert stats["n_tool_calls"] == 0  # the forced call is not the model's choice
+    _, contexts, stats = episode(calc_tokenizer, "82*61", ["*", "5002"], agent="calculator_guided", traj_id=free)
+    assert contexts[0] == "<|im_start|>user\n82*61<|im_end|>\n<|im_start|>assistant\n"
+    assert stats["n_tool_calls"] == 1
+
+
+def test_evaluation_runs_the_agent_eval_agent_fn_names(calc_tokenizer):
+    """Training with the guided mix, evaluating the free agent: eval.agent_fn picks the evaluation's agent."""
+    from megarl.builder import _eval_workflow, _workflow
+    from megarl.builder import load_run_config as load_config
+    from megarl.workflows import calculator
+
+    cfg = load_config("configs/tiny_calc_agent_cpu.yaml", ["agent.fn=calculator_guided", "eval.agent_fn=calculator"])
+    train, evaluation = _workflow(cfg, calc_tokenizer), _eval_workflow(cfg, calc_tokenizer)
+    assert train.agent_fn is calculator.agent_guided and evaluation.agent_fn is calculator.agent
+    default = load_config("configs/tiny_calc_agent_cpu.yaml", ["agent.fn=calculator_guided"])
+    assert _eval_workflow(default, calc_tokenizer).agent_fn is calculator.agent_guided  # empty: agent.fn's
+
+
+def test_a_bad_eval_agent_fn_is_one_config_error(tmp_path):
+    from megarl.builder import load_run_config as load_config
+    from megarl.errors import ConfigError
+    from megarl.preflight import load_inputs
+
+    ckpt = write_tokenizer("configs/models/tiny_qwen3_calc.yaml", tmp_path / "ckpt")
+    cfg = load_config("configs/tiny_calc_agent_cpu.yaml", [f"model.checkpoint={ckpt}", "eval.agent_fn=no.such:agent"])
+    with pytest.raises(ConfigError, match="eval.agent_fn"):
+        load_inputs(cfg, vocab_size=64)
+    cfg = load_config("configs/tiny_cpu.yaml", [f"model.checkpoint={ckpt}", "eval.agent_fn=calculator",
+                                                "data.path=configs/data/long_arithmetic_train.jsonl",
+                                                "eval.path=configs/data/long_arithmetic_eval.jsonl"])
+    with pytest.raises(ConfigError, match="needs rollout.workflow=agent"):
+        load_inputs(cfg, vocab_size=64)
