@@ -24,6 +24,14 @@ hash of the trajectory id, so about half of every group) get the forced call of
 episodes teach reading a result; free episodes that call the tool then pay as
 soon as it is read, which is what turns the call itself into a rewarded
 choice. Only free episodes' calls count in ``n_tool_calls``.
+``megarl.workflows.calculator:agent_tool_bonus`` is the free agent with a
+shaping reward: the episode scores the digits reward of its final answer plus
+:data:`TOOL_BONUS` when it called the calculator (tool-use rewards of this
+kind are common in agentic RL). A first reply that calls the tool is then
+worth at least a direct answer of the right length even before the model
+can read the result, so calls survive until copying the result pays.
+Evaluate it with ``eval.agent_fn=calculator``: held-out rewards and pass@1
+then score the final answer alone.
 Configured by ``configs/tiny_calc_agent_cpu.yaml``.
 """
 from __future__ import annotations
@@ -32,7 +40,12 @@ import operator
 import re
 import zlib
 
+from megarl.rewards.digits import digit_reward
+
 OPERATORS = {"+": operator.add, "*": operator.mul}
+TOOL_BONUS = 0.3
+"""What ``agent_tool_bonus`` adds to an episode that called the calculator: above the ~0.25 a direct answer
+of the right length earns with no digit right (reward.fn digits), so calling is never worse early on."""
 _PROBLEM = re.compile(r"\s*(\d+)\s*([+*])\s*(\d+)\s*")
 
 
@@ -53,20 +66,29 @@ def parse_problem(prompt: str) -> tuple[int, str, int]:
     return int(m.group(1)), m.group(2), int(m.group(3))
 
 
-async def run_episode(client, row, tool_on: bool = True) -> None:
-    """One episode (module docstring); the final answer is the last completion, which the reward service scores."""
+async def run_episode(client, row, tool_on: bool = True, bonus: float | None = None) -> float | None:
+    """One episode (module docstring); the final answer is the last completion, which the reward service scores
+    (``bonus`` None), or, with a ``bonus``, the episode's reward: the digits reward of the final answer plus
+    ``bonus`` if it called the calculator."""
     a, _, b = parse_problem(client.prompt)
     messages = [{"role": "user", "content": client.prompt}]
     reply = await client.chat.completions.create(messages=messages)
     text = reply.choices[0].message.content or ""
     op = text.lstrip()[:1]
-    if op not in OPERATORS:
-        return None  # the reply is the final answer
+    if op not in OPERATORS:  # the reply is the final answer
+        return None if bonus is None else _final_reward(reply, row)
     client.stats.n_tool_calls += 1
     result = str(calculate(a, op, b)) if tool_on else ""
     messages += [{"role": "assistant", "content": text}, {"role": "tool", "tool_call_id": "calc", "content": result}]
-    await client.chat.completions.create(messages=messages)
-    return None
+    reply = await client.chat.completions.create(messages=messages)
+    return None if bonus is None else _final_reward(reply, row) + bonus
+
+
+def _final_reward(reply, row) -> float:
+    """The digits reward of ``reply`` as the final answer (as reward.fn digits scores it)."""
+    choice = reply.choices[0]
+    return digit_reward(choice.message.content or "", row["answer"],
+                        finish_reason="length" if choice.finish_reason == "length" else "stop")
 
 
 async def agent(client, row) -> None:
@@ -86,6 +108,11 @@ async def agent_always_calls(client, row) -> None:
                 {"role": "tool", "tool_call_id": "calc", "content": str(calculate(a, op, b))}]
     await client.chat.completions.create(messages=messages)
     return None
+
+
+async def agent_tool_bonus(client, row) -> float:
+    """The free agent with the shaping reward (module docstring): digits reward + TOOL_BONUS for a call."""
+    return await run_episode(client, row, tool_on=True, bonus=TOOL_BONUS)
 
 
 def is_guided(traj_id: str) -> bool:

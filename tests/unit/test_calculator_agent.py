@@ -185,3 +185,21 @@ def test_a_bad_eval_agent_fn_is_one_config_error(tmp_path):
                                                 "eval.path=configs/data/long_arithmetic_eval.jsonl"])
     with pytest.raises(ConfigError, match="needs rollout.workflow=agent"):
         load_inputs(cfg, vocab_size=64)
+
+
+def test_the_tool_bonus_agent_scores_the_final_answer_plus_the_bonus_for_a_call(calc_tokenizer):
+    from megarl.workflows.calculator import TOOL_BONUS
+
+    def reward(replies, answer="5002"):
+        limits = AgentLimits(SamplingParams(temperature=1.0, max_new_tokens=12), max_turns=2, max_tokens=96)
+        wf = AgentWorkflow(load_agent("megarl.workflows.calculator:agent_tool_bonus"), calc_tokenizer, None, limits)
+        traj = Trajectory("g0-0", "g0", [], meta={"row": {"prompt": "82*61", "answer": answer}}, logp_old=[])
+        asyncio.run(wf.run(traj, Replay(calc_tokenizer, replies)))
+        return traj.reward, wf.stats()["n_tool_calls"]
+
+    assert TOOL_BONUS == 0.3
+    assert reward(["*", "5002"]) == (pytest.approx(1.3), 1)  # called, then copied the result
+    assert reward(["5002"]) == (1.0, 0)  # answered directly, right
+    # called, then 2 of 4 digits at their place and the right length: 0.75 * 2/4 + 0.25 + the bonus
+    assert reward(["+", "5112"]) == (pytest.approx(0.375 + 0.25 + 0.3), 1)
+    assert reward(["17"]) == (pytest.approx(0.25 * 0.5), 0)  # direct: no digit right, half the length
