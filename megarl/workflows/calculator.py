@@ -26,10 +26,13 @@ soon as it is read, which is what turns the call itself into a rewarded
 choice. Only free episodes' calls count in ``n_tool_calls``.
 ``megarl.workflows.calculator:agent_tool_bonus`` is the free agent with a
 shaping reward: the episode scores the digits reward of its final answer plus
-:data:`TOOL_BONUS` when it called the calculator (tool-use rewards of this
-kind are common in agentic RL). A first reply that calls the tool is then
-worth at least a direct answer of the right length even before the model
-can read the result, so calls survive until copying the result pays.
+:data:`TOOL_BONUS` when it called the calculator with the problem's own
+operator (a reward for a correct tool call, common in agentic RL). Such a
+call is then worth at least a direct answer of the right length even before
+the model can read the result, so calls survive until copying the result
+pays; a call with the other operator earns nothing extra (its result is not
+the answer, and a bonus for it taught one seed to call with one operator
+always and answer with filler of the answer's length).
 Evaluate it with ``eval.agent_fn=calculator``: held-out rewards and pass@1
 then score the final answer alone.
 Configured by ``configs/tiny_calc_agent_cpu.yaml``.
@@ -44,8 +47,9 @@ from megarl.rewards.digits import digit_reward
 
 OPERATORS = {"+": operator.add, "*": operator.mul}
 TOOL_BONUS = 0.3
-"""What ``agent_tool_bonus`` adds to an episode that called the calculator: above the ~0.25 a direct answer
-of the right length earns with no digit right (reward.fn digits), so calling is never worse early on."""
+"""What ``agent_tool_bonus`` adds to an episode that called the calculator with the problem's operator: above
+the ~0.25 a direct answer of the right length earns with no digit right (reward.fn digits), so such a call is
+never worse early on."""
 _PROBLEM = re.compile(r"\s*(\d+)\s*([+*])\s*(\d+)\s*")
 
 
@@ -69,8 +73,8 @@ def parse_problem(prompt: str) -> tuple[int, str, int]:
 async def run_episode(client, row, tool_on: bool = True, bonus: float | None = None) -> float | None:
     """One episode (module docstring); the final answer is the last completion, which the reward service scores
     (``bonus`` None), or, with a ``bonus``, the episode's reward: the digits reward of the final answer plus
-    ``bonus`` if it called the calculator."""
-    a, _, b = parse_problem(client.prompt)
+    ``bonus`` if it called the calculator with the problem's operator."""
+    a, problem_op, b = parse_problem(client.prompt)
     messages = [{"role": "user", "content": client.prompt}]
     reply = await client.chat.completions.create(messages=messages)
     text = reply.choices[0].message.content or ""
@@ -81,7 +85,7 @@ async def run_episode(client, row, tool_on: bool = True, bonus: float | None = N
     result = str(calculate(a, op, b)) if tool_on else ""
     messages += [{"role": "assistant", "content": text}, {"role": "tool", "tool_call_id": "calc", "content": result}]
     reply = await client.chat.completions.create(messages=messages)
-    return None if bonus is None else _final_reward(reply, row) + bonus
+    return None if bonus is None else _final_reward(reply, row) + (bonus if op == problem_op else 0.0)
 
 
 def _final_reward(reply, row) -> float:
@@ -111,7 +115,7 @@ async def agent_always_calls(client, row) -> None:
 
 
 async def agent_tool_bonus(client, row) -> float:
-    """The free agent with the shaping reward (module docstring): digits reward + TOOL_BONUS for a call."""
+    """The free agent with the shaping reward (module docstring): digits reward + TOOL_BONUS for a right call."""
     return await run_episode(client, row, tool_on=True, bonus=TOOL_BONUS)
 
 

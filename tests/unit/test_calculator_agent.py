@@ -201,5 +201,7 @@ def test_the_tool_bonus_agent_scores_the_final_answer_plus_the_bonus_for_a_call(
     assert reward(["*", "5002"]) == (pytest.approx(1.3), 1)  # called, then copied the result
     assert reward(["5002"]) == (1.0, 0)  # answered directly, right
     # called, then 2 of 4 digits at their place and the right length: 0.75 * 2/4 + 0.25 + the bonus
-    assert reward(["+", "5112"]) == (pytest.approx(0.375 + 0.25 + 0.3), 1)
+    assert reward(["*", "5112"]) == (pytest.approx(0.375 + 0.25 + 0.3), 1)
+    # called with the other operator (the result, 143, is not the answer): no bonus
+    assert reward(["+", "5112"]) == (pytest.approx(0.375 + 0.25), 1)
     assert reward(["17"]) == (pytest.approx(0.25 * 0.5), 0)  # direct: no digit right, half the length
