@@ -49,6 +49,22 @@ THRESHOLD_OF_BEST = 0.5
 DONE = "done.json"
 
 
+def is_eval_record(record: dict[str, Any]) -> bool:
+    """Whether a metrics.jsonl line is an evaluation's (eval.path set), not a training step's."""
+    return any(k.startswith("eval/") for k in record)
+
+
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training steps' records of a run's metrics.jsonl lines."""
+    return [r for r in records if not is_eval_record(r)]
+
+
+def last_eval_pass1(records: list[dict[str, Any]]) -> float | None:
+    """pass@1 of the run's last evaluation; None when it evaluated nothing."""
+    evals = [r for r in records if "eval/pass@1" in r]
+    return float(evals[-1]["eval/pass@1"]) if evals else None
+
+
 def rewards(records: list[dict[str, Any]]) -> list[float]:
     return [float(r.get("reward_mean") or 0.0) for r in records]
 
@@ -78,17 +94,26 @@ def default_threshold(runs_by_cell: dict[tuple[str, int], list[list[dict]]], win
 
 def final_table(runs_by_cell: dict[tuple[str, int], list[list[dict]]], window: int, smooth: int = 5,
                 threshold: float | None = None) -> list[dict[str, Any]]:
+    """Per cell (module docstring); a run's records may hold its evaluations' lines too: the steps' records
+    make the curves, the last evaluation gives ``eval_pass1_*`` (None without evaluations)."""
+    evals = {cell: [last_eval_pass1(r) for r in runs] for cell, runs in runs_by_cell.items()}
+    runs_by_cell = {cell: [step_records(r) for r in runs] for cell, runs in runs_by_cell.items()}
     threshold = default_threshold(runs_by_cell, window) if threshold is None else threshold
     rows = []
     for (strategy, eta), runs in runs_by_cell.items():
         per_seed = [final_window_reward(r, window) for r in runs]
+        pass1 = evals[(strategy, eta)]
+        pass1 = None if None in pass1 else pass1
         diag = cell_diagnostics(runs, min(len(r) for r in runs))
         diag.pop("active_frac_curve")  # a curve: it goes with the reward curves
         reach = [steps_to_threshold(moving_average(rewards(r), smooth), threshold) for r in runs]
         rows.append({"strategy": strategy, "eta": eta, "per_seed": per_seed, "mean": statistics.fmean(per_seed),
                      "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
                      "wall_s_median": statistics.median(step_phases(r)[-1]["wall"] for r in runs),
-                     "steps_to_threshold": threshold_summary(reach), **diag})
+                     "steps_to_threshold": threshold_summary(reach),
+                     "eval_pass1_per_seed": pass1,
+                     "eval_pass1_mean": None if pass1 is None else statistics.fmean(pass1),
+                     **diag})
     return rows
 
 
@@ -102,11 +127,12 @@ def behav_diffs(final: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def build_quality_report(runs_by_cell: dict[tuple[str, int], list[list[dict]]], *, window: int, smooth: int,
                          meta: dict[str, Any], threshold: float | None = None) -> dict[str, Any]:
+    steps = {cell: [step_records(r) for r in runs] for cell, runs in runs_by_cell.items()}
     curves = [{"strategy": s, "eta": e, **curve(runs, smooth),
                "active_frac": cell_diagnostics(runs, min(len(r) for r in runs))["active_frac_curve"]}
-              for (s, e), runs in runs_by_cell.items()]
+              for (s, e), runs in steps.items()]
     given = threshold is not None
-    threshold = threshold if given else default_threshold(runs_by_cell, window)
+    threshold = threshold if given else default_threshold(steps, window)
     final = final_table(runs_by_cell, window, smooth, threshold)
     return {"quality": {"curves": curves, "final": final, "vs_behav": behav_diffs(final), "window": window,
                         "smooth": smooth, "threshold": threshold,
@@ -153,6 +179,13 @@ def render_quality_markdown(rep: dict[str, Any]) -> str:
     out += ["", "r_d is logged only where logp_old is known (exact strategies); abs(logp_anchor - logp_behav) is "
             "what the loss's train-inference weight sees, for every strategy. '-': not logged (loglinear and linear "
             "build their anchor inside the loss, so only its active share is known)."]
+    with_eval = [r for r in q["final"] if r.get("eval_pass1_per_seed") is not None]
+    if with_eval:
+        out += ["", "## Held-out pass@1 at the last evaluation", "",
+                "| strategy | eta | mean over seeds | per seed | seeds |", "|---|---|---|---|---|"]
+        for r in with_eval:
+            out.append(f"| {r['strategy']} | {r['eta']} | {r['eval_pass1_mean']:.4f} | "
+                       f"{', '.join(f'{x:.4f}' for x in r['eval_pass1_per_seed'])} | {len(r['eval_pass1_per_seed'])} |")
     if q["vs_behav"]:
         out += ["", "## Final-window reward minus behav's at the same eta (bootstrap 90% interval over seeds)", "",
                 "| strategy | eta | difference | 90% interval |", "|---|---|---|---|"]
@@ -192,7 +225,8 @@ def finished_records(spec: dict[str, Any], config: dict[str, Any]) -> list[dict[
         records = load_metrics(run_dir / "metrics.jsonl")
     except (OSError, ValueError):
         return None
-    if done.get("config") != config or [r.get("step") for r in records] != list(range(1, spec["steps"] + 1)):
+    steps = [r.get("step") for r in step_records(records)]
+    if done.get("config") != config or steps != list(range(1, spec["steps"] + 1)):
         return None
     return records
 

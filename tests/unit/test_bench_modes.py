@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.bench import quality, quality_stats, sweep, variants
+from megarl.bench import quality, quality_stats, report, sweep, variants
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.bench.fit import nonneg_lstsq, power_law
 from megarl.bench.run import _prepare_run_dir
@@ -388,3 +388,30 @@ def test_prepare_run_dir_removes_a_run_stopped_before_its_config(tmp_path):
     (d / "notes.txt").write_text("mine\n")
     with pytest.raises(MegarlError, match="is not a previous bench run"):
         _prepare_run_dir(d)
+
+
+class FakeRunWithEval(FakeRun):
+    """FakeRun whose metrics.jsonl also holds evaluation records (eval.path set), as a real run writes them."""
+
+    def __call__(self, spec):
+        super().__call__(spec)
+        metrics = Path(spec["run_dir"]) / "metrics.jsonl"
+        seed = int(spec["run_dir"][-1])
+        evals = [{"step": s, "eval/pass@1": 0.25 * s + 0.1 * seed, "eval/reward_mean": 0.5} for s in (2, 3)]
+        lines = metrics.read_text().splitlines(keepends=True)
+        metrics.write_text("".join(lines[:2]) + json.dumps(evals[0]) + "\n" + lines[2] + json.dumps(evals[1]) + "\n")
+        return {"records": report.load_metrics(metrics)}
+
+
+def test_quality_grid_with_evaluation_records(tmp_path):
+    """Evaluation lines in metrics.jsonl are neither steps of the reward curve nor a reason to run again; the
+    table shows the last evaluation's pass@1."""
+    first = FakeRunWithEval(3)
+    rep = _grid(tmp_path, first)
+    behav = rep["quality"]["final"][0]
+    assert behav["per_seed"] == approx([0.015, 0.115])  # as without evaluation records
+    assert rep["quality"]["curves"][0]["step"] == [1, 2, 3]
+    assert behav["eval_pass1_per_seed"] == approx([0.75, 0.85]) and behav["eval_pass1_mean"] == approx(0.8)
+    assert "| behav | 8 | 0.8000 | 0.7500, 0.8500 | 2 |" in quality.render_quality_markdown(rep)
+    again = FakeRunWithEval(3)
+    assert _grid(tmp_path, again)["quality"]["final"] == rep["quality"]["final"] and again.calls == []
