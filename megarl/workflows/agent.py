@@ -32,7 +32,8 @@ log = logging.getLogger("megarl.agents")
 BUILTIN_AGENTS: dict[str, str] = {"math_python": "megarl.workflows.math_python:agent",
                                    "calculator": "megarl.workflows.calculator:agent",
                                    "calculator_off": "megarl.workflows.calculator:agent_without_tool",
-                                   "calculator_guided": "megarl.workflows.calculator:agent_guided"}
+                                   "calculator_guided": "megarl.workflows.calculator:agent_guided",
+                                   "calculator_bonus": "megarl.workflows.calculator:agent_tool_bonus"}
 
 
 def load_agent(name: str, key: str = "agent.fn"):

@@ -5,10 +5,15 @@ Turn 1 shows the problem (``4821*907``, a row of megarl/tasks/long_arithmetic.py
 A reply that starts with an operator (``+`` or ``*``, leading whitespace
 ignored; what follows it is ignored too) calls the calculator on the problem's
 two operands with that operator: its result comes back as a ``tool`` message (a ``<tool_response>`` block in a user
-turn with the ChatML template) and turn 2's reply is the final answer. Any
-other turn-1 reply is the final answer itself, so the model decides whether to
-use the tool, and with which operator. The agent returns None: the reward
-service scores the final answer (``reward.fn: digits``).
+turn with the ChatML template) and the model replies again. Any other reply is
+the final answer, so the model decides whether to use the tool, and with which
+operator. The rule is the same at every turn: a call on the last turn
+``agent.max_turns`` allows has no turn left for its answer, so the episode ends
+without one and scores 0, as an agent that runs out of turns does. (A reply
+such as ``+24`` after the result is another call, not an answer with a wrong
+first character: the answer turn must not repeat the call.) An episode that
+answers returns None: the reward service scores its final answer
+(``reward.fn: digits``).
 
 A calculator call counts in the run's ``n_tool_calls`` (so per step,
 ``n_tool_calls / n_reward_calls`` is the share of episodes that used the tool).
@@ -24,15 +29,16 @@ hash of the trajectory id, so about half of every group) get the forced call of
 episodes teach reading a result; free episodes that call the tool then pay as
 soon as it is read, which is what turns the call itself into a rewarded
 choice. Only free episodes' calls count in ``n_tool_calls``.
-``megarl.workflows.calculator:agent_tool_bonus`` is the free agent with a
-shaping reward: the episode scores the digits reward of its final answer plus
-:data:`TOOL_BONUS` when it called the calculator with the problem's own
-operator (a reward for a correct tool call, common in agentic RL). Such a
-call is then worth at least a direct answer of the right length even before
-the model can read the result, so calls survive until copying the result
-pays; a call with the other operator earns nothing extra (its result is not
-the answer, and a bonus for it taught one seed to call with one operator
-always and answer with filler of the answer's length).
+The agent ``calculator_bonus`` (``agent_tool_bonus``) is the free agent with a
+shaping reward: an episode that answers scores the digits reward of its final
+answer plus :data:`TOOL_BONUS` when it called the calculator with the
+problem's own operator (a reward for a correct tool call, common in agentic
+RL); an episode without an answer scores 0. Such a call is then worth at
+least a direct answer of the right length even before the model can read the
+result, so calls survive until copying the result pays; a call with the
+other operator earns nothing extra (its result is not the answer, and a bonus
+for it taught one seed to call with one operator always and answer with
+filler of the answer's length).
 Evaluate it with ``eval.agent_fn=calculator``: held-out rewards and pass@1
 then score the final answer alone.
 Configured by ``configs/tiny_calc_agent_cpu.yaml``.
@@ -71,21 +77,29 @@ def parse_problem(prompt: str) -> tuple[int, str, int]:
 
 
 async def run_episode(client, row, tool_on: bool = True, bonus: float | None = None) -> float | None:
-    """One episode (module docstring); the final answer is the last completion, which the reward service scores
-    (``bonus`` None), or, with a ``bonus``, the episode's reward: the digits reward of the final answer plus
-    ``bonus`` if it called the calculator with the problem's operator."""
+    """One episode (module docstring). It ends at the first reply that is not a call (the final answer): then
+    None (the reward service scores it) or, with a ``bonus``, the digits reward of the final answer plus
+    ``bonus`` if the episode called the calculator with the problem's operator. A call on the last allowed
+    turn leaves no answer: 0.0."""
     a, problem_op, b = parse_problem(client.prompt)
     messages = [{"role": "user", "content": client.prompt}]
-    reply = await client.chat.completions.create(messages=messages)
-    text = reply.choices[0].message.content or ""
-    op = text.lstrip()[:1]
-    if op not in OPERATORS:  # the reply is the final answer
-        return None if bonus is None else _final_reward(reply, row)
-    client.stats.n_tool_calls += 1
-    result = str(calculate(a, op, b)) if tool_on else ""
-    messages += [{"role": "assistant", "content": text}, {"role": "tool", "tool_call_id": "calc", "content": result}]
-    reply = await client.chat.completions.create(messages=messages)
-    return None if bonus is None else _final_reward(reply, row) + (bonus if op == problem_op else 0.0)
+    right_call = False
+    for turn in range(1, client.max_turns + 1):
+        reply = await client.chat.completions.create(messages=messages)
+        text = reply.choices[0].message.content or ""
+        op = text.lstrip()[:1]
+        if op not in OPERATORS:  # the reply is the final answer
+            if bonus is None:
+                return None
+            return _final_reward(reply, row) + (bonus if right_call else 0.0)
+        if turn == client.max_turns:
+            break  # no turn left for an answer: the calculator is not run
+        client.stats.n_tool_calls += 1
+        right_call = right_call or op == problem_op
+        result = str(calculate(a, op, b)) if tool_on else ""
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "tool", "tool_call_id": "calc", "content": result}]
+    return 0.0
 
 
 def _final_reward(reply, row) -> float:

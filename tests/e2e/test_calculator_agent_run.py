@@ -28,11 +28,17 @@ def test_calculator_agent_trains_and_calls_the_tool(tmp_path):
     evals = [x for x in lines if "eval/reward_mean" in x]
     assert [x["step"] for x in evals] == [2, 3] and all(x["eval/n_reward_failed"] == 0 for x in evals)
     # samples.jsonl holds the steps' episodes: a reply starting with an operator got the calculator's result on the
-    # problem's operands, then a second reply in the same trajectory
+    # problem's operands, then a second reply, in the same trajectory or, where the re-rendered conversation did
+    # not extend the first reply's tokens (a reply cut at max_new_tokens, say), in the episode's next part
+    # (traj_id + ".t1", whose prompt holds the conversation so far)
     samples = _lines(run_dir / "samples.jsonl")
-    tool = [s for s in samples if s["response"].lstrip()[:1] in ("+", "*") and "<tool_response>" in s["response"]]
+    by_id = {s["traj_id"]: s for s in samples}
+    called = [s for s in samples if s["response"].lstrip()[:1] in ("+", "*") and "." not in s["traj_id"]]
+    tool = [s for s in called if "\nuser\n<tool_response>" in s["response"] or s["traj_id"] + ".t1" in by_id]
     assert tool
     for s in tool:
         a, _, b = parse_problem(re.search(r"user\n(\d+[+*]\d+)<", s["prompt"]).group(1))
         result = calculate(a, s["response"].lstrip()[0], b)
-        assert f"\nuser\n<tool_response>\n{result}\n</tool_response>\nassistant\n" in s["response"], s
+        rendered = f"user\n<tool_response>\n{result}\n</tool_response>"
+        part = by_id.get(s["traj_id"] + ".t1")
+        assert f"\n{rendered}\nassistant\n" in s["response"] or (part and rendered in part["prompt"]), (s, part)

@@ -35,9 +35,9 @@ class Replay:
         return GenerateResult("r", ids, [-0.5] * len(ids), [0] * len(ids), "stop")
 
 
-def episode(tok, prompt, replies, agent="calculator", traj_id="g0-0"):
+def episode(tok, prompt, replies, agent="calculator", traj_id="g0-0", max_turns=2):
     """Run one episode of the built-in ``agent``: (the trajectory, the decoded contexts the model saw, stats)."""
-    limits = AgentLimits(SamplingParams(temperature=1.0, max_new_tokens=12), max_turns=2, max_tokens=96)
+    limits = AgentLimits(SamplingParams(temperature=1.0, max_new_tokens=12), max_turns=max_turns, max_tokens=96)
     wf = AgentWorkflow(load_agent(agent), tok, None, limits)
     traj = Trajectory(traj_id, "g0", [], meta={"row": {"prompt": prompt, "answer": "0"}}, logp_old=[])
     model = Replay(tok, replies)
@@ -104,6 +104,19 @@ def test_an_operator_reply_calls_the_calculator_and_the_next_reply_is_the_answer
     # the reply's first character (after whitespace) is the call: what follows it is ignored
     _, contexts, stats = episode(calc_tokenizer, "4821*907", ["\n*4+", "4372647"])
     assert "<tool_response>\n4372647\n</tool_response>" in contexts[1] and stats["n_tool_calls"] == 1
+
+
+def test_a_call_on_the_last_turn_leaves_no_answer_and_scores_0(calc_tokenizer):
+    # '+24' after the result is another call, not an answer with a wrong first character: with max_turns 2
+    # no turn is left for its answer, the calculator is not run and the episode scores 0 (the reward service,
+    # which would score '+24' as an answer, is not asked)
+    traj, contexts, stats = episode(calc_tokenizer, "4821*907", ["*", "+24"])
+    assert len(contexts) == 2 and traj.reward == 0.0 and stats["n_tool_calls"] == 1
+    # with a third turn the second call is served and the third reply answers
+    traj, contexts, stats = episode(calc_tokenizer, "4821*907", ["+", "*", "4372647"], max_turns=3)
+    assert "<tool_response>\n5728\n</tool_response>" in contexts[1]
+    assert contexts[2].endswith("<tool_response>\n4372647\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert traj.meta["final_response"] == "4372647" and stats["n_tool_calls"] == 2 and traj.reward is None
 
 
 def test_any_other_reply_is_the_final_answer(calc_tokenizer):
@@ -205,3 +218,5 @@ def test_the_tool_bonus_agent_scores_the_final_answer_plus_the_bonus_for_a_call(
     # called with the other operator (the result, 143, is not the answer): no bonus
     assert reward(["+", "5112"]) == (pytest.approx(0.375 + 0.25), 1)
     assert reward(["17"]) == (pytest.approx(0.25 * 0.5), 0)  # direct: no digit right, half the length
+    # a right call, then another call with no turn left: no answer, so no digits reward and no bonus
+    assert reward(["*", "*5002"]) == (0.0, 1)
