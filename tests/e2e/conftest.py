@@ -1,4 +1,5 @@
-"""What the e2e tests share: the real CLI as a subprocess and one tiny checkpoint per test module."""
+"""What the e2e tests share: the real CLI as a subprocess and the tiny checkpoints, written once per session (runs
+read them and write under their own run directories)."""
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def run_megarl(*args, timeout=600, unset=()):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
     """A random tiny dense Qwen3 checkpoint written by `megarl init-checkpoint`."""
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
@@ -34,7 +35,7 @@ def ckpt(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def text_ckpt(tmp_path_factory):
     """The tiny Qwen3 with the character-level ASCII tokenizer (long answers at random init: splicing)."""
     out = tmp_path_factory.mktemp("text_ckpt") / "tiny_text"

@@ -180,8 +180,12 @@ def test_evaluation_runs_the_agent_eval_agent_fn_names(calc_tokenizer):
     cfg = load_config("configs/tiny_calc_agent_cpu.yaml", ["agent.fn=calculator_guided", "eval.agent_fn=calculator"])
     train, evaluation = _workflow(cfg, calc_tokenizer), _eval_workflow(cfg, calc_tokenizer)
     assert train.agent_fn is calculator.agent_guided and evaluation.agent_fn is calculator.agent
-    default = load_config("configs/tiny_calc_agent_cpu.yaml", ["agent.fn=calculator_guided"])
+    default = load_config("configs/tiny_calc_agent_cpu.yaml", ["agent.fn=calculator_guided", "eval.agent_fn="])
     assert _eval_workflow(default, calc_tokenizer).agent_fn is calculator.agent_guided  # empty: agent.fn's
+    # the shipped config trains with the tool bonus and evaluates the final answer alone
+    shipped = load_config("configs/tiny_calc_agent_cpu.yaml", [])
+    assert _workflow(shipped, calc_tokenizer).agent_fn is calculator.agent_tool_bonus
+    assert _eval_workflow(shipped, calc_tokenizer).agent_fn is calculator.agent
 
 
 def test_a_bad_eval_agent_fn_is_one_config_error(tmp_path):
