@@ -372,7 +372,17 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
                 "counters": dict(self.counters), "gen_stall_s": self.gen_stall_s,
                 "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
-                "running_prompts": [p.to_dict() for p in prompts]}
+                "running_prompts": [p.to_dict() for p in prompts], **self._loss_state()}
+
+    def _loss_state(self) -> dict[str, Any]:
+        """The loss's own state (an adaptive entropy coefficient: megarl/losses/entropy_control.py)."""
+        control = getattr(self.loss_fn_factory, "entropy_control", None)
+        return {"loss": control.state_dict()} if control is not None else {}
+
+    def _load_loss_state(self, state: dict[str, Any]) -> None:
+        control = getattr(self.loss_fn_factory, "entropy_control", None)
+        if control is not None and "loss" in state:
+            control.load_state_dict(state["loss"])
 
     def load_state_dict(self, state: dict[str, Any], id_prefix: str = "") -> None:
         """Continue from :meth:`state_dict`: before :meth:`train`, after the trainer and strategy are restored.
@@ -388,5 +398,6 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.buffer.load_state_dict(state["buffer"])
         self.dataset.load_state_dict(state["dataset"])
         self._regenerate = [Prompt.from_dict(d) for d in state["running_prompts"]]
+        self._load_loss_state(state)
         self.id_prefix = id_prefix
         self._resumed = True

@@ -120,6 +120,16 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
     if cfg.loss.entropy_coef < 0:
         raise ConfigError(f"loss.entropy_coef={cfg.loss.entropy_coef} must be >= 0 (a negative bonus would push the "
                           f"policy to collapse onto one answer); 0 turns the bonus off")
+    if cfg.loss.entropy_target is not None:
+        if cfg.loss.entropy_target <= 0:
+            raise ConfigError(f"loss.entropy_target={cfg.loss.entropy_target} must be > 0 (nats per policy token), "
+                              f"or null for a fixed loss.entropy_coef")
+        lo, hi = cfg.loss.entropy_coef_min, cfg.loss.entropy_coef_max
+        if cfg.loss.entropy_coef_step <= 0 or not 0 <= lo <= cfg.loss.entropy_coef <= hi:
+            raise ConfigError(f"loss.entropy_target is set, so loss.entropy_coef_step={cfg.loss.entropy_coef_step} "
+                              f"must be > 0 and 0 <= loss.entropy_coef_min={lo} <= loss.entropy_coef="
+                              f"{cfg.loss.entropy_coef} <= loss.entropy_coef_max={hi} (the coefficient starts at "
+                              f"loss.entropy_coef and stays within the two)")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:

@@ -27,9 +27,15 @@ class StepBookkeeping:
         t_anchor = time.perf_counter()
         if anchor.logp_anchor is not None:
             batch.logp_anchor = anchor.logp_anchor
-        metrics = self.trainer.train_step(batch, self.loss_fn_factory(batch, anchor))
+        loss_fn = self.loss_fn_factory(batch, anchor)
+        metrics = self.trainer.train_step(batch, loss_fn)
         t_step = time.perf_counter()
         metrics = dict(metrics)
+        control = getattr(self.loss_fn_factory, "entropy_control", None)
+        if control is not None and control.active:  # the coefficient this step used, then the next step's
+            metrics["entropy_coef"] = float(loss_fn.entropy_coef)
+            if not metrics.get("skipped"):
+                control.observe(metrics.get("entropy"))
         metrics.update(anchor.metrics)
         metrics["anchor_exact"] = float(anchor.exact)
         metrics["recovery_s"] = t_anchor - t0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megarl.errors import TrainingError
+from megarl.losses.entropy_control import EntropyControl
 from megarl.losses.policy import loss_normalizer, normalizer_needs_anchor, policy_loss
 
 
@@ -52,8 +53,15 @@ def loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None, strategy:
     exp(ref - theta) - (ref - theta) - 1 (Schulman, "Approximating KL
     divergence", 2020), averaged over all policy tokens of the batch.
     ``strategy`` names the recovery strategy in errors about its anchor.
+
+    The factory's ``entropy_control`` holds the entropy bonus's coefficient (fixed, or adapted after each step:
+    megarl/losses/entropy_control.py); ``factory(batch, anchor, entropy_coef=c)`` uses ``c`` instead (the other
+    trainer ranks use the value rank 0 used). A loss function's ``entropy_coef`` is the coefficient it applies.
     """
-    def factory(batch, anchor):
+    control = EntropyControl.from_config(loss_cfg)
+
+    def factory(batch, anchor, entropy_coef: float | None = None):
+        coef = control.coef if entropy_coef is None else float(entropy_coef)
         if anchor.exact and anchor.from_theta is None:
             check_exact_anchor(anchor.logp_anchor, batch, strategy)
         if batch.logp_anchor is not None:
@@ -93,13 +101,16 @@ def loss_fn_factory(loss_cfg, kl_coef: float = 0.0, ref_logprobs=None, strategy:
                 kl = (torch.exp(diff) - diff - 1.0).sum() / n_valid
                 loss = loss + kl_coef * kl
                 metrics = {**metrics, "kl_ref": float(kl.detach()) * n_valid / max(float(mask.sum()), 1.0)}
-            if loss_cfg.entropy_coef > 0:
-                loss, metrics = _entropy_bonus(loss, metrics, entropy, mb, _counts, loss_cfg.entropy_coef)
+            if loss_fn.wants_entropy:
+                loss, metrics = _entropy_bonus(loss, metrics, entropy, mb, _counts, coef)
             return loss, metrics
 
-        loss_fn.wants_entropy = loss_cfg.entropy_coef > 0  # the trainer then passes entropy=
+        # the trainer then passes entropy= (with a target, also while the coefficient is 0: it is observed)
+        loss_fn.wants_entropy = coef > 0 or control.adaptive
+        loss_fn.entropy_coef = coef
         return loss_fn
 
+    factory.entropy_control = control
     return factory
 
 
@@ -107,11 +118,13 @@ def _entropy_bonus(loss, metrics, entropy, mb, counts, coef: float):
     """``loss - coef * sum(entropy over mb's policy tokens) / the batch's policy-token count`` (so the
     micro-batch terms add up to coef x the batch's mean entropy), and the micro-batch's mean entropy."""
     if entropy is None or counts is None:
-        raise TrainingError("loss.entropy_coef > 0 needs the policy's entropy, but the trainer passed none: "
-                            "it must honour the loss function's wants_entropy (megarl/models/entropy.py)")
+        raise TrainingError("an entropy bonus (loss.entropy_coef > 0 or loss.entropy_target) needs the policy's "
+                            "entropy, but the trainer passed none: it must honour the loss function's "
+                            "wants_entropy (megarl/models/entropy.py)")
     mask = mb.loss_mask.to(entropy.device)[:, : entropy.shape[1]] > 0
     total = torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
-    loss = loss - coef * total / max(counts["n_valid_tokens"], 1.0)
+    if coef > 0:  # at 0 (an adaptive coefficient at its floor) the entropy is only observed
+        loss = loss - coef * total / max(counts["n_valid_tokens"], 1.0)
     return loss, {**metrics, "entropy": float(total.detach()) / max(float(mask.sum()), 1.0)}
 
 

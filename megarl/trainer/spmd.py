@@ -222,8 +222,8 @@ class DrivingTrainer:
         return self.trainer.exported_hf_config()
 
     def train_step(self, batch: TrainBatch, loss_fn) -> dict:
-        with self.channel.lock:
-            self.channel.send(("train_step",))
+        with self.channel.lock:  # the followers build the same loss, with the entropy coefficient rank 0 uses
+            self.channel.send(("train_step", getattr(loss_fn, "entropy_coef", None)))
         return self.trainer.train_step(batch, loss_fn)
 
     def save_hf_checkpoint(self, out_dir: str):
@@ -316,7 +316,7 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             if anchor.logp_anchor is not None:
                 batch.logp_anchor = anchor.logp_anchor
         elif kind == "train_step":
-            trainer.train_step(batch, loss_fn_factory(batch, anchor))
+            trainer.train_step(batch, loss_fn_factory(batch, anchor, entropy_coef=event[1]))
         elif kind == "save_hf_checkpoint":
             trainer.save_hf_checkpoint(event[1])
         elif kind == "export_hf_weights":

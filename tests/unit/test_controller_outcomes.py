@@ -40,11 +40,11 @@ class ScriptedRewards:
 
 
 def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, records=None, skip=(), on_step=None,
-         **optional):
+         trainer=None, loss_fn_factory=None, **optional):
     rng = random.Random(0)
     cfg = load_run_config(None, ["trainer.batch_size=8", "rollout.group_size=4", "rollout.eta=1", *overrides])
     engine = engine or SimulatedEngineForGateTests(rng, 12)
-    trainer = StepCounterTrainerForGateTests(rng, skip)
+    trainer = trainer or StepCounterTrainerForGateTests(rng, skip)
     counter = iter(range(10**9))
     prompts = iter(lambda: SimpleNamespace(prompt_id=f"p{next(counter)}", prompt_ids=[1, 5, 2], answer=None,
                                            row={"prompt": "hi"}), None)
@@ -65,7 +65,7 @@ def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, record
                    published=PublishedVersion(), rewards=rewards or ScriptedRewards(lambda t: 1.0),
                    dataset=prompts, workflow=workflow or SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)),
-                   publisher=Publisher(), loss_fn_factory=lambda b, a: None, advantages=advantages,
+                   publisher=Publisher(), loss_fn_factory=loss_fn_factory or (lambda b, a: None), advantages=advantages,
                    on_step=on_step or records.append, **optional)
     asyncio.run(asyncio.wait_for(c.train(steps), 60))
     return c, records

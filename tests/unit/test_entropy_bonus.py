@@ -83,6 +83,54 @@ def test_the_bonus_without_an_entropy_from_the_trainer_is_an_error():
         fn(tb.logp_behav.clone(), tb, {"n_valid_tokens": 7.0, "n_seqs": 2.0})
 
 
+def test_adaptive_coefficient_follows_the_target_by_hand():
+    from megarl.losses.entropy_control import EntropyControl
+
+    c = EntropyControl(0.0, target=0.2, step=0.001, max_coef=0.0025)
+    seen = []
+    for h in (0.1, 0.1, 0.1, 0.1, 0.3, float("nan"), None, 0.2, 0.2, 0.2, 0.2):
+        c.observe(h)
+        seen.append(round(c.coef, 6))
+    # below the target: up by the step, capped at the max; at or above it: down, floored at 0;
+    # a step without an entropy (nan, None) leaves it
+    assert seen == [0.001, 0.002, 0.0025, 0.0025, 0.0015, 0.0015, 0.0015, 0.0005, 0.0, 0.0, 0.0]
+    fixed = EntropyControl(0.003)
+    fixed.observe(0.0)
+    assert fixed.coef == 0.003 and not fixed.adaptive and fixed.active and not EntropyControl(0.0).active
+    again = EntropyControl(0.0, target=0.2, step=0.001, max_coef=0.0025)
+    again.load_state_dict(c.state_dict() | {"entropy_coef": 0.002})
+    assert again.coef == 0.002
+    # with a floor: a fixed bonus that rises while the entropy is below the target, never under the floor
+    floored = EntropyControl(0.003, target=0.2, step=0.001, max_coef=0.02, min_coef=0.003)
+    seen = []
+    for h in (0.5, 0.1, 0.1, 0.5, 0.5, 0.5):
+        floored.observe(h)
+        seen.append(round(floored.coef, 6))
+    assert seen == [0.003, 0.004, 0.005, 0.004, 0.003, 0.003]
+
+
+def test_the_loss_uses_the_adaptive_coefficient_and_observes_at_zero():
+    tb = _batch()
+    entropy = torch.zeros(tb.loss_mask.shape)
+    entropy[tb.loss_mask > 0] = torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5])  # mean 2
+    counts = {"n_valid_tokens": 7.0, "n_seqs": 2.0}
+    anchor = AnchorResult(logp_anchor=tb.logp_behav.clone(), exact=True)
+    factory = loss_fn_factory(PolicyLossConfig(entropy_target=0.5, entropy_coef_step=0.01, entropy_coef_max=0.1))
+    at_zero = factory(tb, anchor)
+    assert at_zero.wants_entropy and at_zero.entropy_coef == 0.0  # observed, no bonus yet
+    loss, metrics = at_zero(tb.logp_behav.clone(), tb, counts, entropy=entropy)
+    assert loss.item() == pytest.approx(-1.0) and metrics["entropy"] == pytest.approx(2.0)
+    factory.entropy_control.observe(0.1)  # below the target: the next loss has coefficient 0.01
+    nxt = factory(tb, anchor)
+    assert nxt.entropy_coef == pytest.approx(0.01)
+    loss, _ = nxt(tb.logp_behav.clone(), tb, counts, entropy=entropy)
+    assert loss.item() == pytest.approx(-1.0 - 0.01 * 2.0)
+    # another trainer rank builds its loss with the coefficient rank 0 used
+    given = factory(tb, anchor, entropy_coef=0.05)
+    loss, _ = given(tb.logp_behav.clone(), tb, counts, entropy=entropy)
+    assert given.entropy_coef == 0.05 and loss.item() == pytest.approx(-1.0 - 0.05 * 2.0)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
@@ -99,6 +147,12 @@ def test_a_negative_coefficient_is_refused(ckpt):
     hf = json.loads((Path(ckpt) / "config.json").read_text())
     with pytest.raises(ConfigError, match="loss.entropy_coef=-0.1 must be >= 0"):
         validate(run_cfg(ckpt, "loss.entropy_coef=-0.1"), hf)
+    with pytest.raises(ConfigError, match="loss.entropy_target=0.0 must be > 0"):
+        validate(run_cfg(ckpt, "loss.entropy_target=0.0"), hf)
+    with pytest.raises(ConfigError, match="loss.entropy_coef=0.003 <= loss.entropy_coef_max=0.001"):
+        validate(run_cfg(ckpt, "loss.entropy_target=0.2", "loss.entropy_coef_max=0.001"), hf)
+    with pytest.raises(ConfigError, match="loss.entropy_coef_min=0.01 <= loss.entropy_coef=0.003"):
+        validate(run_cfg(ckpt, "loss.entropy_target=0.2", "loss.entropy_coef_min=0.01"), hf)
 
 
 @pytest.fixture(scope="module")
