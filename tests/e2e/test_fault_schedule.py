@@ -153,6 +153,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     k2 = steps_done(run)
     assert rc2 == 75 and f"stopped by SIGTERM at step {k2}, checkpointed" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+    assert process_gone(int((run / "engine0.pid").read_text())), "the engine is stopped with the SIGTERMed run"
     set_aside = run / "checkpoints" / f"damaged_step_{k1}"
     assert (set_aside / "trainer" / "rank0.pt").stat().st_size == size // 2, "the damaged one is kept as it was"
     written2 = [s for s in range(back_to + 1, k2 + 1) if s % 2 == 0 or s == k2]

@@ -66,8 +66,9 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-# ewma's state (its averaged parameters) round-trips through a checkpoint in tests/unit/test_recovery_approx.py
-@pytest.mark.parametrize("strategy,backend", [("snapshot", "vllm"), ("dedicated", "hf")])
+# ewma's state (its averaged parameters) round-trips through a checkpoint in tests/unit/test_recovery_approx.py;
+# dedicated resumes (with the HF engine, after its scorer is killed and after a SIGTERM) in test_fault_schedule.py
+@pytest.mark.parametrize("strategy,backend", [("snapshot", "vllm")])
 def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     run = tmp_path / "run"
     common = ["--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", f"recovery.name={strategy}",
@@ -121,40 +122,8 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     assert sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == [8, 10]
 
 
-def test_sigterm_checkpoints_the_step_reached_and_the_resume_continues(ckpt, tmp_path):
-    """A scheduler's SIGTERM (preemption): the run checkpoints the step it reached within 2 minutes and exits
-    with code 75 (no step-based checkpoints here: the signal's is the only one); --resume continues."""
-    run = tmp_path / "run"
-    common = ["--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", "recovery.name=ewma",
-              "rollout.backend=hf", *SMALL, "logging.save_every=0"]
-    first = start(["train", "--output-dir", str(run), *common, "trainer.total_steps=40"], tmp_path / "first.log")
-    try:
-        wait_for(lambda: len(jsonl(run / "metrics.jsonl")) >= 3, first, tmp_path / "first.log")
-        t0 = time.monotonic()
-        first.send_signal(signal.SIGTERM)  # the trainer process only, as a job script's trap forwards it
-        rc = first.wait(timeout=120)
-        stop_s = time.monotonic() - t0
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    log = (tmp_path / "first.log").read_text()
-    k = len(jsonl(run / "metrics.jsonl"))
-    assert rc == 75, f"exit code {rc}:\n{log[-3000:]}"
-    assert f"stopped by SIGTERM at step {k}, checkpointed" in log and "Traceback" not in log, log[-3000:]
-    assert [p.name for p in (run / "checkpoints").glob("step_*")] == [f"step_{k}"]
-    assert json.loads((run / "checkpoints" / f"step_{k}" / "manifest.json").read_text())["step"] == k
-    assert process_gone(int((run / "engine0.pid").read_text())), "the engine is stopped with the run"
-    print(f"\nSIGTERM at step {k}: checkpointed and exited in {stop_s:.1f} s")
-
-    total = k + 3
-    second = megarl("train", "--resume", str(run), *common, f"trainer.total_steps={total}")
-    assert second.returncode == 0, second.stderr[-3000:]
-    metrics = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in metrics] == list(range(1, total + 1))
-    assert [r["version"] for r in metrics] == list(range(1, total + 1)), "versions continue without a gap"
-    trained = [i for r in jsonl(run / "trained_ids.jsonl") for i in r["traj_ids"]]
-    assert len(trained) == len(set(trained)) == total * 32, "a trajectory was trained twice"
-    assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
+# a scheduler's SIGTERM (preemption: checkpoint the step reached, exit code 75, resume) is attempt 2 of
+# test_fault_schedule.py
 
 
 def test_engine_killed_mid_generation_is_restarted(ckpt, tmp_path):
