@@ -40,7 +40,9 @@ def _records(run_dir: Path) -> list[dict]:
     # strategies whose hooks run forwards (collectives) between train steps: interrupt_sync scores
     # finished trajectories after the optimizer step, so the followers need rank 0's live trajectories
     ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "recovery.name=interrupt_sync"]),
-    ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "recovery.name=ewma"]),
+    # with an adaptive entropy bonus: rank 0 sends the follower the coefficient of each step
+    ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "loss.entropy_target=5.0", "loss.entropy_coef_step=0.001",
+                     "recovery.name=ewma"]),
 ], ids=["tp2-dedicated", "dp2-snapshot", "tp2-interrupt_sync", "tp2-ewma"])
 def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
     run_dir = tmp_path / "run"
@@ -52,6 +54,8 @@ def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
     assert [x["version"] for x in records] == [1, 2, 3]
     assert all(x["staleness_max"] <= 2 and x["skipped"] == 0 for x in records)
     assert (run_dir / "final" / "model.safetensors").is_file()
+    if "loss.entropy_target=5.0" in extra:  # the random model's entropy (~3 nats) is below 5: up by 0.001 a step
+        assert [round(x["entropy_coef"], 6) for x in records] == [0.003, 0.004, 0.005], records
     if extra[-1].split("=")[1] in ("dedicated", "snapshot", "interrupt_sync"):
         # an exact anchor is the trainer's log-prob of each token's own version, which the fp32 engine
         # sampled with: a rank that scored other inputs than rank 0 would show here
