@@ -97,8 +97,28 @@ class RunLogger:
             print(f"step {step}/{self.total_steps} {info} elapsed {now - self._started:.0f}s", flush=True)
 
     def log_eval(self, record: dict[str, Any]) -> None:
-        """An evaluation result: its own metrics.jsonl line, TensorBoard/W&B scalars; the progress bar stays."""
+        """An evaluation result: its own metrics.jsonl line, TensorBoard/W&B scalars, and one console line
+        (above the progress bar on a terminal)."""
         self._write_scalars(record)
+        parts = []
+        if "eval/pass@1" in record:
+            parts.append(f"held-out pass@1 {record['eval/pass@1']:.3f}")
+            if "eval/pass@k" in record and "eval/k" in record:
+                parts.append(f"pass@{record['eval/k']} {record['eval/pass@k']:.3f}")
+        if "eval/reward_mean" in record:
+            parts.append(f"reward {record['eval/reward_mean']:.3f}" if parts else
+                         f"held-out reward {record['eval/reward_mean']:.3f}")
+        if parts:
+            prompts = f" ({record['eval/n_prompts']} prompts)" if "eval/n_prompts" in record else ""
+            self._say(f"eval at step {record.get('step')}: {', '.join(parts)}{prompts}")
+
+    def _say(self, line: str) -> None:
+        if isinstance(self._bar, Progress):
+            self._bar.console.print(line, highlight=False)
+        elif self._bar is not None:
+            tqdm.write(line)
+        else:
+            print(line, flush=True)
 
     def _write_scalars(self, record: dict[str, Any]) -> dict[str, Any]:
         record = _jsonable(record)

@@ -65,3 +65,15 @@ def test_piped_summaries_are_spaced_in_time(tmp_path, capsys):
     logger.close()
     steps = [x.split()[1] for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
     assert steps == ["1/4", "4/4"]
+
+
+def test_an_evaluation_is_printed_on_the_console(tmp_path, capsys):
+    # the held-out numbers are what a demo shows: they must reach the console, not only metrics.jsonl
+    log = RunLogger(tmp_path, total_steps=4, tensorboard=False, progress="none")
+    log.log_eval({"step": 2, "eval/reward_mean": 0.8125, "eval/pass@1": 0.5, "eval/pass@k": 0.75, "eval/k": 4,
+                  "eval/n_prompts": 64})
+    log.log_eval({"step": 4, "eval/reward_mean": 0.25})  # an evaluation without pass@ keys
+    log.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "eval at step 2: held-out pass@1 0.500, pass@4 0.750, reward 0.812 (64 prompts)",
+        "eval at step 4: held-out reward 0.250"]
