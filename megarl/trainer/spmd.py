@@ -316,7 +316,9 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             if anchor.logp_anchor is not None:
                 batch.logp_anchor = anchor.logp_anchor
         elif kind == "train_step":
-            trainer.train_step(batch, loss_fn_factory(batch, anchor, entropy_coef=event[1]))
+            # the entropy coefficient rank 0 used (None: a loss without one; the factory's own then)
+            given = {} if len(event) < 2 or event[1] is None else {"entropy_coef": event[1]}
+            trainer.train_step(batch, loss_fn_factory(batch, anchor, **given))
         elif kind == "save_hf_checkpoint":
             trainer.save_hf_checkpoint(event[1])
         elif kind == "export_hf_weights":

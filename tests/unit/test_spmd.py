@@ -119,6 +119,34 @@ def test_followers_export_without_host_copies():
     assert calls == [{"to_host": False}]
 
 
+def test_a_follower_builds_its_loss_with_the_entropy_coefficient_rank_0_sent():
+    """A train_step event carries the entropy coefficient rank 0's loss used; None (a loss without one) calls
+    the factory as (batch, anchor) alone, so a factory of that older form keeps working."""
+    from megarl.trainer.spmd import FollowerView, follow
+
+    built, trained = [], []
+
+    class Trainer:
+        def train_step(self, batch, loss_fn):
+            trained.append(loss_fn)
+
+    class Channel:
+        events = [("train_step", 0.004), ("train_step", None), ("stop",)]
+
+        def recv(self):
+            return self.events.pop(0)
+
+    def factory(batch, anchor, **kw):
+        built.append(kw)
+        return len(built)
+
+    follow(Trainer(), None, Channel(), factory, FollowerView())
+    assert built == [{"entropy_coef": 0.004}, {}] and trained == [1, 2]
+    Channel.events = [("train_step", None), ("stop",)]
+    follow(Trainer(), None, Channel(), lambda batch, anchor: "two-argument factory", FollowerView())
+    assert trained[-1] == "two-argument factory"
+
+
 def test_export_on_the_device_copies_nothing(ckpt):
     """``to_host=False``: the same tensors as the host export, and the unsharded ones are the parameters'
     own storage (nothing materialized); ``to_host=True`` gives copies of their own."""
