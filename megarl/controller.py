@@ -1,6 +1,4 @@
-"""The fully asynchronous RL loop.
-
-::
+"""The fully asynchronous RL loop::
 
       PromptDataset ──► rollout loop ──(gate: accepted + running + n <= (eta+v+1)·B)──┐
                             │                                                        │
@@ -374,14 +372,12 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
                 "running_prompts": [p.to_dict() for p in prompts], **self._loss_state()}
 
-    def _loss_state(self) -> dict[str, Any]:
-        """The loss's own state (an adaptive entropy coefficient: megarl/losses/entropy_control.py)."""
+    def _loss_state(self) -> dict[str, Any]:  # an adaptive entropy coefficient (megarl/losses/entropy_control.py)
         control = getattr(self.loss_fn_factory, "entropy_control", None)
         return {"loss": control.state_dict()} if control is not None else {}
 
     def _load_loss_state(self, state: dict[str, Any]) -> None:
-        control = getattr(self.loss_fn_factory, "entropy_control", None)
-        if control is not None and "loss" in state:
+        if (control := getattr(self.loss_fn_factory, "entropy_control", None)) is not None and "loss" in state:
             control.load_state_dict(state["loss"])
 
     def load_state_dict(self, state: dict[str, Any], id_prefix: str = "") -> None:
