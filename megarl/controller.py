@@ -373,12 +373,11 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 "running_prompts": [p.to_dict() for p in prompts], **self._loss_state()}
 
     def _loss_state(self) -> dict[str, Any]:  # an adaptive entropy coefficient (megarl/losses/entropy_control.py)
-        control = getattr(self.loss_fn_factory, "entropy_control", None)
-        return {"loss": control.state_dict()} if control is not None else {}
+        return {"loss": self._entropy_control.state_dict()} if self._entropy_control is not None else {}
 
     def _load_loss_state(self, state: dict[str, Any]) -> None:
-        if (control := getattr(self.loss_fn_factory, "entropy_control", None)) is not None and "loss" in state:
-            control.load_state_dict(state["loss"])
+        if self._entropy_control is not None and "loss" in state:
+            self._entropy_control.load_state_dict(state["loss"])
 
     def load_state_dict(self, state: dict[str, Any], id_prefix: str = "") -> None:
         """Continue from :meth:`state_dict`: before :meth:`train`, after the trainer and strategy are restored.

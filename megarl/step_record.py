@@ -20,6 +20,11 @@ from megarl.types import TrainBatch, Trajectory
 class StepBookkeeping:
     """The controller's per-step accounting (module doc)."""
 
+    @property
+    def _entropy_control(self):
+        """The loss's entropy coefficient (megarl/losses/entropy_control.py); None for a loss without one."""
+        return getattr(self.loss_fn_factory, "entropy_control", None)
+
     def _train_on(self, trajs: list[Trajectory]) -> dict[str, Any]:
         batch = TrainBatch.from_trajectories(trajs, version=self.trainer.version)
         t0 = time.perf_counter()
@@ -31,7 +36,7 @@ class StepBookkeeping:
         metrics = self.trainer.train_step(batch, loss_fn)
         t_step = time.perf_counter()
         metrics = dict(metrics)
-        control = getattr(self.loss_fn_factory, "entropy_control", None)
+        control = self._entropy_control
         if control is not None and control.active:  # the coefficient this step used, then the next step's
             metrics["entropy_coef"] = float(loss_fn.entropy_coef)
             if not metrics.get("skipped"):
