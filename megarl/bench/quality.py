@@ -15,18 +15,22 @@ call with the same ``--output`` reuses every run whose done.json holds the confi
 it would run now and whose metrics.jsonl holds exactly the steps 1..steps; any other
 run is started again from scratch (a stopped grid loses only its unfinished run).
 
-Per (variant, eta) over the seeds (:func:`curve`): the mean batch reward per
-step, smoothed by a trailing ``smooth``-step moving average, its mean over the
-seeds and the lowest and highest seed at each step, against the step and
-against the seeds' mean wall time at that step, and the loss's active-token
-share; the steps are those every seed reached. :func:`final_table` gives each
-seed's mean reward over the last ``window`` steps, their mean and sample standard
-deviation, the median wall time, the steps to a reward threshold and the logged
-diagnostics (megarl/bench/quality_stats.py). The threshold defaults to half the
-highest mean final-window reward of any cell in the grid (``THRESHOLD_OF_BEST``):
-"how soon does a variant get halfway to what the best one ends at".
-:func:`behav_diffs`: each cell's final-window reward minus behav's at the same
-eta, with a bootstrap 90% interval over seeds (quality_stats.bootstrap_diff).
+Per (variant, eta) over the seeds (:func:`curve`): the mean batch reward per step,
+smoothed by a trailing ``smooth``-step moving average, its mean over the seeds and
+the lowest and highest seed at each step, against the step and against the seeds'
+mean wall time at that step, and the loss's active-token share; the steps are those
+every seed reached. Every run is also summarized in one line of
+``<output>/runs.jsonl`` (megarl/bench/quality_runs.py), and the per-cell tables come
+from those lines alone, so ``--from-runs`` re-derives them: :func:`final_table`
+gives each seed's mean reward over the last ``window`` steps, their mean and sample
+standard deviation, the median wall time and the steps to a reward threshold, plus
+the diagnostics pooled over every step of the cell's runs
+(megarl/bench/quality_stats.py). The threshold defaults to half the highest mean
+final-window reward of any cell in the grid (``quality_runs.THRESHOLD_OF_BEST``):
+"how soon does a variant get halfway to what the best one ends at". The report's
+``vs_behav``: each cell's final-window reward minus behav's at the same eta, with a
+90% t interval over seeds, paired by seed when both cells ran the same seeds,
+Welch's otherwise (quality_stats.diff_interval), and what it lets one say.
 """
 from __future__ import annotations
 
@@ -36,7 +40,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megarl.bench.plots import moving_average
-from megarl.bench.quality_stats import bootstrap_diff, cell_diagnostics, steps_to_threshold, threshold_summary
+from megarl.bench.quality_runs import (
+    RUNS_FILE,
+    eval_table,
+    final_reward_table,
+    grid_summaries,
+    rewards,
+    runs_report,
+    step_records,
+    threshold_table,
+    vs_behav_table,
+    write_runs,
+)
+from megarl.bench.quality_stats import DIFF_LEVEL, cell_diagnostics
 from megarl.bench.report import load_metrics, step_phases
 from megarl.bench.variants import Variant
 from megarl.errors import ConfigError
@@ -44,29 +60,7 @@ from megarl.errors import ConfigError
 DEFAULT_STRATEGIES = ("behav", "recompute", "loglinear", "ewma", "snapshot", "interrupt_sync")
 DEFAULT_ETAS = (1, 8)
 DEFAULT_SEEDS = 3
-THRESHOLD_OF_BEST = 0.5
-"""Default reward threshold: this fraction of the highest mean final-window reward of any cell."""
 DONE = "done.json"
-
-
-def is_eval_record(record: dict[str, Any]) -> bool:
-    """Whether a metrics.jsonl line is an evaluation's (eval.path set), not a training step's."""
-    return any(k.startswith("eval/") for k in record)
-
-
-def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The training steps' records of a run's metrics.jsonl lines."""
-    return [r for r in records if not is_eval_record(r)]
-
-
-def last_eval_pass1(records: list[dict[str, Any]]) -> float | None:
-    """pass@1 of the run's last evaluation; None when it evaluated nothing."""
-    evals = [r for r in records if "eval/pass@1" in r]
-    return float(evals[-1]["eval/pass@1"]) if evals else None
-
-
-def rewards(records: list[dict[str, Any]]) -> list[float]:
-    return [float(r.get("reward_mean") or 0.0) for r in records]
 
 
 def curve(runs: list[list[dict[str, Any]]], smooth: int) -> dict[str, list[float]]:
@@ -82,62 +76,42 @@ def curve(runs: list[list[dict[str, Any]]], smooth: int) -> dict[str, list[float
             "high": [max(s[i] for s in smoothed) for i in range(n)]}
 
 
-def final_window_reward(records: list[dict[str, Any]], window: int) -> float:
-    """Mean batch reward over the last ``window`` steps (all of them when there are fewer)."""
-    return statistics.fmean(rewards(records)[-window:])
-
-
-def default_threshold(runs_by_cell: dict[tuple[str, int], list[list[dict]]], window: int) -> float:
-    return THRESHOLD_OF_BEST * max(statistics.fmean(final_window_reward(r, window) for r in runs)
-                                   for runs in runs_by_cell.values())
+def _with_diagnostics(rows: list[dict[str, Any]], steps_by_cell: dict[tuple[str, int], list[list[dict]]]):
+    """The cell rows of quality_runs.cell_rows with the diagnostics pooled over the cell's steps added."""
+    out = []
+    for row in rows:
+        runs = steps_by_cell[(row["strategy"], row["eta"])]
+        diag = cell_diagnostics(runs, min(len(r) for r in runs))
+        diag.pop("active_frac_curve")  # a curve: it goes with the reward curves
+        out.append({**row, **diag})
+    return out
 
 
 def final_table(runs_by_cell: dict[tuple[str, int], list[list[dict]]], window: int, smooth: int = 5,
-                threshold: float | None = None) -> list[dict[str, Any]]:
+                threshold: float | None = None, seeds: dict[tuple[str, int], list[int]] | None = None
+                ) -> list[dict[str, Any]]:
     """Per cell (module docstring); a run's records may hold its evaluations' lines too: the steps' records
-    make the curves, the last evaluation gives ``eval_pass1_*`` (None without evaluations)."""
-    evals = {cell: [last_eval_pass1(r) for r in runs] for cell, runs in runs_by_cell.items()}
-    runs_by_cell = {cell: [step_records(r) for r in runs] for cell, runs in runs_by_cell.items()}
-    threshold = default_threshold(runs_by_cell, window) if threshold is None else threshold
-    rows = []
-    for (strategy, eta), runs in runs_by_cell.items():
-        per_seed = [final_window_reward(r, window) for r in runs]
-        pass1 = evals[(strategy, eta)]
-        pass1 = None if None in pass1 else pass1
-        diag = cell_diagnostics(runs, min(len(r) for r in runs))
-        diag.pop("active_frac_curve")  # a curve: it goes with the reward curves
-        reach = [steps_to_threshold(moving_average(rewards(r), smooth), threshold) for r in runs]
-        rows.append({"strategy": strategy, "eta": eta, "per_seed": per_seed, "mean": statistics.fmean(per_seed),
-                     "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
-                     "wall_s_median": statistics.median(step_phases(r)[-1]["wall"] for r in runs),
-                     "steps_to_threshold": threshold_summary(reach),
-                     "eval_pass1_per_seed": pass1,
-                     "eval_pass1_mean": None if pass1 is None else statistics.fmean(pass1),
-                     **diag})
-    return rows
-
-
-def behav_diffs(final: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each non-behav cell's final-window reward minus behav's at its eta (cells whose eta has no behav: none)."""
-    behav = {r["eta"]: r["per_seed"] for r in final if r["strategy"] == "behav"}
-    return [{"strategy": r["strategy"], "eta": r["eta"], "interval": bootstrap_diff(r["per_seed"], behav[r["eta"]]),
-             "diff": r["mean"] - statistics.fmean(behav[r["eta"]])}
-            for r in final if r["strategy"] != "behav" and r["eta"] in behav]
+    make the curves, the last evaluation gives ``eval_pass1_*`` (None without evaluations). ``seeds``: as in
+    quality_runs.grid_summaries."""
+    summaries = grid_summaries(runs_by_cell, window=window, smooth=smooth, threshold=threshold, seeds=seeds)
+    steps = {cell: [step_records(r) for r in runs] for cell, runs in runs_by_cell.items()}
+    return _with_diagnostics(runs_report(summaries)["final"], steps)
 
 
 def build_quality_report(runs_by_cell: dict[tuple[str, int], list[list[dict]]], *, window: int, smooth: int,
-                         meta: dict[str, Any], threshold: float | None = None) -> dict[str, Any]:
+                         meta: dict[str, Any], threshold: float | None = None,
+                         seeds: dict[tuple[str, int], list[int]] | None = None,
+                         level: float = DIFF_LEVEL) -> dict[str, Any]:
+    """The report: curves and the tables of quality_runs.runs_report with the pooled diagnostics; ``runs``
+    holds the runs.jsonl lines it rests on."""
+    summaries = grid_summaries(runs_by_cell, window=window, smooth=smooth, threshold=threshold, seeds=seeds)
     steps = {cell: [step_records(r) for r in runs] for cell, runs in runs_by_cell.items()}
     curves = [{"strategy": s, "eta": e, **curve(runs, smooth),
                "active_frac": cell_diagnostics(runs, min(len(r) for r in runs))["active_frac_curve"]}
               for (s, e), runs in steps.items()]
-    given = threshold is not None
-    threshold = threshold if given else default_threshold(steps, window)
-    final = final_table(runs_by_cell, window, smooth, threshold)
-    return {"quality": {"curves": curves, "final": final, "vs_behav": behav_diffs(final), "window": window,
-                        "smooth": smooth, "threshold": threshold,
-                        "threshold_source": "--threshold" if given else
-                        f"{THRESHOLD_OF_BEST} x the best cell's mean final-window reward"}, "meta": meta}
+    tables = runs_report(summaries, level)
+    tables["final"] = _with_diagnostics(tables["final"], steps)
+    return {"quality": {"curves": curves, **tables}, "runs": summaries, "meta": meta}
 
 
 def _f(x: float | None, fmt: str = ".4f", none: str = "-") -> str:
@@ -150,22 +124,9 @@ def render_quality_markdown(rep: dict[str, Any]) -> str:
     out = ["# megarl bench --quality", "",
            f"Config `{meta.get('config', '?')}`, {meta.get('steps', '?')} steps per run, seeds {seeds} "
            f"(trainer.seed), {meta.get('cpu_count', '?')} CPUs (load average {meta.get('loadavg_start', 0):.2f} "
-           f"at the start, {meta.get('loadavg_end', 0):.2f} at the end).", "",
-           f"## Final-window reward (mean batch reward over the last {q['window']} steps)", "",
-           "| strategy | eta | mean over seeds | std over seeds | per seed | wall s (median) |",
-           "|---|---|---|---|---|---|"]
-    for r in q["final"]:
-        out.append(f"| {r['strategy']} | {r['eta']} | {r['mean']:.4f} | {r['std']:.4f} | "
-                   f"{', '.join(f'{x:.4f}' for x in r['per_seed'])} | {r['wall_s_median']:.1f} |")
-    out += ["", f"## Steps to reward {q['threshold']:.4f} ({q['threshold_source']}; {q['smooth']}-step moving "
-            "average)", "", "| strategy | eta | reached | median | mean of those that reached it | per seed |",
-            "|---|---|---|---|---|---|"]
-    for r in q["final"]:
-        t = r["steps_to_threshold"]
-        per = ", ".join("not reached" if s is None else str(s) for s in t["per_seed"])
-        median = _f(t["median"], ".1f", "not reached")
-        out.append(f"| {r['strategy']} | {r['eta']} | {t['reached']}/{t['of']} | {median} | {_f(t['mean'], '.1f')} | "
-                   f"{per} |")
+           f"at the start, {meta.get('loadavg_end', 0):.2f} at the end). One line per run in `{RUNS_FILE}`: "
+           f"`megarl bench --quality --from-runs {RUNS_FILE}` re-derives the tables of rewards, steps, pass@1 and "
+           "differences from it alone.", "", *final_reward_table(q), "", *threshold_table(q)]
     out += ["", "## Log-prob distances and the loss's tokens (means over every step of every seed)", "",
             "| strategy | eta | r_d: abs(logp_old - logp_behav) | abs(logp_anchor - logp_behav) | active share min "
             "(mean over seeds) | active share min (any seed) | masked share | down-weighted share |",
@@ -179,20 +140,8 @@ def render_quality_markdown(rep: dict[str, Any]) -> str:
     out += ["", "r_d is logged only where logp_old is known (exact strategies); abs(logp_anchor - logp_behav) is "
             "what the loss's train-inference weight sees, for every strategy. '-': not logged (loglinear and linear "
             "build their anchor inside the loss, so only its active share is known)."]
-    with_eval = [r for r in q["final"] if r.get("eval_pass1_per_seed") is not None]
-    if with_eval:
-        out += ["", "## Held-out pass@1 at the last evaluation", "",
-                "| strategy | eta | mean over seeds | per seed | seeds |", "|---|---|---|---|---|"]
-        for r in with_eval:
-            out.append(f"| {r['strategy']} | {r['eta']} | {r['eval_pass1_mean']:.4f} | "
-                       f"{', '.join(f'{x:.4f}' for x in r['eval_pass1_per_seed'])} | {len(r['eval_pass1_per_seed'])} |")
-    if q["vs_behav"]:
-        out += ["", "## Final-window reward minus behav's at the same eta (bootstrap 90% interval over seeds)", "",
-                "| strategy | eta | difference | 90% interval |", "|---|---|---|---|"]
-        for d in q["vs_behav"]:
-            iv = d["interval"]
-            span = "needs >= 2 seeds" if iv is None else f"[{iv['low']:+.4f}, {iv['high']:+.4f}]"
-            out.append(f"| {d['strategy']} | {d['eta']} | {d['diff']:+.4f} | {span} |")
+    for table in (eval_table(q), vs_behav_table(q)):
+        out += ["", *table] if table else []
     out += ["", f"`quality.png`: reward vs step and vs wall time ({q['smooth']}-step moving average; line: mean over "
             "seeds, band: lowest to highest seed) and the loss's active-token share vs step (mean over seeds).", ""]
     return "\n".join(out)
@@ -250,7 +199,7 @@ def run_quality(config: str, variants: list[Variant], etas: list[int], seeds: in
                 overrides: list[str], *, run: Callable[[dict], dict], meta: dict[str, Any], window: int,
                 smooth: int = 5, threshold: float | None = None, log=print) -> dict[str, Any]:
     """Every (variant, eta, seed) in turn (``run``: megarl.bench.run.run_strategy) unless a finished run can be
-    reused, then the report and quality.png under ``output``."""
+    reused, then the report, runs.jsonl and quality.png under ``output``."""
     from megarl.bench import plots  # lazy: matplotlib
 
     if seeds < 1 or not variants or not etas:
@@ -264,6 +213,7 @@ def run_quality(config: str, variants: list[Variant], etas: list[int], seeds: in
     if reused:
         log(f"reusing {reused} of {len(cells)} runs finished before under {out / 'runs'}")
     runs_by_cell: dict[tuple[str, int], list[list[dict]]] = {}
+    seeds_by_cell: dict[tuple[str, int], list[int]] = {}
     for i, c in enumerate(cells, 1):
         head = f"[{i}/{len(cells)}] {c['variant'].label} eta={c['eta']} seed={c['seed']}"
         run_dir = Path(c["spec"]["run_dir"])
@@ -276,7 +226,9 @@ def run_quality(config: str, variants: list[Variant], etas: list[int], seeds: in
             (run_dir / DONE).write_text(json.dumps({"label": c["variant"].label, "eta": c["eta"], "seed": c["seed"],
                                                     "steps": steps, "config": c["config"]}) + "\n")
         runs_by_cell.setdefault((c["variant"].label, c["eta"]), []).append(c["records"])
-    rep = build_quality_report(runs_by_cell, window=window, smooth=smooth, threshold=threshold,
+        seeds_by_cell.setdefault((c["variant"].label, c["eta"]), []).append(c["seed"])
+    rep = build_quality_report(runs_by_cell, window=window, smooth=smooth, threshold=threshold, seeds=seeds_by_cell,
                                meta={**meta, "seeds": list(range(seeds)), "reused_runs": reused})
+    write_runs(out / RUNS_FILE, rep["runs"])
     plots.quality_plot(rep, out / "quality.png")
     return rep

@@ -7,16 +7,22 @@ Over the seeds (:func:`threshold_summary`): how many reached it, the median with
 "not reached" counted as later than any step (``None`` when the median seed did
 not reach it) and the mean over the seeds that reached it.
 
-Difference to behav (:func:`bootstrap_diff`): final-window reward of a cell minus
-that of behav at the same eta, as the difference of the two means over seeds,
-with a percentile bootstrap interval. Each of ``n_resamples`` rounds draws, with
-replacement, as many seeds as each cell has from that cell alone (the two cells
-resampled independently) and takes the difference of the two resampled means;
-the interval at ``level`` runs from the (k+1)-th smallest to the (k+1)-th largest
-of the sorted differences, k = floor(n_resamples (1 - level) / 2) (level 0.9 and
-2000 resamples: the 101st and the 1900th). The draws come from
-``random.Random(seed)``, so the same inputs give the same interval. It needs at
-least two seeds in each cell; with fewer it is ``None``.
+Difference to behav (:func:`diff_interval`): a cell's final-window reward minus
+behav's at the same eta, with a t interval at ``level`` (default 0.9). Seeds are
+``trainer.seed`` values, and a seed sets the data order and sampling seeds of every
+cell alike, so two cells that ran the same set of seeds are compared **paired by
+seed**: the per-seed differences d_i, their mean and a Student t interval mean(d) +-
+t_{(1+level)/2, n-1} sd(d) / sqrt(n) over the n pairs (Student, 1908; the seed's own
+luck cancels in d_i). Cells with different seed sets are compared with **Welch's** t
+interval (Welch, 1947): mean(a) - mean(b) +- t_{(1+level)/2, v} sqrt(s_a^2/n_a +
+s_b^2/n_b), v the Welch-Satterthwaite degrees of freedom. Both assume roughly normal
+per-seed rewards; then the paired interval holds its level exactly at any n >= 2 and
+Welch's closely. A percentile bootstrap over 3 seeds per cell does not: resamples of
+3 values understate the spread, and its nominal 90% interval covered a true zero
+difference about 74% of the time. The verdict says only what the interval says: "no
+difference detectable at this n" when it holds 0, else "above behav" / "below
+behav". It needs at least two seeds on each side (two pairs when paired); with fewer
+it is ``None``. The t quantiles are scipy's (``scipy.stats.t.ppf``).
 
 Logged diagnostics (:func:`cell_diagnostics`), each pooled over every step of
 every seed that logged it (``None`` when none did): the mean of
@@ -31,13 +37,14 @@ before a reset).
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from typing import Any
 
-BOOTSTRAP_LEVEL = 0.9
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 0
+from scipy.stats import t as student_t
+
+DIFF_LEVEL = 0.9
+NO_DIFFERENCE = "no difference detectable at this n"
+TOO_FEW = "n too small"
 
 
 def steps_to_threshold(smoothed: list[float], threshold: float) -> int | None:
@@ -53,26 +60,66 @@ def threshold_summary(per_seed: list[int | None]) -> dict[str, Any]:
             "mean": statistics.fmean(reached) if reached else None}
 
 
-def bootstrap_diff(a: list[float], b: list[float], *, level: float = BOOTSTRAP_LEVEL,
-                   n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, Any] | None:
-    """mean(a) - mean(b) and its bootstrap interval (module doc); None with fewer than 2 values on a side."""
-    if len(a) < 2 or len(b) < 2:
+def _verdict(low: float, high: float, reference: str) -> str:
+    if low <= 0.0 <= high:
+        return NO_DIFFERENCE
+    return f"above {reference}" if low > 0.0 else f"below {reference}"
+
+
+def paired_t_interval(a: list[float], b: list[float], *, level: float = DIFF_LEVEL,
+                      reference: str = "behav") -> dict[str, Any] | None:
+    """mean(a_i - b_i) and its paired t interval (module doc), ``a[i]`` and ``b[i]`` from the same seed; None
+    with fewer than 2 pairs."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need as many of a as of b (got {len(a)} and {len(b)})")
+    n = len(a)
+    if n < 2:
         return None
-    rng = random.Random(seed)
-    diffs = sorted(statistics.fmean(rng.choices(a, k=len(a))) - statistics.fmean(rng.choices(b, k=len(b)))
-                   for _ in range(n_resamples))
-    k = math.floor(n_resamples * (1.0 - level) / 2.0 + 1e-9)  # + 1e-9: (1 - 0.9) / 2 is 0.04999... in floats
-    return {"diff": statistics.fmean(a) - statistics.fmean(b), "low": diffs[k], "high": diffs[-k - 1],
-            "level": level, "n_resamples": n_resamples, "seed": seed}
+    d = [x - y for x, y in zip(a, b)]
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(n)
+    t = float(student_t.ppf((1.0 + level) / 2.0, n - 1))
+    low, high = mean - t * se, mean + t * se
+    return {"diff": mean, "low": low, "high": high, "level": level, "method": "paired t", "n": n, "n_a": n,
+            "n_b": n, "df": float(n - 1), "t": t, "se": se, "verdict": _verdict(low, high, reference)}
 
 
-def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+def welch_t_interval(a: list[float], b: list[float], *, level: float = DIFF_LEVEL,
+                     reference: str = "behav") -> dict[str, Any] | None:
+    """mean(a) - mean(b) and Welch's t interval (module doc); None with fewer than 2 values on a side."""
+    n_a, n_b = len(a), len(b)
+    if n_a < 2 or n_b < 2:
+        return None
+    va, vb = statistics.variance(a) / n_a, statistics.variance(b) / n_b  # squared standard errors of the means
+    se = math.sqrt(va + vb)
+    if se > 0.0:
+        df = (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1))
+    else:  # both cells constant: Welch-Satterthwaite is 0/0, and any df gives the same zero-width interval
+        df = float(n_a + n_b - 2)
+    mean = statistics.fmean(a) - statistics.fmean(b)
+    t = float(student_t.ppf((1.0 + level) / 2.0, df))
+    low, high = mean - t * se, mean + t * se
+    return {"diff": mean, "low": low, "high": high, "level": level, "method": "Welch t", "n": None, "n_a": n_a,
+            "n_b": n_b, "df": df, "t": t, "se": se, "verdict": _verdict(low, high, reference)}
+
+
+def diff_interval(a: dict[int, float], b: dict[int, float], *, level: float = DIFF_LEVEL,
+                  reference: str = "behav") -> dict[str, Any] | None:
+    """A cell's values minus the reference cell's, each keyed by seed: paired by seed when both hold the same
+    seeds, Welch otherwise (module doc); None with fewer than 2 seeds on a side."""
+    if set(a) == set(b):
+        seeds = sorted(a)
+        return paired_t_interval([a[s] for s in seeds], [b[s] for s in seeds], level=level, reference=reference)
+    return welch_t_interval(list(a.values()), list(b.values()), level=level, reference=reference)
+
+
+def logged_values(records: list[dict[str, Any]], key: str) -> list[float]:
+    """The numeric values of ``key`` in ``records``, skipping records that lack it (or hold null)."""
     return [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
 
 
 def pooled_mean(runs: list[list[dict[str, Any]]], key: str) -> float | None:
     """Mean of ``key`` over every record of every run that has it; None when none has."""
-    xs = [x for r in runs for x in _values(r, key)]
+    xs = [x for r in runs for x in logged_values(r, key)]
     return statistics.fmean(xs) if xs else None
 
 
@@ -93,12 +140,12 @@ def _min(xs: list[float | None]) -> float | None:
 def cell_diagnostics(runs: list[list[dict[str, Any]]], n: int) -> dict[str, Any]:
     """The logged diagnostics of the module doc over a cell's runs (``n``: the steps every run reached)."""
     active = mean_curve(runs, "active_frac", n)
-    masked = [x for r in runs for x in _values(r, "behav_w/masked_frac")]
+    masked = [x for r in runs for x in logged_values(r, "behav_w/masked_frac")]
     return {"r_d_abs_logp_mean": pooled_mean(runs, "r_d/abs_logp_mean"),
             "abs_logp_anchor_minus_behav_mean": pooled_mean(runs, "abs_logp_anchor_minus_behav_mean"),
             "active_frac_curve": active, "active_frac_min": _min(active),
-            "active_frac_min_any_seed": _min([x for r in runs for x in _values(r, "active_frac")]),
-            "ewma_active_frac_pre_min": _min([x for r in runs for x in _values(r, "ewma/active_frac_pre")]),
+            "active_frac_min_any_seed": _min([x for r in runs for x in logged_values(r, "active_frac")]),
+            "ewma_active_frac_pre_min": _min([x for r in runs for x in logged_values(r, "ewma/active_frac_pre")]),
             "masked_frac_mean": statistics.fmean(masked) if masked else None,
             "masked_frac_max": max(masked) if masked else None,
             "downweighted_frac_mean": pooled_mean(runs, "behav_w/downweighted_frac")}

@@ -4,7 +4,9 @@ Three more modes: ``--compare-sync`` (async vs sync on shared and on disjoint co
 megarl/bench/compare_sync.py), ``--sweep`` (model size x eta x strategy,
 megarl/bench/sweep.py) and ``--quality`` (strategy x eta x seed learning curves,
 megarl/bench/quality.py). The sweep and the quality grid print their estimated run
-time before they start (``--estimate-only`` stops there). With ``rollout.routing_replay=true`` the
+time before they start (``--estimate-only`` stops there). ``--quality --from-runs
+runs.jsonl`` reruns nothing: it prints the quality tables re-derived from a grid's
+per-run summary (megarl/bench/quality_runs.py). With ``rollout.routing_replay=true`` the
 bench also reports what replay costs (megarl/bench/replay_cost.py).
 """
 from __future__ import annotations
@@ -26,8 +28,9 @@ def register(sub) -> None:
                         "'behav,ewma,ewma:auto_reset=false' (quote the ';')")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps per run (default: trainer.total_steps)")
-    p.add_argument("--output", required=True,
-                   help="directory for report.json, report.md, the plots and one run directory per run")
+    p.add_argument("--output", default=None,
+                   help="directory for report.json, report.md, the plots and one run directory per run (required "
+                        "except with --from-runs)")
     p.add_argument("--compare-sync", action="store_true",
                    help="also run behav async (--eta) and sync (eta 0), on shared and on disjoint cores, and report "
                         "the throughput ratios")
@@ -41,8 +44,14 @@ def register(sub) -> None:
                         "tiny_qwen3_m, tiny_qwen3_moe_m)")
     p.add_argument("--etas", default=None, help="--sweep / --quality: comma-separated etas (default 1,2,4,8 / 1,8)")
     p.add_argument("--quality", action="store_true",
-                   help="strategy x eta x seed learning curves (quality.png); re-run with the same --output to "
-                        "resume: finished runs are reused")
+                   help="strategy x eta x seed learning curves (quality.png), final-window reward per cell and its "
+                        "difference to behav at the same eta with a 90%% t interval (paired by seed when both cells "
+                        "ran the same seeds, Welch otherwise; n and a verdict beside it), one line per run in "
+                        "runs.jsonl; re-run with the same --output to resume: finished runs are reused")
+    p.add_argument("--from-runs", default=None, metavar="PATH",
+                   help="--quality: rerun nothing; print the report's tables (final-window reward, steps to "
+                        "threshold, pass@1, differences to behav with their intervals) re-derived from the "
+                        "runs.jsonl at PATH")
     p.add_argument("--seeds", type=int, default=None, help="--quality: seeds per cell (default 3)")
     p.add_argument("--final-window", type=int, default=None,
                    help="--quality: steps of the final-window reward (default a tenth of the steps, at least 5)")
@@ -75,7 +84,32 @@ def _hms(seconds: float) -> str:
     return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
 
 
+def _from_runs(args) -> int:
+    """``--quality --from-runs``: the tables from a runs.jsonl alone (no config, no engine, no run)."""
+    from megarl.bench.quality_runs import read_runs, render_runs_markdown, runs_report
+
+    if not args.quality:
+        raise ConfigError("--from-runs re-derives a --quality report; add --quality")
+    # each line holds the window, smoothing and threshold its grid used: flags that would change them, or
+    # ask for runs, cannot apply to numbers that are already computed
+    given = [flag for flag, value in (("--output", args.output), ("--steps", args.steps), ("--seeds", args.seeds),
+                                      ("--etas", args.etas), ("--strategies", args.strategies),
+                                      ("--final-window", args.final_window), ("--threshold", args.threshold),
+                                      ("--sweep", args.sweep), ("--compare-sync", args.compare_sync),
+                                      ("--estimate-only", args.estimate_only), ("key=value overrides", args.overrides))
+             if value is not None and value is not False and value != []]
+    if given:
+        raise ConfigError(f"--from-runs reruns nothing, so {', '.join(given)} cannot apply (each runs.jsonl line "
+                          "holds the window, smoothing and threshold of its grid)")
+    print(render_runs_markdown(runs_report(read_runs(args.from_runs)), args.from_runs), end="")
+    return 0
+
+
 def run(args) -> int:
+    if args.from_runs is not None:
+        return _from_runs(args)
+    if args.output is None:
+        raise ConfigError("--output is required (except with --quality --from-runs)")
     # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
     from megarl.bench import quality, sweep
     from megarl.bench.run import bench, machine_meta, run_strategy, write_report
@@ -134,7 +168,7 @@ def run(args) -> int:
         else:
             rep["meta"]["loadavg_end"] = machine_meta()["loadavg_start"]
             write_report(Path(args.output), rep, quality.render_quality_markdown(rep))
-            print(f"wrote {args.output}/report.json, report.md, quality.png")
+            print(f"wrote {args.output}/report.json, report.md, runs.jsonl, quality.png")
         return 0
     chosen = _strategies(args.strategies, "none" if args.compare_sync and args.strategies is None else "all")
     if not chosen and not args.compare_sync and not cfg.rollout.routing_replay:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.bench import quality, quality_stats, report, sweep, variants
+from megarl.bench import quality, quality_runs, quality_stats, report, sweep, variants
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.bench.fit import nonneg_lstsq, power_law
 from megarl.bench.run import _prepare_run_dir
@@ -169,7 +169,7 @@ def test_quality_curves_and_final_window():
     assert c["step"] == [1, 2, 3, 4] and c["wall_s"] == approx([2.0, 4.0, 6.0, 8.0])
     assert c["mean"] == approx([0.1, 0.15, 0.25, 0.35])
     assert c["low"] == approx([0.0, 0.1, 0.2, 0.2]) and c["high"] == approx([0.2, 0.2, 0.3, 0.5])
-    assert quality.final_window_reward(seeds[0], 2) == approx(0.5)
+    assert quality_runs.final_window_reward(seeds[0], 2) == approx(0.5)
     (row,) = quality.final_table({("behav", 8): seeds}, window=2)
     # per seed: (0.4+0.6)/2 = 0.5, (0.2+0.9)/2 = 0.55; mean 0.525, sample std 0.0354
     assert row["per_seed"] == approx([0.5, 0.55]) and row["mean"] == approx(0.525)
@@ -198,37 +198,16 @@ def test_steps_to_threshold_and_its_summary_over_seeds():
     assert row["steps_to_threshold"]["per_seed"] == [3, 1] and row["steps_to_threshold"]["median"] == 2.0
 
 
-def test_bootstrap_interval_identical_seeds_has_zero_width():
-    iv = quality_stats.bootstrap_diff([0.3, 0.3, 0.3], [0.1, 0.1])
+def test_difference_interval_constant_cells_have_zero_width():
+    # both cells constant: the interval shrinks to the difference of the means, paired or Welch
+    iv = quality_stats.diff_interval({0: 0.3, 1: 0.3, 2: 0.3}, {0: 0.1, 1: 0.1})  # seeds differ: Welch
+    assert iv["method"] == "Welch t" and (iv["n_a"], iv["n_b"]) == (3, 2)
     assert iv["diff"] == approx(0.2) and iv["low"] == approx(0.2) and iv["high"] == approx(0.2)
-    assert quality_stats.bootstrap_diff([0.3], [0.1, 0.2]) is None  # one seed: no interval
-
-
-def _exact_quantiles(a, b, level=0.9):
-    """The bootstrap distribution by enumerating every resample of a and of b (equally likely)."""
-    import itertools
-    import statistics
-
-    diffs = sorted(statistics.fmean(x) - statistics.fmean(y) for x in itertools.product(a, repeat=len(a))
-                   for y in itertools.product(b, repeat=len(b)))
-    cdf = lambda v: sum(d <= v + 1e-12 for d in diffs) / len(diffs)  # noqa: E731
-    lo = min(d for d in diffs if cdf(d) >= (1 - level) / 2)
-    hi = min(d for d in diffs if cdf(d) >= (1 + level) / 2)
-    return lo, hi
-
-
-def test_bootstrap_interval_matches_exhaustive_enumeration():
-    # a = [0, 1, 1]: the resampled mean is 0, 1/3, 2/3, 1 with chances 1/27, 6/27, 12/27, 8/27, so the 5% quantile
-    # is 1/3 (1/27 < 0.05) and the 95% quantile 1 (1/27 + 6/27 + 12/27 = 0.70 < 0.95); b = [0, 0] never moves
-    assert _exact_quantiles([0, 1, 1], [0, 0]) == (approx(1 / 3), approx(1.0))
-    iv = quality_stats.bootstrap_diff([0.0, 1.0, 1.0], [0.0, 0.0])
-    assert (iv["low"], iv["diff"], iv["high"]) == (approx(1 / 3), approx(2 / 3), approx(1.0))
-    assert quality_stats.bootstrap_diff([0.0, 1.0, 1.0], [0.0, 0.0]) == iv  # fixed RNG seed: reproducible
-    # b varies too: 1 - mean(b*) with b = [0, 1] is 1, 0.5, 0 with chances 1/4, 1/2, 1/4
-    assert _exact_quantiles([1, 1], [0, 1]) == (approx(0.0), approx(1.0))
-    iv = quality_stats.bootstrap_diff([1.0, 1.0], [0.0, 1.0])
-    assert (iv["low"], iv["diff"], iv["high"]) == (approx(0.0), approx(0.5), approx(1.0))
-    assert iv["level"] == 0.9 and iv["n_resamples"] == 2000
+    assert iv["verdict"] == "above behav"
+    iv = quality_stats.diff_interval({0: 0.3, 1: 0.3}, {1: 0.1, 0: 0.1})  # same seeds: paired
+    assert iv["method"] == "paired t" and iv["n"] == 2 and iv["low"] == approx(0.2) == iv["high"]
+    assert quality_stats.diff_interval({0: 0.3}, {0: 0.1, 1: 0.2}) is None  # one seed: no interval
+    assert quality_stats.diff_interval({0: 0.3}, {0: 0.1}) is None  # one pair: no interval
 
 
 def _diag_run(rewards, active, masked, r_d=None, gap=0.01):
@@ -256,23 +235,48 @@ def test_cell_diagnostics_r_d_active_and_masked_share():
 def test_quality_report_differences_to_behav():
     behav = [_diag_run([0.1, 0.2], [1, 1], [0, 0]), _diag_run([0.3, 0.4], [1, 1], [0, 0])]  # final (w=1) .2, .4
     ewma = [_diag_run([0.5, 0.5], [1, 0.5], [0, 0.5], r_d=[0.1, 0.1]),
-            _diag_run([0.5, 0.7], [1, 0.5], [0, 0.5], r_d=[0.1, 0.3])]  # final .5, .7
+            _diag_run([0.5, 0.8], [1, 0.5], [0, 0.5], r_d=[0.1, 0.3])]  # final .5, .8
     cells = {("behav", 8): behav, ("ewma(auto_reset=false)", 8): ewma, ("ewma(auto_reset=false)", 1): ewma}
     rep = quality.build_quality_report(cells, window=1, smooth=1, meta={"config": "q.yaml", "steps": 2})
     json.dumps(rep, allow_nan=False)
     (d,) = rep["quality"]["vs_behav"]  # eta 1 has no behav: no difference
-    assert (d["strategy"], d["eta"], d["diff"]) == ("ewma(auto_reset=false)", 8, approx(0.3))
-    # resampled means: ewma .5/.6/.7 and behav .2/.3/.4 with chances 1/4, 1/2, 1/4 each; the difference is
-    # 0.1 with chance 1/16 > 5% and 0.5 with chance 1/16
-    assert (d["interval"]["low"], d["interval"]["high"]) == (approx(0.1), approx(0.5))
-    assert rep["quality"]["threshold"] == approx(0.3)  # half of ewma's 0.6
+    assert (d["strategy"], d["eta"], d["diff"]) == ("ewma(auto_reset=false)", 8, approx(0.35))
+    # seeds 0 and 1 in both cells: paired, differences .3 and .4, sd 0.1/sqrt(2), se 0.05, t(0.95, 1) = 6.313752
+    iv = d["interval"]
+    assert (iv["method"], iv["n"], iv["df"]) == ("paired t", 2, 1.0) and iv["se"] == approx(0.05)
+    assert (iv["low"], iv["high"]) == (pytest.approx(0.35 - 0.3156876, abs=1e-6), pytest.approx(0.6656876, abs=1e-6))
+    assert d["verdict"] == "above behav"
+    assert rep["quality"]["threshold"] == approx(0.325)  # half of ewma's 0.65
     assert rep["quality"]["curves"][1]["active_frac"] == approx([1.0, 0.5])
     md = quality.render_quality_markdown(rep)
-    assert "| ewma(auto_reset=false) | 8 | +0.3000 | [+0.1000, +0.5000] |" in md
+    assert ("| ewma(auto_reset=false) | 8 | +0.3500 | [+0.0343, +0.6657] | 2 pairs | paired t | 1.0 | above behav |"
+            in md)
     assert "| behav | 8 | not logged (inexact anchor) | 1.00e-02 | 1.0000 | 1.0000 | 0.0000 | 0.0000 |" in md
     assert "| ewma(auto_reset=false) | 8 | 1.50e-01 | 1.00e-02 | 0.5000 | 0.5000 | 0.2500 | 0.0000 |" in md
-    # steps to 0.3 with no smoothing: behav seeds never / 1, ewma 1 and 1
-    assert "| behav | 8 | 1/2 | not reached | 1.0 | not reached, 1 |" in md
+    # steps to 0.325 with no smoothing: behav seeds never / 2, ewma 1 and 1
+    assert "| behav | 8 | 1/2 | not reached | 2.0 | not reached, 2 |" in md
+
+
+def test_quality_report_welch_and_too_few_seeds():
+    """Cells whose seed sets differ from behav's get Welch's interval; a cell with one seed gets none."""
+    behav = [_run([0.0, x]) for x in (1.0, 2.0, 3.0)]  # final (w=1): 1, 2, 3
+    other = [_run([0.0, x]) for x in (0.5, 1.5, 2.5)]  # 0.5, 1.5, 2.5
+    cells = {("behav", 8): behav, ("snapshot", 8): other, ("ewma", 8): other[:1]}
+    rep = quality.build_quality_report(cells, window=1, smooth=1, meta={},
+                                       seeds={("behav", 8): [0, 1, 2], ("snapshot", 8): [0, 1, 3], ("ewma", 8): [0]})
+    welch, few = rep["quality"]["vs_behav"]
+    # equal n (3) and variances (1): Welch-Satterthwaite df = 2 (n - 1) = 4, se = sqrt(2/3) = 0.816497,
+    # t(0.95, 4) = 2.131847: half-width 1.740646
+    iv = welch["interval"]
+    assert (iv["method"], iv["n_a"], iv["n_b"], iv["n"]) == ("Welch t", 3, 3, None) and iv["df"] == approx(4.0)
+    assert iv["low"] == pytest.approx(-0.5 - 1.740646, abs=1e-6) and iv["high"] == pytest.approx(1.240646, abs=1e-6)
+    assert welch["verdict"] == "no difference detectable at this n"
+    assert few["interval"] is None and few["verdict"] == "n too small" and few["diff"] == approx(-1.5)
+    md = quality.render_quality_markdown(rep)
+    assert ("| snapshot | 8 | -0.5000 | [-2.2406, +1.2406] | 3 vs 3 | Welch t | 4.0 | no difference detectable at "
+            "this n |") in md
+    assert "| ewma | 8 | -1.5000 | n too small | 1 vs 3 | - | - | n too small |" in md
+    assert "| behav | 8 | 2.0000 | 1.0000 | 1.0000, 2.0000, 3.0000 | 4.0 | 0, 1, 2 |" in md
 
 
 # -- quality: strategy variants ------------------------------------------------------------------
