@@ -50,13 +50,15 @@ from megarl.trainer.base import TrainerProtocol
 from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer, FollowerView, follow
 from megarl.workflows import build_workflow
+from recovery import _negative_controls as negative_controls
 from recovery import registry
 from recovery.base import RecoveryContext, RecoveryStrategy
 from recovery.dedicated import serve_role as serve_dedicated_role
 from recovery.verifier import DEFAULT_TOL, VerifyingStrategy
 
 __all__ = ["DEFAULT_TOL", "Run", "VerifyingStrategy", "build_run", "build_trainer", "describe_config",
-           "load_run_config", "run_follower", "serve_dedicated_role", "strategy_configs", "strategy_names"]
+           "load_run_config", "negative_controls", "run_follower", "serve_dedicated_role", "strategy_configs",
+           "strategy_names"]
 
 #: ``wrap_strategy(strategy) -> strategy``: what verification and benchmarking put around the run's strategy
 StrategyWrapper = Callable[[RecoveryStrategy], RecoveryStrategy]

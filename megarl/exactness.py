@@ -3,8 +3,12 @@
 Every strategy runs the same config and seed, wrapped in
 :class:`~recovery.verifier.VerifyingStrategy` (through megarl/builder.py),
 which compares its anchor for every train batch with a forward of the exact
-version v_t of every policy token. :func:`failures` lists the strategies whose
-claim of exactness the measurement refutes; the command exits with code 1 on any.
+version v_t of every policy token, replaying the routes of the request that
+generated it, and checks that reference against the engine (the oracle: in
+fp32 the two compute the same network). :func:`failures` lists the strategies
+whose claim of exactness the measurement refutes and every oracle failure; the
+command exits with code 1 on any. ``--negative-control`` makes one input wrong
+on purpose (recovery/_negative_controls.py), so that a check is seen to fail.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from megarl.builder import DEFAULT_TOL, VerifyingStrategy, load_run_config
+from megarl.builder import negative_controls as controls
 from megarl.errors import ConfigError
+from megarl.rollout.base import truncates_sampling
 from megarl.rollout.engine_pool import EnginePool
 from megarl.train import train
 
@@ -23,40 +29,80 @@ __all__ = ["DEFAULT_TOL", "failures", "verify_recovery"]
 
 
 def failures(report: dict[str, Any]) -> list[str]:
-    """One line per strategy that claims exactness but was not measured exact (empty: the check passed)."""
+    """One line per failed check (empty: every check passed): a strategy that claims exactness but was not
+    measured exact, and a reference that the engine oracle refutes (fp32 only: recovery/_reference.py)."""
     out = []
     for name, rep in report["strategies"].items():
+        oracle = rep.get("oracle", {})
+        if oracle.get("passed") is False:
+            out.append(f"{name}: the engine oracle failed: the reference logp_old misses the fp32 engine's "
+                       f"logp_behav by up to {oracle['max_abs_err']:.3g} (> {oracle['tol']:.3g}); the trainer's "
+                       f"forward at each token's version does not reproduce the engine (wrong routes, version or "
+                       f"alignment)")
         if not rep["claims_exact"] or rep["measured_exact"]:
             continue
         if rep["n_tokens"] == 0:
             out.append(f"{name} claims exactness but no policy token was checked (run more --steps)")
+        elif rep["copy"]["is_copy"]:
+            out.append(f"{name} claims exactness but its anchor carries logp_behav's exact bits on "
+                       f"{rep['copy']['copied_frac']:.0%} of the {rep['copy']['telling_tokens']:.0f} tokens where "
+                       f"the reference differs from logp_behav: a copy of the engine's log-probs, not a forward "
+                       f"of the trainer")
         else:
             out.append(f"{name} claims exactness but its max abs error {rep['max_abs_err']:.3g} exceeds "
                        f"--tol {rep['tol']:.3g} by {rep['max_abs_err'] - rep['tol']:.3g}")
     return out
 
 
-def _routes_line(r: dict[str, float]) -> str:
-    return (f" | routes replayed; without replay {r['tokens_differ_frac']:.1%} of tokens "
-            f"({r['decisions_differ_frac']:.1%} of decisions) route elsewhere and |logp_old-logp_behav| "
-            f"mean={r['r_d_abs_mean_no_replay']:.3g} max={r['r_d_abs_max_no_replay']:.3g}")
+def _oracle_part(o: dict[str, Any]) -> str:
+    if o["judges"]:
+        return f" | oracle (fp32 engine) max {o['max_abs_err']:.3g}: {'passed' if o['passed'] else 'FAILED'}"
+    return f" | oracle: r_d (engine not fp32) mean {o['mean_abs_err']:.3g} max {o['max_abs_err']:.3g}"
+
+
+def _routes_line(r: dict[str, Any]) -> str:
+    same, now = r["same_version"], r["current_weights"]
+    return (f" | routes replayed; the trainer's own routers choose other experts for {same['tokens_differ_frac']:.1%}"
+            f" of tokens ({same['decisions_differ_frac']:.1%} of decisions) at the sampling version, "
+            f"{now['tokens_differ_frac']:.1%} ({now['decisions_differ_frac']:.1%}) at the current weights; "
+            f"without replay |logp_old-logp_behav| mean={r['r_d_abs_mean_no_replay']:.3g} "
+            f"max={r['r_d_abs_max_no_replay']:.3g}")
+
+
+def oracle_judges(cfg) -> bool:
+    """Whether the engine oracle judges this run: engines and trainer in fp32 and a sampling rule the trainer
+    models (no top-p / top-k), so that the reference must equal logp_behav."""
+    return (cfg.engine_dtype == "float32" and cfg.model.dtype == "float32"
+            and not truncates_sampling(cfg.rollout.top_p, cfg.rollout.top_k))
 
 
 def verify_recovery(config_path: str, strategies: list[str], steps: int, output: str, overrides: list[str],
-                    tol: float = DEFAULT_TOL) -> dict:
+                    tol: float = DEFAULT_TOL, negative_control: str = "") -> dict:
     """Run the loop once per strategy (same seed and config) and write ``output`` (report.json).
 
-    The runs share one set of engines, reset to the base checkpoint before each (megarl/rollout/engine_pool.py);
-    their logs are in ``engines/`` beside ``output``."""
+    ``negative_control``: make one thing wrong on purpose (recovery/_negative_controls.py); the checks must
+    then fail. The runs share one set of engines, reset to the base checkpoint before each
+    (megarl/rollout/engine_pool.py); their logs are in ``engines/`` beside ``output``."""
+    if negative_control and negative_control not in controls.NAMES:
+        raise ConfigError(f"--negative-control {negative_control!r} is not one of {', '.join(controls.NAMES)}")
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with EnginePool(out.parent / "engines") as pool:
-        return _verify_each(config_path, strategies, steps, out, overrides, tol, pool)
+        return _verify_each(config_path, strategies, steps, out, overrides, tol, pool, negative_control)
+
+
+#: loop counters a verify report carries (summed over the run's steps): how the splices came about
+COUNTERS = ("n_interrupted", "n_splice_holds", "n_routes_missing")
+
+
+def _counters(run_dir: Path) -> dict[str, int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {k: int(sum(r.get(k, 0) for r in records)) for k in COUNTERS}
 
 
 def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path, overrides: list[str],
-                 tol: float, pool: EnginePool) -> dict:
-    report: dict[str, Any] = {"tol": tol, "strategies": {}}
+                 tol: float, pool: EnginePool, negative_control: str) -> dict:
+    report: dict[str, Any] = {"tol": tol, "negative_control": negative_control or None, "strategies": {}}
     for name in strategies:
         run_dir = out.parent / f"verify-{name}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of an old one
@@ -66,21 +112,29 @@ def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path,
         if cfg.rollout.eta < 2 or not cfg.rollout.interruptible:
             raise ConfigError(f"verify-recovery needs rollout.eta >= 2 and interruptible rollouts "
                               f"(got eta={cfg.rollout.eta}, interruptible={cfg.rollout.interruptible})")
+        if negative_control in controls.ROUTE_CONTROLS and not cfg.rollout.routing_replay:
+            raise ConfigError(f"--negative-control {negative_control} corrupts MoE routes: it needs an MoE model "
+                              f"with rollout.routing_replay=true")
         verifiers: list[VerifyingStrategy] = []
+        judges = oracle_judges(cfg)
 
-        def wrap(inner, verifiers=verifiers):
-            verifiers.append(VerifyingStrategy(inner))
+        def wrap(inner, verifiers=verifiers, judges=judges):
+            if negative_control in controls.STRATEGY_CONTROLS:
+                inner = controls.STRATEGY_CONTROLS[negative_control](inner)
+            verifiers.append(VerifyingStrategy(inner, oracle_judges=judges,
+                                               corrupt_routes=controls.ROUTE_CONTROLS.get(negative_control)))
             return verifiers[-1]
 
         train(cfg, wrap_strategy=wrap, engine_pool=pool)
         rep = verifiers[-1].report(tol)
+        rep.update(_counters(run_dir))
         report["strategies"][name] = rep
         by_conv = "".join(f" max_abs_err[{c}]={e['max_abs_err']:.3g}" for c, e in rep.get("conventions", {}).items())
         print(f"{name:>15}: claims_exact={rep['claims_exact']} measured_exact={rep['measured_exact']} "
               f"max_abs_err={rep['max_abs_err']:.3g} mean_abs_err={rep['mean_abs_err']:.3g}{by_conv} "
               f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']} "
-              f"|logp_old-logp_behav| mean={rep['r_d_abs_mean']:.3g} max={rep['r_d_abs_max']:.3g}"
-              + (_routes_line(rep["routes"]) if "routes" in rep else ""), flush=True)
+              f"(interrupted {rep['n_interrupted']}, held {rep['n_splice_holds']})"
+              + _oracle_part(rep["oracle"]) + (_routes_line(rep["routes"]) if "routes" in rep else ""), flush=True)
         out.write_text(json.dumps(report, indent=2,
                                   default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

@@ -18,6 +18,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from megarl.routes import RouteSegment, append_segment, newest_routes
+
 FinishReason = Literal["stop", "length", "abort"]
 
 #: version tag of tokens no policy generated (tool/environment output).
@@ -73,9 +75,10 @@ class GenerateResult:
     logp_behav: list[float]
     versions: list[int]
     finish_reason: FinishReason
-    #: with ``return_routes``: per input position of prompt_ids + output_ids, the expert ids ``[layers][k]`` the
-    #: engine routed that token to, ``[]`` where it routed none (the last output token is never fed back)
-    routes: list[list[list[int]]] | None = None
+    #: with ``return_routes``: the route segments of this request (megarl/routes.py) in the coordinates of
+    #: prompt_ids + output_ids, one per forward history (several when the engine recomputed the request); None
+    #: when the engine could not return them
+    routes: list[RouteSegment] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.output_ids) == len(self.logp_behav) == len(self.versions)):
@@ -84,11 +87,13 @@ class GenerateResult:
                 f"({len(self.output_ids)}/{len(self.logp_behav)}/{len(self.versions)})")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {k: v for k, v in vars(self).items() if k != "routes"}
+        return {**d, "routes": None if self.routes is None else [s.to_dict() for s in self.routes]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerateResult":
-        return cls(**d)
+        routes = d.get("routes")
+        return cls(**{**d, "routes": None if routes is None else [RouteSegment.from_dict(s) for s in routes]})
 
 
 @dataclass(frozen=True)
@@ -137,28 +142,15 @@ class Trajectory:
     #: rendered conversation does not extend what the model saw before (megarl/agents/client.py). They
     #: share this trajectory's reward and advantage; the staleness gate counts the episode once
     parts: list["Trajectory"] = field(default_factory=list)
-    #: with routing replay: an int16 tensor [positions, layers, k]: per position of prompt_ids + response_ids
-    #: (as far as routed), the expert ids the engine routed that token to, -1 where unknown (routed live in
-    #: training); None without routing replay. 2 bytes per token, layer and expert chosen.
-    routes: Any | None = None
+    #: with routing replay: the route segments of the requests that generated the policy tokens, in order
+    #: (megarl/routes.py: each keeps the routes of every position its request fed); empty without replay
+    route_segments: list[RouteSegment] = field(default_factory=list)
 
     # -- appending -------------------------------------------------------------
-    def merge_routes(self, routes: list[list[list[int]]] | None) -> None:
-        """Take the routes of a generate that saw this trajectory's tokens (``GenerateResult.routes``): positions
-        already routed keep their routes (a resubmitted request's prefix, re-prefilled under new weights, does not
-        overwrite them); only unknown and new positions take the engine's."""
-        new = routes_tensor(routes)
-        if new is None:
-            return
-        have = self.routes
-        if have is None:
-            self.routes = new
-            return
-        import torch  # lazy: this module also serves light processes (the HTTP client, the CLI)
-
-        n = min(len(have), len(new))
-        kept = torch.where((have[:n] >= 0).all(-1, keepdim=True), have[:n], new[:n])
-        self.routes = torch.cat([kept, have[n:], new[n:]])
+    def add_route_segment(self, seg: RouteSegment) -> None:
+        """Keep the routes of a request that continued this trajectory (positions in :attr:`tokens`'s
+        coordinates; ``seg.version`` set): one segment per forward history (megarl/routes.py)."""
+        append_segment(self.route_segments, seg)
 
     def append_policy(self, output_ids: list[int], logp_behav: list[float], versions: list[int]) -> None:
         self.response_ids += list(output_ids)
@@ -216,7 +208,8 @@ class Trajectory:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
         parts = [cls.from_dict(p) for p in d.get("parts", [])]
-        return cls(**{**d, "parts": parts})
+        segs = [s if isinstance(s, RouteSegment) else RouteSegment.from_dict(s) for s in d.get("route_segments", [])]
+        return cls(**{**d, "parts": parts, "route_segments": segs})
 
 
 def training_rows(trajs: list[Trajectory]) -> list[Trajectory]:
@@ -304,9 +297,12 @@ class TrainBatch:
     logp_old: Any | None = None
     #: the loss anchor chosen by the recovery strategy (set by the loop before the train step)
     logp_anchor: Any | None = None
-    #: [B, L-1, layers, k] int16: the engine's MoE routes of input position t (tokens[:, t]), -1 where unknown
-    #: (megarl/models/routing_replay.py); None without routing replay
+    #: [B, L-1, layers, k] int16: the MoE routes the policy forward replays at input position t (tokens[:, t]),
+    #: the newest segment's (megarl/routes.py), -1 where unknown (routed live); None without routing replay
     routes: Any | None = None
+    #: per row, the trajectory's route segments (megarl/routes.py): forwards at a token's own version replay
+    #: its segment's routes (megarl.routes.scoring_units); None without routing replay
+    route_segments: list[list[RouteSegment]] | None = None
 
     @property
     def size(self) -> int:
@@ -326,6 +322,7 @@ class TrainBatch:
         versions = torch.full((B, L - 1), NO_VERSION, dtype=torch.long)
         advantages = torch.zeros(B, L - 1)
         any_old = any(t.logp_old is not None for t in trajs)
+        segments = [list(t.route_segments) for t in trajs]
         logp_old = torch.full((B, L - 1), math.nan) if any_old else None
         seq_lens = torch.zeros(B, dtype=torch.long)
         prompt_lens = torch.zeros(B, dtype=torch.long)
@@ -345,7 +342,8 @@ class TrainBatch:
                 logp_old[b, sl] = torch.tensor(t.logp_old, dtype=torch.float32)
         return cls(tokens=tokens, seq_lens=seq_lens, loss_mask=loss_mask, logp_behav=logp_behav,
                    versions=versions, advantages=advantages, traj_ids=[t.traj_id for t in trajs],
-                   prompt_lens=prompt_lens, version=version, logp_old=logp_old, routes=_route_tensor(trajs, L))
+                   prompt_lens=prompt_lens, version=version, logp_old=logp_old,
+                   routes=newest_routes(segments, L - 1), route_segments=segments if any(segments) else None)
 
     def select(self, idx: list[int]) -> "TrainBatch":
         """Sub-batch of rows ``idx`` (micro-batching), trimmed to its longest row."""
@@ -364,31 +362,6 @@ class TrainBatch:
                           prompt_lens=None if self.prompt_lens is None else self.prompt_lens[ix],
                           version=self.version,
                           logp_old=cut(self.logp_old, L - 1), logp_anchor=cut(self.logp_anchor, L - 1),
-                          routes=cut(self.routes, L - 1))
+                          routes=cut(self.routes, L - 1),
+                          route_segments=None if self.route_segments is None else [self.route_segments[i] for i in idx])
 
-
-def routes_tensor(routes: list[list[list[int]]] | None):
-    """An engine's per-position routes (``[layers][k]`` lists, ``[]`` where none) as an int16 tensor
-    [positions, layers, k] with -1 where none; None when there are none at all."""
-    import torch
-
-    shape = next((torch.tensor(r).shape for r in routes or [] if r), None)
-    if shape is None:
-        return None
-    unknown = torch.full(shape, -1, dtype=torch.int16)
-    return torch.stack([torch.tensor(r, dtype=torch.int16) if r else unknown for r in routes])
-
-
-def _route_tensor(trajs: list[Trajectory], L: int):
-    """TrainBatch.routes of ``trajs`` (None when none carries routes)."""
-    import torch
-
-    shape = next((tuple(t.routes.shape[1:]) for t in trajs if t.routes is not None), None)
-    if shape is None:
-        return None
-    routes = torch.full((len(trajs), L - 1, *shape), -1, dtype=torch.int16)
-    for b, t in enumerate(trajs):
-        if t.routes is not None:
-            rows = t.routes[:len(t.prompt_ids) + len(t.response_ids) - 1]
-            routes[b, :len(rows)] = rows
-    return routes

@@ -22,6 +22,7 @@ import torch
 from megarl.errors import ConfigError
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import free_port
+from megarl.routes import RouteSegment, newest_routes
 from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.types import TrainBatch, Trajectory
 from recovery import _dedicated_link as link
@@ -62,13 +63,16 @@ def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", tem
 
 
 def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
-    """One forward over the segments' sequences (prompt + response up to the segment's end)."""
+    """One forward over the segments' sequences (prompt + response up to the segment's end), each replaying the
+    routes of the request that generated it (``routes``: [positions, layers, k], or None: routed live)."""
     trajs = [Trajectory(traj_id=j["traj_id"], group_id="", prompt_ids=j["prompt_ids"],
                         response_ids=j["response_ids"], logp_behav=[0.0] * len(j["response_ids"]),
-                        versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]),
-                        routes=j.get("routes"))
+                        versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]))
              for j in jobs]
     batch = TrainBatch.from_trajectories(trajs, version=0)
+    if any(j.get("routes") is not None for j in jobs):
+        batch.routes = newest_routes([[] if j.get("routes") is None else [RouteSegment(0, j["routes"])]
+                                      for j in jobs], batch.loss_mask.shape[1])
     logp = scorer.logprobs(batch).float().cpu()
     out = []
     for b, j in enumerate(jobs):

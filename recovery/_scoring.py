@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from megarl.types import NO_VERSION, TrainBatch, Trajectory
+from megarl.routes import NO_ROUTE, RouteSegment, scoring_units
+from megarl.types import NO_VERSION, Segment, TrainBatch, Trajectory
 
 
 def policy_mask(batch: TrainBatch) -> torch.Tensor:
@@ -35,25 +36,66 @@ def score_versions(batch: TrainBatch, trainer: Any,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Fill ``out`` at each policy token with its log-prob under the version that generated it.
 
-    One forward per distinct version, over only the rows holding that version;
-    only the positions of that version are written, so a spliced sequence is
-    scored once per segment version. ``params_of(v)`` returns the parameters
-    of version v, or None when the trainer's current parameters are version v.
+    One forward per distinct version (:func:`score_at`), so a spliced sequence is
+    scored once per segment version. ``params_of(v)`` returns the parameters of
+    version v, or None when the trainer's current parameters are version v.
     Positions that are not policy tokens keep their value in ``out`` (NaN when
     ``out`` is None).
     """
-    mask = policy_mask(batch)
     if out is None:
         out = torch.full(batch.loss_mask.shape, math.nan, dtype=torch.float32, device=batch.loss_mask.device)
     for v in versions_in(batch):
-        of_v = mask & (batch.versions == v)
-        rows = of_v.any(dim=1).nonzero().flatten()
-        lp = forward(trainer, batch.select(rows.tolist()), params_of(v)).to(out.device, out.dtype)
-        width = lp.shape[1]
-        region = out[rows, :width]
-        sel = of_v[rows, :width]
-        region[sel] = lp[sel]
-        out[rows, :width] = region
+        score_at(batch, trainer, v, params_of(v), out)
+    return out
+
+
+def score_at(batch: TrainBatch, trainer: Any, version: int, params: dict[str, torch.Tensor] | None,
+             out: torch.Tensor, wanted: torch.Tensor | None = None) -> int:
+    """Write into ``out`` the log-probs under ``params`` (None: the trainer's current ones) of ``batch``'s policy
+    tokens of ``version`` (``wanted``: only these); returns how many. One forward over the rows holding them;
+    with routing replay a row appears once per route segment of that version, replaying that segment's routes
+    (megarl.routes.scoring_units: the rule of which routes a forward at a token's own version replays)."""
+    units = scoring_units(batch, version, wanted)
+    if not units:
+        return 0
+    sub = batch.select([u.row for u in units])
+    width = sub.loss_mask.shape[1]
+    if batch.route_segments is not None:
+        none = torch.full((width, *sub.routes.shape[2:]), NO_ROUTE, dtype=torch.int16)
+        sub.routes = torch.stack([none if u.routes is None else u.routes[:width] for u in units])
+    lp = forward(trainer, sub, params).to(out.device, out.dtype)
+    n = 0
+    for j, u in enumerate(units):
+        sel = u.mask[:width].to(out.device)
+        out[u.row, :width][sel] = lp[j][sel]
+        n += int(sel.sum())
+    return n
+
+
+def scoring_segments(traj: Trajectory) -> list[tuple[Segment, RouteSegment | None]]:
+    """``traj.segments()`` (runs of one version), each split where the request that generated it changes: a
+    piece is scored at its version replaying the routes of the route segment that owns it (None: no segment
+    of that version owns it, or no routing replay; it routes live). Scoring one piece needs the routes of
+    positions ``[0, len(prompt_ids) + piece.end - 1)`` (megarl.routes: the rule)."""
+    p0 = len(traj.prompt_ids)
+    out: list[tuple[Segment, RouteSegment | None]] = []
+    for seg in traj.segments():
+        cuts = []  # (response start, response end, route segment) of the route segments of this version
+        for rs in traj.route_segments:
+            if rs.version == seg.version:
+                a, b = max(seg.start, rs.start - p0 + 1), min(seg.end, rs.end - p0 + 1)
+                if a < b:
+                    cuts.append((a, b, rs))
+        pos = seg.start
+        for a, b, rs in sorted(cuts, key=lambda c: c[0]):
+            if a > pos:
+                out.append((Segment(traj.traj_id, pos, a, seg.version), None))
+            a = max(a, pos)
+            if a < b:
+                out.append((Segment(traj.traj_id, a, b, seg.version), rs))
+                pos = b
+        if pos < seg.end:
+            out.append((Segment(traj.traj_id, pos, seg.end, seg.version), None))
     return out
 
 

@@ -136,3 +136,45 @@ class RecoveryStrategy(abc.ABC):
 
     def close(self) -> None:
         """Release processes and files."""
+
+
+class DelegatingStrategy(RecoveryStrategy):
+    """A strategy wrapped by a check (the verifier, a negative control): every hook goes to ``inner`` unless the
+    subclass overrides it; it claims what ``inner`` claims."""
+
+    def __init__(self, inner: RecoveryStrategy) -> None:
+        super().__init__(inner.cfg, inner.ctx)
+        self.inner = inner
+        self.exact = inner.exact  # type: ignore[misc]
+        self.conventions = inner.conventions  # type: ignore[misc]
+        self.uses_live_trajectories = inner.uses_live_trajectories  # type: ignore[misc]
+
+    def on_weights_published(self, version: int) -> None:
+        self.inner.on_weights_published(version)
+
+    def before_publish(self, old_version: int, new_version: int) -> None:
+        self.inner.before_publish(old_version, new_version)
+
+    def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
+        self.inner.on_rollout_interrupted(partials)
+
+    def on_segment_finished(self, traj: Trajectory) -> None:
+        self.inner.on_segment_finished(traj)
+
+    def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        return self.inner.anchor(batch, trajs)
+
+    def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
+        self.inner.after_optimizer_step(version, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def overhead(self) -> dict[str, float]:
+        return self.inner.overhead()
+
+    def close(self) -> None:
+        self.inner.close()

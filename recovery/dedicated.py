@@ -80,7 +80,7 @@ from recovery._dedicated_scorer import (
     _child_main,
     serve_role,  # noqa: F401  (the scorer role's entry, beside its strategy)
 )
-from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs
+from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs, scoring_segments
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
 
@@ -188,7 +188,7 @@ class Dedicated(RecoveryStrategy):
         jobs = []
         with self._lock:
             for t in trajs:
-                for seg in t.segments():
+                for seg, owner in scoring_segments(t):
                     key = (t.traj_id, seg.start, seg.end)
                     if key in self._sent:
                         continue
@@ -200,8 +200,9 @@ class Dedicated(RecoveryStrategy):
                     self._pending[key] = time.perf_counter()
                     jobs.append({"traj_id": t.traj_id, "start": seg.start, "end": seg.end, "version": seg.version,
                                  "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids[:seg.end]),
-                                 # MoE routes to replay (rollout.routing_replay), as far as the segment reaches
-                                 "routes": None if t.routes is None else t.routes[:len(t.prompt_ids) + seg.end]})
+                                 # MoE routes to replay (rollout.routing_replay): the request's that generated
+                                 # the piece, as far as it reaches (megarl/routes.py)
+                                 "routes": None if owner is None else owner.routes[:len(t.prompt_ids) + seg.end - 1]})
             if jobs:  # under the lock: no version message can slip in between the check and the put
                 self._link.put(("score", jobs))
         while self._drain(None):
@@ -241,7 +242,7 @@ class Dedicated(RecoveryStrategy):
             return AnchorResult(logp_anchor=batch.logp_behav.clone(), exact=True)
         with self.meter.time("recovery_s"):
             self._enqueue(trajs)  # segments the loop never reported (only possible for the current version)
-            needed = {(t.traj_id, s.start, s.end) for t in trajs for s in t.segments()}
+            needed = {(t.traj_id, s.start, s.end) for t in trajs for s, _ in scoring_segments(t)}
             lost = [self._lost[k] for k in needed if k in self._lost]
             if lost:
                 raise RuntimeError("dedicated: cannot score " + "; ".join(lost[:3]) + " (the loop must report "
@@ -259,7 +260,7 @@ class Dedicated(RecoveryStrategy):
             with self._lock:
                 for t in trajs:
                     old = ensure_logp_old(t)
-                    for s in t.segments():
+                    for s, _ in scoring_segments(t):
                         old[s.start:s.end] = self._results.pop((t.traj_id, s.start, s.end))
             logp_old = logp_old_from_trajs(batch, trajs)
         return AnchorResult(logp_anchor=logp_old, exact=True)

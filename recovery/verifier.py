@@ -1,10 +1,13 @@
-"""Ground truth for old-logit recovery: the forward of the exact version v_t of every token.
+"""Ground truth for old-logit recovery, and the check of every strategy against it.
 
-``true_logp_old`` runs, for each version v present in the batch, a forward of
-the whole batch under the parameters of v and keeps the positions of that
-version: the slow, obviously-correct reference the exact strategies are
-checked against (``megarl verify-recovery``). ``compare`` reports how far an
-anchor is from it over the policy tokens.
+The reference ``logp_old`` (:func:`~recovery._reference.true_logp_old`) is a
+forward of the exact version v_t of every token, replaying the routes of the
+request that generated it; ``compare`` reports how far an anchor is from it
+over the policy tokens. The reference itself is checked against the engine
+(:func:`~recovery._reference.engine_oracle`): with engines and trainer in fp32
+every token's reference log-prob must equal the engine's ``logp_behav``
+within ``ORACLE_TOL``, so a reference fed wrong inputs (routes, versions,
+alignment) fails instead of agreeing with a strategy fed the same.
 
 :class:`VerifyingStrategy` does that inside the real async loop: it wraps the
 strategy under test and is itself a strategy (it plugs in through the hooks,
@@ -12,42 +15,34 @@ like any other), keeps every published version's parameters on the side and,
 for every train batch, compares the wrapped strategy's anchor with the truth.
 It is a check, not a printout: a strategy that claims exactness
 (``claims_exact``, the class flag) is *measured* exact when its largest error
-over all policy tokens is at most ``tol`` (``measured_exact``). For the
-interpolation strategies (loglinear, linear) the report also gives the error
-of each v_theta convention (``conventions``), whichever one the run trained with.
-With routing replay the report's ``routes`` says what replay changed: the share
-of tokens (and of token x layer decisions) the trainer's own routers send to
-other experts than the engine did, and r_d with the trainer's own routing.
+over all policy tokens is at most ``tol`` (``measured_exact``) and its anchor
+is not a bit-for-bit copy of ``logp_behav`` (``copy``: in fp32 a copy is within
+tolerance, so only its bits give it away). For the interpolation strategies
+(loglinear, linear) the report also gives the error of each v_theta convention
+(``conventions``), whichever one the run trained with. With routing replay the
+report's ``routes`` gives the route flips of numeric mismatch (trainer at the
+sampling version) apart from those of version drift (trainer at its current
+weights; recovery/_route_checks.py), and r_d with the trainer's own routing.
+A negative control (recovery/_negative_controls.py) may corrupt the routes
+every forward sees (``corrupt_routes``), to show the oracle fails.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from megarl.losses.mismatch import discrepancy
-from megarl.models.routing_replay import live_routes, route_disagreement
+from megarl.routes import newest_routes
 from megarl.types import AnchorResult, TrainBatch, Trajectory
-from recovery._scoring import forward, policy_mask, versions_in
-from recovery.base import RecoveryStrategy
+from recovery._reference import ORACLE_TOL, copy_share, engine_oracle, true_logp_old
+from recovery._route_checks import count_flips, empty_counts, summarize
+from recovery._scoring import policy_mask
+from recovery.base import DelegatingStrategy, RecoveryStrategy
 
-
-def true_logp_old(batch: TrainBatch, params_by_version: dict[int, dict[str, torch.Tensor]],
-                  trainer: Any) -> torch.Tensor:
-    """[B, L-1]: at each policy token the log-prob under the version that generated it; NaN elsewhere."""
-    mask = policy_mask(batch)
-    missing = [v for v in versions_in(batch) if v not in params_by_version]
-    if missing:
-        raise KeyError(f"no parameters for versions {missing} (have {sorted(params_by_version)})")
-    truth = torch.full(batch.loss_mask.shape, math.nan, dtype=torch.float32)
-    for v in versions_in(batch):
-        lp = forward(trainer, batch, params_by_version[v]).float().cpu()
-        of_v = (mask & (batch.versions == v)).cpu()
-        truth[of_v] = lp[of_v]
-    return truth
+__all__ = ["DEFAULT_TOL", "ORACLE_TOL", "VerifyingStrategy", "compare", "true_logp_old"]
 
 
 def compare(anchor: torch.Tensor, truth: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
@@ -75,57 +70,48 @@ DEFAULT_TOL = 1e-5
 """Largest abs error of logp_old that still counts as exact (fp32 round-off of two forward layouts is ~5e-7)."""
 
 
-class VerifyingStrategy(RecoveryStrategy):
-    """Delegates every hook to ``inner`` and scores its anchors against the truth."""
+#: an anchor that carries logp_behav's exact bits on more than this share of the tokens where the reference
+#: differs from logp_behav (at least COPY_MIN_TELLING of them) is a copy of logp_behav, not a forward
+COPY_FRAC = 0.5
+COPY_MIN_TELLING = 10
+
+
+class VerifyingStrategy(DelegatingStrategy):
+    """Delegates every hook to ``inner`` and scores its anchors against the truth.
+
+    ``oracle_judges``: engines and trainer compute in fp32 with an untruncated sampling rule, so the reference
+    must equal ``logp_behav`` within ``ORACLE_TOL`` (else the oracle only reports r_d). ``corrupt_routes``: a
+    negative control's change to every batch's route segments (recovery/_negative_controls.py).
+    """
 
     name = "verifying"
 
-    def __init__(self, inner: RecoveryStrategy) -> None:
-        super().__init__(inner.cfg, inner.ctx)
-        self.inner = inner
-        self.exact = inner.exact  # type: ignore[misc]
+    def __init__(self, inner: RecoveryStrategy, *, oracle_judges: bool = False,
+                 corrupt_routes: Callable[[list], list] | None = None) -> None:
+        super().__init__(inner)
+        self.oracle_judges = oracle_judges
+        self.corrupt_routes = corrupt_routes
         self.params_by_version: dict[int, dict] = {}
         self.stats = {"max_abs_err": 0.0, "sum_abs_err": 0.0, "n_tokens": 0, "n_sequences": 0,
                       "n_spliced_sequences": 0, "max_versions_per_sequence": 0,
-                      "r_d_abs_max": 0.0, "r_d_abs_sum": 0.0, "r_d_n_tokens": 0}
+                      "r_d_abs_max": 0.0, "r_d_abs_sum": 0.0, "r_d_n_tokens": 0,
+                      "copied": 0.0, "telling": 0.0, "n_spliced_across_update": 0}
         #: per v_theta convention of an interpolation strategy: [max abs err, sum abs err]
         self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in inner.conventions}
         #: seconds the wrapped strategy's own ``anchor`` took in the last call (the rest was the verifier's)
         self.inner_anchor_s = 0.0
-        #: with routing replay: the engine's routes against the trainer's own, and r_d without replay
-        self.routes = {"n_tokens": 0.0, "tokens_differ": 0.0, "decisions": 0.0, "decisions_differ": 0.0,
-                       "r_d_max_no_replay": 0.0, "r_d_sum_no_replay": 0.0, "r_d_n_no_replay": 0.0}
+        #: with routing replay: route flips by cause, and r_d without replay
+        self.flips = empty_counts()
+        self.no_replay = {"r_d_max": 0.0, "r_d_sum": 0.0, "r_d_n": 0.0}
 
-    # hooks: delegate, plus keep every version's weights
     def on_weights_published(self, version: int) -> None:
         self.params_by_version[version] = self.ctx.trainer.get_params()
         self.inner.on_weights_published(version)
 
-    def before_publish(self, old_version: int, new_version: int) -> None:
-        self.inner.before_publish(old_version, new_version)
-
-    def on_rollout_interrupted(self, partials: list[Trajectory]) -> None:
-        self.inner.on_rollout_interrupted(partials)
-
-    def on_segment_finished(self, traj: Trajectory) -> None:
-        self.inner.on_segment_finished(traj)
-
-    def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
-        self.inner.after_optimizer_step(version, metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def overhead(self) -> dict[str, float]:
-        return self.inner.overhead()
-
-    def close(self) -> None:
-        self.inner.close()
-
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
+        if self.corrupt_routes is not None and batch.route_segments is not None:
+            segs = [self.corrupt_routes(list(s)) for s in batch.route_segments]
+            batch.route_segments, batch.routes = segs, newest_routes(segs, batch.routes.shape[1])
         t0 = time.perf_counter()
         result = self.inner.anchor(batch, trajs)
         self.inner_anchor_s = time.perf_counter() - t0
@@ -148,56 +134,77 @@ class VerifyingStrategy(RecoveryStrategy):
         s["n_tokens"] += int(c["n_tokens"])
         s["n_sequences"] += batch.size
         s["n_spliced_sequences"] += int(c["n_spliced_sequences"])
+        s["n_spliced_across_update"] += self._across_update(batch)
         s["max_versions_per_sequence"] = max(s["max_versions_per_sequence"], int(c["max_versions_per_sequence"]))
-        if "r_d/n_tokens" in c:  # |logp_old - logp_behav| of every policy token, whatever the strategy
-            s["r_d_abs_max"] = max(s["r_d_abs_max"], c["r_d/abs_logp_max"])
-            s["r_d_abs_sum"] += c["r_d/abs_logp_mean"] * c["r_d/n_tokens"]
-            s["r_d_n_tokens"] += int(c["r_d/n_tokens"])
+        oracle = engine_oracle(truth, batch)  # |reference - logp_behav|: r_d, and in fp32 the oracle's error
+        s["r_d_abs_max"] = max(s["r_d_abs_max"], oracle["max"])
+        s["r_d_abs_sum"] += oracle["sum"]
+        s["r_d_n_tokens"] += int(oracle["n"])
+        copied, telling = copy_share(anchor, truth, batch)
+        s["copied"] += copied
+        s["telling"] += telling
+        if "r_d/n_tokens" in c:
             result.metrics.update({k: c[k] for k in ("r_d/abs_logp_mean", "r_d/abs_logp_max")})
         result.metrics["verify/max_abs_err"] = c["max_abs_err"]
-        if batch.routes is not None:
+        result.metrics["verify/oracle_max_abs_err"] = oracle["max"]
+        if batch.route_segments is not None:
             result.metrics.update(self._without_replay(batch))
         return result
 
+    def _across_update(self, batch: TrainBatch) -> int:
+        """Spliced sequences whose first and last versions' weights differ (a step without gradient publishes the
+        same weights again: a splice across it tests nothing)."""
+        mask = policy_mask(batch).cpu()
+        n = 0
+        for b in range(batch.size):
+            vs = sorted(set(batch.versions[b].cpu()[mask[b]].tolist()))
+            a, z = (self.params_by_version.get(vs[0]), self.params_by_version.get(vs[-1])) if vs else (None, None)
+            n += len(vs) >= 2 and a is not None and z is not None and any(not torch.equal(a[k], z[k]) for k in a)
+        return n
+
     def _without_replay(self, batch: TrainBatch) -> dict[str, float]:
-        """What routing replay changes on this batch: how often the trainer's own routers choose other experts
-        than the engine did, and r_d when the true logp_old is computed with the trainer's own routing."""
-        live = live_routes(self.ctx.trainer, batch)
-        out = route_disagreement(batch.routes, live)
-        truth = true_logp_old(dataclasses.replace(batch, routes=None), self.params_by_version, self.ctx.trainer)
-        out.update({f"{k}_no_replay": v for k, v in discrepancy(truth, batch.logp_behav.cpu(),
-                                                                 policy_mask(batch).cpu()).items()})
-        r = self.routes
-        n_tok = out["routes/n_tokens"]
-        r["n_tokens"] += n_tok
-        r["tokens_differ"] += out["routes/tokens_differ_frac"] * n_tok
-        r["decisions"] += out["routes/n_decisions"]
-        r["decisions_differ"] += out["routes/decisions_differ_frac"] * out["routes/n_decisions"]
-        if "r_d/n_tokens_no_replay" in out:
-            r["r_d_max_no_replay"] = max(r["r_d_max_no_replay"], out["r_d/abs_logp_max_no_replay"])
-            r["r_d_sum_no_replay"] += out["r_d/abs_logp_mean_no_replay"] * out["r_d/n_tokens_no_replay"]
-            r["r_d_n_no_replay"] += out["r_d/n_tokens_no_replay"]
+        """What routing replay changes on this batch: route flips by cause, and r_d when the true logp_old is
+        computed with the trainer's own routing."""
+        out = count_flips(batch, self.params_by_version, self.ctx.trainer, self.flips)
+        truth = true_logp_old(batch, self.params_by_version, self.ctx.trainer, replay=False)
+        d = discrepancy(truth, batch.logp_behav.cpu(), policy_mask(batch).cpu())
+        out.update({f"{k}_no_replay": v for k, v in d.items()})
+        if "r_d/n_tokens" in d:
+            r = self.no_replay
+            r["r_d_max"] = max(r["r_d_max"], d["r_d/abs_logp_max"])
+            r["r_d_sum"] += d["r_d/abs_logp_mean"] * d["r_d/n_tokens"]
+            r["r_d_n"] += d["r_d/n_tokens"]
         return out
 
     def report(self, tol: float = DEFAULT_TOL) -> dict[str, Any]:
-        """The strategy's numbers; ``measured_exact``: some policy tokens were checked and none is off by > tol."""
+        """The strategy's numbers; ``measured_exact``: some policy tokens were checked, none is off by > tol, and
+        (for a strategy that claims exactness) the anchor is no copy of logp_behav."""
         s = self.stats
         n = max(s["n_tokens"], 1)
+        copy = {"telling_tokens": s["telling"], "copied_frac": s["copied"] / max(s["telling"], 1.0)}
+        copy["is_copy"] = s["telling"] >= COPY_MIN_TELLING and copy["copied_frac"] > COPY_FRAC
+        oracle_max = s["r_d_abs_max"]
         rep = {"claims_exact": bool(self.inner.exact),
-               "measured_exact": s["n_tokens"] > 0 and s["max_abs_err"] <= tol, "tol": tol,
+               "measured_exact": (s["n_tokens"] > 0 and s["max_abs_err"] <= tol
+                                  and not (self.inner.exact and copy["is_copy"])), "tol": tol,
                "max_abs_err": s["max_abs_err"],
                "mean_abs_err": s["sum_abs_err"] / n, "n_tokens": s["n_tokens"],
                "n_sequences": s["n_sequences"], "n_spliced_sequences": s["n_spliced_sequences"],
+               "n_spliced_across_update": s["n_spliced_across_update"],
                "spliced_frac": s["n_spliced_sequences"] / max(s["n_sequences"], 1),
                "max_versions_per_sequence": s["max_versions_per_sequence"],
                # the engines' discrepancy from the trainer, r_d, on the same tokens (not the strategy's error)
-               "r_d_abs_max": s["r_d_abs_max"], "r_d_abs_mean": s["r_d_abs_sum"] / max(s["r_d_n_tokens"], 1)}
-        r = self.routes
-        if r["n_tokens"]:
-            rep["routes"] = {"tokens_differ_frac": r["tokens_differ"] / r["n_tokens"],
-                             "decisions_differ_frac": r["decisions_differ"] / max(r["decisions"], 1.0),
-                             "r_d_abs_max_no_replay": r["r_d_max_no_replay"],
-                             "r_d_abs_mean_no_replay": r["r_d_sum_no_replay"] / max(r["r_d_n_no_replay"], 1.0)}
+               "r_d_abs_max": oracle_max, "r_d_abs_mean": s["r_d_abs_sum"] / max(s["r_d_n_tokens"], 1),
+               "copy": copy,
+               # the reference against the engine: judged in fp32, else it is r_d
+               "oracle": {"judges": self.oracle_judges, "tol": ORACLE_TOL, "max_abs_err": oracle_max,
+                          "mean_abs_err": s["r_d_abs_sum"] / max(s["r_d_n_tokens"], 1), "n_tokens": s["r_d_n_tokens"],
+                          "passed": (s["r_d_n_tokens"] > 0 and oracle_max <= ORACLE_TOL) if self.oracle_judges
+                          else None}}
+        if any(c["n_tokens"] for c in self.flips.values()):
+            r = self.no_replay
+            rep["routes"] = {**summarize(self.flips), "r_d_abs_max_no_replay": r["r_d_max"],
+                             "r_d_abs_mean_no_replay": r["r_d_sum"] / max(r["r_d_n"], 1.0)}
         if self.by_convention:
             rep["convention"] = self.inner.cfg.convention
             rep["conventions"] = {c: {"max_abs_err": mx, "mean_abs_err": total / n}

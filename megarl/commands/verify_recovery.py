@@ -1,8 +1,9 @@
 """`megarl verify-recovery`: check each strategy's anchor against the true logp_old inside the real loop.
 
 Exit code 0 when every strategy that claims exactness was measured exact
-(max abs error <= --tol), 1 when one was not (each printed with its excess),
-2 on bad input.
+(max abs error <= --tol, no copy of logp_behav) and, in fp32, the reference
+reproduced the engine's log-probs (the oracle); 1 when a check failed (each
+printed with its reason), 2 on bad input.
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def register(sub) -> None:
     p.add_argument("--tol", type=float, default=None,
                    help="largest max abs error of an exact strategy's anchor, exit code 1 above it "
                         "(default recovery.verifier.DEFAULT_TOL = 1e-5)")
+    p.add_argument("--negative-control", default="", metavar="NAME",
+                   help="make one thing wrong on purpose, to see a check fail (exit code 1 expected): "
+                        "anchor_is_behav, next_version (wrong strategies claiming exactness), routes_shifted, "
+                        "routes_other_version, routes_first_prefix (wrong MoE routes; the engine oracle in fp32)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=run)
 
@@ -35,7 +40,8 @@ def run(args) -> int:
     if not (math.isfinite(tol) and tol >= 0):
         raise ConfigError(f"--tol={tol} must be a finite number >= 0")
     chosen = strategy_names(args.strategies)
-    report = verify_recovery(args.config, chosen, args.steps, args.output, args.overrides, tol=tol)
+    report = verify_recovery(args.config, chosen, args.steps, args.output, args.overrides, tol=tol,
+                             negative_control=args.negative_control)
     print(f"wrote {args.output}")
     failed = failures(report)
     for line in failed:

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -33,6 +34,7 @@ from megarl.rollout.weight_spec import (
     tied_optional_names,
 )
 from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
+from megarl.routes import request_segments
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -168,8 +170,8 @@ class HFEngine:
                              **({"output_router_logits": True} if routing else {}))
             past = out.past_key_values
             if routing:  # the experts this model's routers chose for the positions just fed
-                routes += torch.stack([r.topk(self._top_k, dim=-1).indices for r in out.router_logits],
-                                      dim=1).tolist()
+                routes.append(torch.stack([r.topk(self._top_k, dim=-1).indices for r in out.router_logits],
+                                          dim=1).cpu().numpy())
             logits = out.logits[0, -1].float().cpu()
             if s.temperature == 0:
                 lp = torch.log_softmax(logits, -1)
@@ -186,10 +188,10 @@ class HFEngine:
             inputs = torch.tensor([[tok]], dtype=torch.long, device=self.device)
         if not routing:
             return GenerateResult(req.request_id, out_ids, logps, versions, reason)
-        if not routes:  # aborted before the prompt was fed: nothing routed
-            routes = [[] for _ in req.prompt_ids]
-        routes += [[]] * (len(req.prompt_ids) + len(out_ids) - len(routes))  # the last token was never fed
-        return GenerateResult(req.request_id, out_ids, logps, versions, reason, routes=routes)
+        # one forward history: the prompt and every generated token but the last (never fed back)
+        history = [(0, np.concatenate(routes))] if routes else []
+        return GenerateResult(req.request_id, out_ids, logps, versions, reason,
+                              routes=request_segments(history, len(req.prompt_ids), len(out_ids)))
 
     async def abort_all(self) -> None:
         self._abort_epoch += 1

@@ -161,16 +161,28 @@ class InterruptibleGeneration:
                 return GenerateResult(traj.traj_id, out_ids, logps, versions, "length")
 
     def _take_routes(self, traj: Trajectory, req: GenerateRequest, res: GenerateResult, counted: bool) -> None:
-        """Merge the engine's routes into ``traj`` (before its tokens are appended): they cover ``req.prompt_ids``
-        + the output, which must be the trajectory's tokens so far for positions to line up (an agent turn
-        rendered anew is not: its routes are dropped and its tokens route live)."""
-        aligned = req.prompt_ids == traj.tokens
-        if res.routes is not None and aligned:
-            traj.merge_routes(res.routes)
+        """Keep the engine's route segments in ``traj`` (before its tokens are appended), each with the version
+        of the tokens it generated. They cover ``req.prompt_ids`` + the output, which must be the trajectory's
+        tokens so far for positions to line up (an agent turn rendered anew is not: its routes are dropped and
+        its tokens route live); a segment whose tokens are of several versions describes no one network and is
+        dropped the same way."""
+        problem = ("the engine returned no MoE routes" if res.routes is None else
+                   "its prompt is not the trajectory's tokens so far, so its routes cannot be placed"
+                   if req.prompt_ids != traj.tokens else None)
+        segments = []
+        for seg in res.routes or []:
+            first, last = seg.start + 1 - len(req.prompt_ids), seg.end - len(req.prompt_ids)
+            owned = set(res.versions[max(first, 0):last + 1])
+            if len(owned) != 1:
+                problem = problem or f"its tokens {first}..{last} are of versions {sorted(owned)}"
+                continue
+            seg.version = owned.pop()
+            segments.append(seg)
+        if problem is None:
+            for seg in segments:
+                traj.add_route_segment(seg)
             return
         if self.strict_routes:
-            raise EngineError(f"request {req.request_id}: the engine returned no MoE routes"
-                              if res.routes is None else f"request {req.request_id}: its prompt is not the "
-                              f"trajectory's tokens so far, so its routes cannot be placed"
-                              + "; rollout.routing_replay_strict=true stops here (false routes such tokens live)")
+            raise EngineError(f"request {req.request_id}: {problem}; rollout.routing_replay_strict=true stops here "
+                              f"(false routes such tokens live)")
         self.counters["n_routes_missing"] += counted

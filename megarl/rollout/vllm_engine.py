@@ -51,8 +51,9 @@ from megarl.errors import EngineError, InputError
 from megarl.models.hf_config import is_moe
 from megarl.platform.amx import REQUEST_ENV, request_amx
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
-from megarl.rollout.vllm_routes import ROUTES_ARG, native_routes, routes_from_rows, unpack_rows
+from megarl.rollout.vllm_routes import ROUTES_ARG, native_histories, unpack_histories
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
+from megarl.routes import request_segments
 from megarl.types import GenerateRequest, GenerateResult
 
 # vLLM is imported inside the methods that use it: this module is named by `megarl engine --backend vllm`
@@ -233,7 +234,7 @@ class VLLMEngine:
         max_new = effective_max_new_tokens(req, self.max_model_len)
         if max_new == 0:  # nothing to generate, nothing routed (as the hf engine answers)
             return GenerateResult(req.request_id, [], [], [], "length",
-                                  routes=[[] for _ in req.prompt_ids] if req.return_routes and self._moe else None)
+                                  routes=[] if req.return_routes and self._moe else None)
         # vLLM needs unique ids among live requests; callers reuse theirs when resubmitting
         rid = f"{req.request_id}#{next(self._ids)}"
         routes = await self._routes_for(req)
@@ -251,15 +252,15 @@ class VLLMEngine:
         finally:
             self._inflight.discard(rid)
             if routes == "capture":  # taken however the request ended: the worker holds them until then
-                captured = unpack_rows((await self.llm.collective_rpc("megarl_take_routes", args=(rid,)))[0])
+                captured = unpack_histories((await self.llm.collective_rpc("megarl_take_routes", args=(rid,)))[0])
         if final is None:
             raise EngineError(f"vLLM returned no output for request {req.request_id}")
         result = self._to_result(req.request_id, final.outputs[0])
         n_positions = len(req.prompt_ids) + len(result.output_ids)
-        if routes == "native":
-            result.routes = native_routes(final.outputs[0].routed_experts, n_positions)
-        elif routes == "capture":
-            result.routes = routes_from_rows(captured, n_positions)
+        histories = (native_histories(final.outputs[0].routed_experts, n_positions) if routes == "native"
+                     else captured if routes == "capture" else None)
+        if histories is not None:
+            result.routes = request_segments(histories, len(req.prompt_ids), len(result.output_ids))
         return result
 
     def _to_result(self, request_id: str, c) -> GenerateResult:

@@ -1,8 +1,9 @@
-"""MoE routes from a vLLM engine, in the per-position form of ``GenerateResult.routes``.
+"""MoE routes from a vLLM engine, as forward histories for :func:`megarl.routes.request_segments`.
 
-Two sources, one format. Both give an array of rows ``[positions, layers, k]``
-of expert ids, row ``i`` for input position ``start + i`` of prompt + output;
-:func:`routes_from_rows` turns either into ``GenerateResult.routes``.
+Two sources, one format. Both give forward histories ``(first owned position,
+rows)``, rows ``[positions, layers, k]`` of expert ids from position 0 of
+prompt + output; ``megarl.routes.request_segments`` turns them into
+``GenerateResult.routes`` (one route segment per history).
 
 - **Native** (vLLM on GPU, started with ``enable_return_routed_experts``): the
   final ``CompletionOutput.routed_experts`` is a numpy array
@@ -12,7 +13,7 @@ of expert ids, row ``i`` for input position ``start + i`` of prompt + output;
   never fed back. vLLM fills prefix-cached prompt positions from its own
   store, and an aborted request returns the rows of the steps it ran; a
   preempted request loses rows, and a result whose rows are not one per fed
-  position gets no routes (:func:`native_routes`; the caller counts it in
+  position gets no routes (:func:`native_histories`; the caller counts it in
   ``n_routes_missing``).
 - **Captured** (vLLM on CPU, whose build refuses the native output): megarl's
   worker extension hooks each MoE layer's router (the ``capture_fn`` vLLM's
@@ -23,13 +24,15 @@ of expert ids, row ``i`` for input position ``start + i`` of prompt + output;
   (:func:`split_step`). :class:`RouteRecorder` keeps, per request that asked
   (``SamplingParams.extra_args[ROUTES_ARG]``), the rows of every step until
   the engine takes them after the request ends; positions no step computed
-  are ``-1`` rows (``[]`` in the result). Requests that ask do not read the
-  prefix cache (``skip_reading_prefix_cache``): a cached prompt position is
-  not recomputed and would have no route, so every position is computed
-  instead (a cache miss costs one prefill; other requests still use the
-  cache). A position computed twice (vLLM's recompute after a preemption)
-  keeps the later rows. Nothing is hooked before the first request that asks,
-  so an engine that is never asked for routes runs exactly as before.
+  are ``-1`` rows. Requests that ask do not read the prefix cache
+  (``skip_reading_prefix_cache``): a cached prompt position is not recomputed
+  and would have no route, so every position is computed instead (a cache miss
+  costs one prefill; other requests still use the cache). A step that computes
+  a position again (vLLM's recompute after a preemption) starts a new
+  history: the tokens sampled before it attended to the first rows, the later
+  ones to the recomputed rows (:meth:`RouteRecorder.take`). Nothing is hooked
+  before the first request that asks, so an engine that is never asked for
+  routes runs exactly as before.
 """
 from __future__ import annotations
 
@@ -43,41 +46,31 @@ import torch
 ROUTES_ARG = "megarl_routes"
 
 
-def routes_from_rows(rows, n_positions: int, start: int = 0) -> list[list[list[int]]]:
-    """``GenerateResult.routes`` for ``n_positions`` input positions from ``rows`` (``[m, layers, k]``, row i for
-    position ``start + i``; None: none recorded). Positions without a row, rows holding a negative id (not
-    computed), and the last position (never fed back) are ``[]``."""
-    routes: list[list[list[int]]] = [[] for _ in range(n_positions)]
+def native_histories(rows, n_positions: int) -> list[tuple[int, np.ndarray]] | None:
+    """The forward history of vLLM's ``routed_experts`` (requested from position 0) for
+    :func:`megarl.routes.request_segments`, or None when its rows are not one per fed position (vLLM drops a
+    preempted request's rows): they could not be placed. No rows (nothing fed): no history."""
     if rows is None:
-        return routes
-    rows = np.asarray(rows)
-    end = min(start + len(rows), n_positions - 1)
-    for pos in range(max(start, 0), end):
-        row = rows[pos - start]
-        if (row >= 0).all():
-            routes[pos] = row.tolist()
-    return routes
-
-
-def native_routes(rows, n_positions: int) -> list[list[list[int]]] | None:
-    """``GenerateResult.routes`` from vLLM's ``routed_experts`` (requested from position 0), or None when its
-    rows are not one per fed position (vLLM drops a preempted request's rows): they could not be placed."""
-    if rows is not None and len(rows) != n_positions - 1:
+        return []
+    if len(rows) != n_positions - 1:
         return None
-    return routes_from_rows(rows, n_positions)
+    return [(0, np.asarray(rows))]
 
 
-def pack_rows(rows: np.ndarray | None) -> tuple[list[int], bytes] | None:
-    """Rows as (shape, int16 bytes) for an RPC reply: vLLM's utility replies do not turn an ndarray back."""
-    return None if rows is None else (list(rows.shape), np.ascontiguousarray(rows, dtype=np.int16).tobytes())
+def pack_histories(histories: list[tuple[int, np.ndarray]] | None):
+    """Histories as (first, shape, int16 bytes) triples for an RPC reply: vLLM's utility replies do not turn an
+    ndarray back."""
+    if histories is None:
+        return None
+    return [(first, list(rows.shape), np.ascontiguousarray(rows, dtype=np.int16).tobytes())
+            for first, rows in histories]
 
 
-def unpack_rows(packed) -> np.ndarray | None:
-    """The rows of :func:`pack_rows`."""
+def unpack_histories(packed) -> list[tuple[int, np.ndarray]] | None:
+    """The histories of :func:`pack_histories`."""
     if packed is None:
         return None
-    shape, data = packed
-    return np.frombuffer(data, dtype=np.int16).reshape(shape)
+    return [(first, np.frombuffer(data, dtype=np.int16).reshape(shape)) for first, shape, data in packed]
 
 
 @dataclass(frozen=True)
@@ -136,19 +129,29 @@ class RouteRecorder:
         for s in spans:
             self._chunks.setdefault(s.request_id, []).append((s.position, rows[s.row:s.row + s.n]))
 
-    def take(self, request_id: str) -> np.ndarray | None:
-        """Remove and return the rows recorded for ``request_id`` (vLLM's internal id, or the id it was
-        submitted under, to which vLLM appends ``-<suffix>``): ``[positions, layers, k]`` int16 from position 0,
-        -1 where no step computed the position; None when nothing was recorded."""
+    def take(self, request_id: str) -> list[tuple[int, np.ndarray]]:
+        """Remove and return the forward histories recorded for ``request_id`` (vLLM's internal id, or the id it
+        was submitted under, to which vLLM appends ``-<suffix>``), as ``(first owned position, rows)`` with rows
+        ``[positions, layers, k]`` int16 from position 0, -1 where no step computed the position; empty when
+        nothing was recorded. A step that computes a position again (vLLM's recompute after a preemption)
+        starts a new history: the tokens sampled before it attended to the earlier rows, those after it to
+        the recomputed ones. The new history keeps the earlier rows of positions it did not recompute."""
         keys = [k for k in self._chunks if k == request_id or k.rsplit("-", 1)[0] == request_id]
         chunks = [c for k in keys for c in self._chunks.pop(k)]
         if not chunks:
-            return None
+            return []
         end = max(first + len(rows) for first, rows in chunks)
         out = torch.full((end, *chunks[0][1].shape[1:]), -1, dtype=torch.int16)
-        for first, rows in chunks:  # in step order: a recomputed position keeps its later rows
+        histories, covered, owned_from, next_pos = [], 0, 0, 0
+        for first, rows in chunks:  # in step order
+            if first < next_pos:  # recomputed: the history so far ends where it had got to
+                histories.append((owned_from, out[:covered].numpy().copy()))
+                owned_from = covered
             out[first:first + len(rows)] = rows
-        return out.numpy()
+            next_pos = first + len(rows)  # a chunked prefill's next chunk starts here
+            covered = max(covered, next_pos)
+        histories.append((owned_from, out[:covered].numpy()))
+        return histories
 
     def pending(self) -> int:
         """Requests with rows not taken yet."""

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from megarl.platform.amx import request_amx_if_asked
-from megarl.rollout.vllm_routes import install_capture, pack_rows
+from megarl.rollout.vllm_routes import install_capture, pack_histories
 from megarl.rollout.weight_spec import safetensors_files
 from megarl.rollout.weight_sync import receive_named_tensors
 
@@ -66,9 +66,9 @@ class MegarlWorkerExtension:
         return len(self._megarl_routes.layer_ids)
 
     def megarl_take_routes(self, request_id: str):
-        """The rows recorded for a finished request (megarl.rollout.vllm_routes.RouteRecorder.take), removed,
-        packed for the reply (vllm_routes.pack_rows)."""
-        return None if self._megarl_routes is None else pack_rows(self._megarl_routes.take(request_id))
+        """The forward histories recorded for a finished request (megarl.rollout.vllm_routes.RouteRecorder.take),
+        removed, packed for the reply (vllm_routes.pack_histories)."""
+        return None if self._megarl_routes is None else pack_histories(self._megarl_routes.take(request_id))
 
     def megarl_routes_pending(self) -> int:
         """Requests whose recorded routes were not taken yet (0 when nothing is hooked)."""

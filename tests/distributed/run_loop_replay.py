@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from megarl.routes import RouteSegment, compact
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 
@@ -23,7 +24,8 @@ def trajectories(batch) -> list[Trajectory]:
         ids = batch.tokens[b, :n].tolist()
         out.append(Trajectory(traj_id=str(b), group_id="g", prompt_ids=ids[:1], response_ids=ids[1:],
                               logp_behav=[0.0] * (n - 1), versions=[0] * (n - 1), loss_mask=[1] * (n - 1),
-                              advantage=0.0, finished=b % 2 == 0, routes=batch.routes[b, :n - 1].clone()))
+                              advantage=0.0, finished=b % 2 == 0,
+                              route_segments=[RouteSegment(0, compact(batch.routes[b, :n - 1]), version=0)]))
     return out
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megarl.errors import InputError
-from megarl.types import TrainBatch, Trajectory, routes_tensor
+from megarl.routes import RouteSegment, compact
+from megarl.types import TrainBatch, Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 9, 9, 4, 6, 11, 2]]  # two rows, different lengths
@@ -64,11 +66,15 @@ def hf_logprobs(hf, seq: list[int], forced: torch.Tensor | None = None) -> torch
 
 
 def batch_of(routes_per_row: list | None) -> TrainBatch:
+    """The two rows, each with one route segment of version 0 covering ``routes_per_row[b]`` ([n, layers, k],
+    -1 where a position has none)."""
     trajs = []
     for i, seq in enumerate(SEQS):
         n = len(seq) - 2
-        routes = None if routes_per_row is None else routes_tensor(routes_per_row[i])
-        trajs.append(Trajectory(f"t{i}", "g", seq[:2], seq[2:], [0.0] * n, [0] * n, [1] * n, routes=routes))
+        t = Trajectory(f"t{i}", "g", seq[:2], seq[2:], [0.0] * n, [0] * n, [1] * n)
+        if routes_per_row is not None:
+            t.add_route_segment(RouteSegment(1, compact(routes_per_row[i]), version=0))
+        trajs.append(t)
     return TrainBatch.from_trajectories(trajs, version=0)
 
 
@@ -83,14 +89,10 @@ def hf_live_routes(hf, seq: list[int]) -> torch.Tensor:
     return torch.stack([r.topk(K, dim=-1).indices for r in out.router_logits], dim=1)
 
 
-def as_lists(routes: torch.Tensor) -> list:
-    return [[] if bool((r < 0).any()) else r.tolist() for r in routes]
-
-
 def test_a_replayed_forward_equals_a_forward_whose_routers_are_forced_to_those_experts(moe):
     trainer, hf = moe
     routes = [hand_routes(len(s)) for s in SEQS]
-    replayed = trainer.logprobs(batch_of([as_lists(r) for r in routes]))
+    replayed = trainer.logprobs(batch_of(routes))
     live = trainer.logprobs(batch_of(None))
     for b, seq in enumerate(SEQS):
         n = len(seq) - 1
@@ -103,7 +105,7 @@ def test_a_replayed_forward_equals_a_forward_whose_routers_are_forced_to_those_e
 def test_replaying_the_live_routes_changes_no_log_prob(moe):
     trainer, hf = moe
     live = trainer.logprobs(batch_of(None))
-    replayed = trainer.logprobs(batch_of([as_lists(hf_live_routes(hf, s)) for s in SEQS]))
+    replayed = trainer.logprobs(batch_of([hf_live_routes(hf, s) for s in SEQS]))
     assert torch.allclose(replayed, live, atol=1e-6), (replayed - live).abs().max()
     for b, seq in enumerate(SEQS):
         assert torch.allclose(live[b, : len(seq) - 1], hf_logprobs(hf, seq), atol=2e-6)
@@ -114,7 +116,7 @@ def test_positions_without_routes_route_live(moe):
     routes = [hand_routes(len(s)) for s in SEQS]
     for r in routes:
         r[3:] = -1  # known for the first three positions only (as after a lost request's prefix)
-    replayed = trainer.logprobs(batch_of([as_lists(r) for r in routes]))
+    replayed = trainer.logprobs(batch_of(routes))
     for b, seq in enumerate(SEQS):
         n = len(seq) - 1
         assert torch.allclose(replayed[b, :n], hf_logprobs(hf, seq, routes[b]), atol=2e-6)
@@ -123,7 +125,7 @@ def test_positions_without_routes_route_live(moe):
 def test_the_gradient_step_replays_too(moe):
     # the loss of a train step on replayed routes is the loss of the replayed log-probs
     trainer, _ = moe
-    batch = batch_of([as_lists(hand_routes(len(s))) for s in SEQS])
+    batch = batch_of([hand_routes(len(s)) for s in SEQS])
     expected = trainer.logprobs(batch)
     seen = []
 
@@ -148,22 +150,7 @@ def test_a_dense_model_refuses_routes(tmp_path):
     ckpt = write_tiny_checkpoint(ROOT / "configs/models/tiny_qwen3.yaml", tmp_path / "dense", seed=0)
     dense = MegatronTrainer(str(ckpt), micro_batch_tokens=64)
     with pytest.raises(InputError, match="is dense"):
-        dense.logprobs(batch_of([as_lists(hand_routes(len(s))) for s in SEQS]))
-
-
-def test_a_resubmitted_request_keeps_its_prefix_routes():
-    t = Trajectory("t", "g", [1, 5], [])
-    first = [[[0, 1]], [[1, 2]], [[2, 3]], []]  # prompt (2) + 2 generated; the last one was never fed back
-    t.merge_routes(first)
-    assert t.routes.dtype == torch.int16 and t.routes.tolist() == [[[0, 1]], [[1, 2]], [[2, 3]], [[-1, -1]]]
-    # after the publish the engine re-prefills prompt + partial under the new weights, routing them differently,
-    # and generates two more tokens
-    again = [[[3, 0]], [[3, 1]], [[3, 2]], [[0, 3]], [[1, 3]], []]
-    t.merge_routes(again)
-    # the never-fed last token of the first request is filled in; the rest of the prefix keeps its routes
-    assert t.routes.tolist() == [[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]], [[1, 3]], [[-1, -1]]]
-    t.merge_routes(None)  # an engine that returned none changes nothing
-    assert len(t.routes) == 6
+        dense.logprobs(batch_of([hand_routes(len(s)) for s in SEQS]))
 
 
 def test_the_hf_engine_returns_its_routes_and_replaying_them_reproduces_logp_behav(moe, tmp_path):
@@ -181,10 +168,12 @@ def test_the_hf_engine_returns_its_routes_and_replaying_them_reproduces_logp_beh
 
     res = asyncio.run(generate())
     n = 4 + len(res.output_ids)
-    assert len(res.routes) == n and res.routes[-1] == [] and all(len(r) == LAYERS for r in res.routes[:-1])
-    assert all(len(set(experts)) == K for r in res.routes[:-1] for experts in r)
+    seg, = res.routes  # one forward history: one route segment, owning the predictions from the last prompt token
+    assert (seg.start, seg.end) == (3, n - 1) and seg.routes.shape == (n - 1, LAYERS, K)
+    assert seg.routes.dtype == np.uint8 and all(len(set(experts)) == K for r in seg.routes for experts in r)
+    seg.version = 0
     traj = Trajectory("r", "g", [1, 5, 6, 7], res.output_ids, res.logp_behav, res.versions,
-                      [1] * len(res.output_ids), routes=routes_tensor(res.routes))
+                      [1] * len(res.output_ids), route_segments=[seg])
     batch = TrainBatch.from_trajectories([traj], version=0)
     assert batch.routes.shape == (1, n - 1, LAYERS, K) and batch.routes.dtype == torch.int16
     logp = trainer.logprobs(batch)[0, 3:n - 1]
@@ -215,11 +204,12 @@ def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
     from recovery._dedicated_scorer import _score
 
     trainer, _ = moe
-    routes = [as_lists(hand_routes(len(s))) for s in SEQS]
+    routes = [hand_routes(len(s)) for s in SEQS]
     expected = trainer.logprobs(batch_of(routes))
-    # the job of the first row's second segment (response tokens 3..6), with the routes up to its end
+    # the job of the first row's second segment (response tokens 3..6), with the routes of the positions its
+    # forward feeds (prompt 2 + 6 response tokens - the last one)
     job = {"traj_id": "t0", "start": 3, "end": 6, "version": 0, "prompt_ids": SEQS[0][:2],
-           "response_ids": SEQS[0][2:8], "routes": routes_tensor(routes[0][:8])}
+           "response_ids": SEQS[0][2:8], "routes": compact(routes[0][:7])}
     (_, start, end, logps), = _score(trainer, [job])
     assert (start, end) == (3, 6)
     assert torch.allclose(torch.tensor(logps), expected[0, 1 + 3:1 + 6], atol=1e-6)
@@ -254,5 +244,8 @@ def test_live_routes_are_the_routers_own_choices(moe):
 
 
 def test_routes_survive_a_checkpoint_of_the_trajectory():
-    t = Trajectory("t", "g", [1, 5], [6], [0.0], [0], [1], routes=routes_tensor([[[0, 1]], [[2, 3]], []]))
-    assert torch.equal(Trajectory.from_dict(t.to_dict()).routes, t.routes)
+    t = Trajectory("t", "g", [1, 5], [6], [0.0], [0], [1])
+    t.add_route_segment(RouteSegment(1, compact([[[0, 1]], [[2, 3]]]), version=0))
+    back = Trajectory.from_dict(t.to_dict())
+    (seg,) = back.route_segments
+    assert (seg.start, seg.version) == (1, 0) and np.array_equal(seg.routes, t.route_segments[0].routes)

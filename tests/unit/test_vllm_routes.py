@@ -9,34 +9,25 @@ import torch
 from megarl.rollout.vllm_routes import (
     RouteRecorder,
     Span,
-    native_routes,
-    pack_rows,
-    routes_from_rows,
+    native_histories,
+    pack_histories,
     split_step,
-    unpack_rows,
+    unpack_histories,
 )
+from megarl.routes import request_segments
 
 
-def test_native_rows_become_per_position_routes():
+def test_native_rows_become_one_route_segment():
     # vLLM's routed_experts for a 3-token prompt and 2 generated tokens: 4 rows (the last token is never fed),
     # 2 layers, top-2, uint8
     rows = np.array([[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[2, 3], [0, 1]], [[3, 0], [1, 2]]], dtype=np.uint8)
-    routes = routes_from_rows(rows, 5)
-    assert routes == [[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[2, 3], [0, 1]], [[3, 0], [1, 2]], []]
-    assert isinstance(routes[0][0][0], int)
-    # routed_experts_prompt_start=2: the rows start at position 2
-    assert routes_from_rows(rows[2:], 5, start=2) == [[], [], [[2, 3], [0, 1]], [[3, 0], [1, 2]], []]
-    # an aborted request that never ran a step, and captured rows with a gap (-1: not computed)
-    assert routes_from_rows(None, 3) == [[], [], []]
-    gap = np.array([[[0, 1]], [[-1, -1]], [[2, 3]]], dtype=np.int16)
-    assert routes_from_rows(gap, 4) == [[[0, 1]], [], [[2, 3]], []]
-    # rows past the last position (a token fed before an abort dropped its successor) are not kept
-    assert routes_from_rows(gap, 2) == [[[0, 1]], []]
+    seg, = request_segments(native_histories(rows, 5), prompt_len=3, n_output=2)
+    # it owns the predictions from the last prompt position (2) on, and routed positions 0..3
+    assert (seg.start, seg.end) == (2, 4) and seg.routes.tolist() == rows.tolist()
     # vLLM's own output must hold one row per fed position; otherwise (a preempted request's lost rows) its
     # rows cannot be placed and the request has no routes
-    assert native_routes(rows, 5) == routes
-    assert native_routes(rows[1:], 5) is None and native_routes(rows, 6) is None
-    assert native_routes(None, 3) == [[], [], []]  # aborted before its first step
+    assert native_histories(rows[1:], 5) is None and native_histories(rows, 6) is None
+    assert native_histories(None, 3) == []  # aborted before its first step: nothing routed
 
 
 def test_a_step_with_one_request_in_prefill_and_one_decoding():
@@ -69,22 +60,38 @@ def test_the_recorder_files_each_step_under_its_requests():
     rec.arm([], 1)
     _forward(rec, {3: [[1, 1]], 5: [[1, 1]]})
 
-    pre = rec.take("pre")  # the id it was submitted under; vLLM appended "-bb"
-    assert pre.dtype == np.int16 and pre.shape == (4, 2, 2)
+    (first, pre), = rec.take("pre")  # the id it was submitted under; vLLM appended "-bb"
+    assert first == 0 and pre.dtype == np.int16 and pre.shape == (4, 2, 2)
     assert pre.tolist() == [[[1, 2], [3, 0]], [[2, 3], [0, 1]], [[3, 0], [1, 2]], [[0, 2], [1, 3]]]
-    dec = rec.take("dec-aa")  # or its internal id
+    (_, dec), = rec.take("dec-aa")  # or its internal id
     assert dec.shape == (7, 2, 2) and (dec[:6] == -1).all() and dec[6].tolist() == [[0, 1], [2, 3]]
-    assert rec.take("pre") is None and rec.pending() == 0
-    assert (unpack_rows(pack_rows(dec)) == dec).all() and unpack_rows(pack_rows(None)) is None
+    assert rec.take("pre") == [] and rec.pending() == 0
+    (f, back), = unpack_histories(pack_histories([(0, dec)]))
+    assert f == 0 and (back == dec).all() and unpack_histories(pack_histories(None)) is None
 
 
-def test_a_recomputed_position_keeps_its_later_rows():
+def test_a_recompute_starts_a_new_forward_history():
     rec = RouteRecorder([0])
+    # a 2-token prompt prefilled, then one decode step at position 2: positions 0..2 routed, 2 tokens sampled
     rec.arm([Span("r", 0, 2, 0)], 2)
     _forward(rec, {0: [[0, 1], [1, 2]]})
-    rec.arm([Span("r", 0, 3, 0)], 3)  # preempted, then prompt + output computed again
-    _forward(rec, {0: [[0, 1], [2, 3], [3, 0]]})
-    assert rec.take("r").tolist() == [[[0, 1]], [[2, 3]], [[3, 0]]]
+    rec.arm([Span("r", 0, 1, 2)], 1)
+    _forward(rec, {0: [[2, 0]]})
+    # preempted; the recompute prefills positions 0..3 in two chunks (0..1, then 2..3), routing position 1
+    # elsewhere, then decodes position 4
+    rec.arm([Span("r", 0, 2, 0)], 2)
+    _forward(rec, {0: [[0, 1], [2, 3]]})
+    rec.arm([Span("r", 0, 2, 2)], 2)
+    _forward(rec, {0: [[2, 0], [3, 0]]})
+    rec.arm([Span("r", 0, 1, 4)], 1)
+    _forward(rec, {0: [[1, 3]]})
+    (f0, h0), (f1, h1) = rec.take("r")
+    # the first history routed positions 0..2 and made the predictions up to position 2; the tokens after it
+    # attend to the recomputed rows, and the chunked prefill's second chunk continues the recompute
+    assert f0 == 0 and h0.tolist() == [[[0, 1]], [[1, 2]], [[2, 0]]]
+    assert f1 == 3 and h1.tolist() == [[[0, 1]], [[2, 3]], [[2, 0]], [[3, 0]], [[1, 3]]]
+    first, second = request_segments([(f0, h0), (f1, h1)], prompt_len=2, n_output=4)
+    assert (first.start, first.end, second.start, second.end) == (1, 3, 3, 5)
 
 
 def test_a_step_missing_a_layer_is_an_error():
@@ -140,4 +147,4 @@ def test_a_request_with_nothing_to_generate_routes_nothing(tmp_path):
     from megarl.types import GenerateRequest, SamplingParams
 
     nothing = GenerateRequest("f", [1, 2, 3], SamplingParams(max_new_tokens=0), return_routes=True)
-    assert asyncio.run(_unstarted_engine(tmp_path, "tiny_qwen3_moe").generate(nothing)).routes == [[], [], []]
+    assert asyncio.run(_unstarted_engine(tmp_path, "tiny_qwen3_moe").generate(nothing)).routes == []
