@@ -14,7 +14,8 @@ from typing import Any
 
 from megarl.errors import RewardError, TrainingError
 from megarl.losses.mismatch import behav_weight_stats, discrepancy
-from megarl.types import TrainBatch, Trajectory
+from megarl.routes import stored_bytes
+from megarl.types import TrainBatch, Trajectory, training_rows
 
 
 class StepBookkeeping:
@@ -126,6 +127,7 @@ class StepBookkeeping:
             **self._workflow_step_stats(),
             **self.router.stats(),
             **{f"recovery/{k}": v for k, v in self.strategy.overhead().items()},
+            **_route_bytes(trajs),
         }
 
     def _skips_error(self, last_reason: str, max_skips: int) -> TrainingError:
@@ -154,3 +156,15 @@ class StepBookkeeping:
                 f"{self.B}; trainer version {self.trainer.version}; filtered {self.counters['n_filtered']}, dropped "
                 f"{self.counters['n_dropped']} in all. {cause}. A checkpoint of this step is in the run directory; "
                 f"resume it with --resume")
+
+
+def _route_bytes(trajs: list[Trajectory]) -> dict[str, float]:
+    """With routing replay: bytes of MoE routes kept per token of the batch's rows and per spliced row."""
+    rows = training_rows(trajs)
+    stored = [stored_bytes(t.route_segments) for t in rows]
+    if not any(stored):
+        return {}
+    spliced = [b for t, b in zip(rows, stored) if t.is_spliced]
+    return {"routes/bytes_per_token": sum(stored) / max(sum(len(t.tokens) for t in rows), 1),
+            "routes/bytes_per_spliced_row": sum(spliced) / len(spliced) if spliced else 0.0}
+

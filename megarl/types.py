@@ -79,6 +79,8 @@ class GenerateResult:
     #: prompt_ids + output_ids, one per forward history (several when the engine recomputed the request); None
     #: when the engine could not return them
     routes: list[RouteSegment] | None = None
+    #: prompt tokens the engine read from its prefix cache instead of computing them (vLLM; 0 for the hf engine)
+    n_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (len(self.output_ids) == len(self.logp_behav) == len(self.versions)):

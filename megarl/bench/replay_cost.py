@@ -9,7 +9,9 @@ send: same experts, so the same load per expert). The first step of each kind is
 the mean step times is the replay's share of a train step (the anchor's forwards replay too, at most the
 same share of theirs); the engine's side (recording routes) is not in it.
 
-Routes are stored as int16: ``MoE layers x top-k x 2`` bytes per token (``route_bytes_per_token``).
+Routes are stored as uint8 (below 255 experts, else int16): ``MoE layers x top-k x 1 (or 2)`` bytes per
+token (``route_bytes_per_token``). The engines' side (capture time, prefix-cache reuse given up) is
+megarl/bench/replay_engine_cost.py's.
 """
 from __future__ import annotations
 
@@ -73,8 +75,10 @@ def measure(cfg, repeats: int = DEFAULT_REPEATS) -> dict[str, Any]:
     live_s = sum(times["live"][1:]) / repeats
     replay_s = sum(times["replay"][1:]) / repeats
     k = int(replayed.routes.shape[-1])
+    n_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    bytes_per_id = 1 if n_experts < 255 else 2  # how trajectories store them (megarl.routes.compact)
     return {"n_moe_layers": trainer.n_moe_layers, "top_k": k,
-            "route_bytes_per_token": trainer.n_moe_layers * k * replayed.routes.element_size(),
+            "route_bytes_per_token": trainer.n_moe_layers * k * bytes_per_id,
             "rows": live.size, "tokens": int(live.seq_lens.sum()), "repeats": repeats,
             "train_step_s_live": live_s, "train_step_s_replay": replay_s, "replay_step_ratio": replay_s / live_s}
 
@@ -92,15 +96,21 @@ def run_measure(config: str | None, overrides: list[str], repeats: int = DEFAULT
 def summary_line(cost: dict[str, Any]) -> str:
     """One line: the bytes per token and what replay adds to a train step."""
     return (f"routing replay: {cost['route_bytes_per_token']} bytes of routes per token ({cost['n_moe_layers']} "
-            f"MoE layers x top-{cost['top_k']} x int16); train step {cost['train_step_s_live']:.3f} s live, "
+            f"MoE layers x top-{cost['top_k']}); train step {cost['train_step_s_live']:.3f} s live, "
             f"{cost['train_step_s_replay']:.3f} s replaying: x{cost['replay_step_ratio']:.3f} "
             f"({(cost['replay_step_ratio'] - 1) * 100:+.1f}% of the step)")
 
 
 def render_markdown(cost: dict[str, Any]) -> str:
-    """The report's routing replay section."""
-    return (f"\n## Routing replay\n\n{summary_line(cost)}, over {cost['rows']} rows ({cost['tokens']} tokens), "
-            f"the mean of {cost['repeats']} steps of each kind after one warm-up step each.\n")
+    """The report's routing replay section: the trainer's side and, where measured, the engines'."""
+    from megarl.bench.replay_engine_cost import summary_line as engine_line
+
+    out = (f"\n## Routing replay\n\n{summary_line(cost)}, over {cost['rows']} rows ({cost['tokens']} tokens), "
+           f"the mean of {cost['repeats']} steps of each kind after one warm-up step each.\n")
+    if "engine_capture_ratio" in cost:
+        out += (f"\n{engine_line(cost)} (the mean of {cost['engine_rounds']} rounds after a warm-up round; "
+                f"megarl/bench/replay_engine_cost.py says what is given up and where).\n")
+    return out
 
 
 if __name__ == "__main__":

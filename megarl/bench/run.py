@@ -43,7 +43,7 @@ try:
 except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
     psutil = None
 
-from megarl.bench import plots, replay_cost, report
+from megarl.bench import plots, replay_cost, replay_engine_cost, report
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
@@ -306,10 +306,12 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
                                             "strategy": "behav", "steps": steps, "run_dir": str(out / run_name),
                                             "verify": False}, pool)["records"]
 
-    replay = None
-    if cfg.rollout.routing_replay:
-        log("[routing replay] train steps without and with replay ...")
-        replay = replay_cost.run_measure(config, overrides)
+        replay = None
+        if cfg.rollout.routing_replay:
+            log("[routing replay] train steps without and with replay ...")
+            replay = replay_cost.run_measure(config, overrides)
+            log("[routing replay] engine batches without and with captured routes ...")
+            replay.update(measure_engine_capture(cfg, pool))
     meta["loadavg_end"] = os.getloadavg()[0]
     rep = report.build_report(runs, by_key, meta=meta)
     markdown = report.render_markdown(rep)
@@ -321,6 +323,21 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
         plots.overhead_plot(rep, out / "overhead.png")
         plots.reward_plot({n: r["records"] for n, r in runs.items()}, out / "reward.png")
     return rep
+
+
+def measure_engine_capture(cfg: MegaRLConfig, pool: EnginePool) -> dict[str, Any]:
+    """The engines' side of routing replay's cost, on the run's first pooled engine
+    (megarl/bench/replay_engine_cost.py)."""
+    import asyncio
+
+    from megarl.models.bridge import read_hf_config
+
+    ckpt = ensure_checkpoint(cfg)
+    hf = read_hf_config(ckpt)
+    pool.use(cfg, ckpt)
+    _, client = pool.engine(0)
+    return asyncio.run(replay_engine_cost.measure(client, cfg, int(hf["vocab_size"]),
+                                                  int(hf["max_position_embeddings"])))
 
 
 def write_report(out: Path, rep: dict[str, Any], markdown: str) -> None:

@@ -256,6 +256,7 @@ class VLLMEngine:
         if final is None:
             raise EngineError(f"vLLM returned no output for request {req.request_id}")
         result = self._to_result(req.request_id, final.outputs[0])
+        result.n_cached_tokens = int(final.num_cached_tokens or 0)
         n_positions = len(req.prompt_ids) + len(result.output_ids)
         histories = (native_histories(final.outputs[0].routed_experts, n_positions) if routes == "native"
                      else captured if routes == "capture" else None)

@@ -21,14 +21,14 @@ def test_measure_reports_route_bytes_and_the_step_ratio(tmp_path):
     from megarl.builder import load_run_config
 
     cost = measure(load_run_config(str(ROOT / "configs/bench_cpu.yaml"), _overrides(tmp_path)), repeats=1)
-    # 2 MoE layers x top-2 experts x 2 bytes (int16)
-    assert (cost["n_moe_layers"], cost["top_k"], cost["route_bytes_per_token"]) == (2, 2, 8)
+    # 2 MoE layers x top-2 experts x 1 byte (uint8: 4 experts)
+    assert (cost["n_moe_layers"], cost["top_k"], cost["route_bytes_per_token"]) == (2, 2, 4)
     assert cost["rows"] == 4 and 4 * 8 <= cost["tokens"] <= 4 * 16  # lengths between 8 and 16 tokens
     assert cost["train_step_s_live"] > 0 and cost["train_step_s_replay"] > 0
     assert cost["replay_step_ratio"] == pytest.approx(cost["train_step_s_replay"] / cost["train_step_s_live"])
     assert 0.2 < cost["replay_step_ratio"] < 5  # the same forward and backward, a gather more per router
     md = render_markdown(cost)
-    assert "## Routing replay" in md and "8 bytes of routes per token (2 MoE layers x top-2 x int16)" in md
+    assert "## Routing replay" in md and "4 bytes of routes per token (2 MoE layers x top-2)" in md
 
 
 def test_a_dense_model_has_no_replay_to_cost(tmp_path):
@@ -48,5 +48,13 @@ def test_bench_writes_the_replay_cost_into_its_report(tmp_path):
                 log=lambda *a: None)
     cost = json.loads((tmp_path / "out" / "report.json").read_text())["routing_replay"]
     assert cost == rep["routing_replay"]
-    assert cost["route_bytes_per_token"] == 8 and math.isfinite(cost["replay_step_ratio"])
-    assert "## Routing replay" in (tmp_path / "out" / "report.md").read_text()
+    assert cost["route_bytes_per_token"] == 4 and math.isfinite(cost["replay_step_ratio"])
+    # the engines' side: the run's group workload without and with captured routes; the hf engine has no prefix
+    # cache, so both prefill every prompt token of every sample
+    cfg_group = cost["engine_group_size"]
+    assert cost["engine_prompts"] == max(1, 4 // cfg_group) and cost["engine_prompt_len"] == 8
+    assert cost["engine_batch_s_plain"] > 0 and math.isfinite(cost["engine_capture_ratio"])
+    assert cost["prompt_tokens_prefilled_per_group_plain"] == cost["prompt_tokens_prefilled_per_group_capture"] \
+        == cfg_group * 8
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Routing replay" in md and "capturing routes: x" in md
