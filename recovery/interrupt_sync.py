@@ -24,13 +24,14 @@ the batch's ``logp_old`` rebuilt from the trajectories.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megarl.types import AnchorResult, TrainBatch, Trajectory
-from recovery._scoring import check_rows, ensure_logp_old, forward, logp_old_from_trajs, params_nbytes, unscored
+from recovery._scoring import check_rows, ensure_logp_old, logp_old_from_trajs, params_nbytes, score_at, unscored
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
 
@@ -66,7 +67,12 @@ class InterruptSync(RecoveryStrategy):
             raise RuntimeError(f"interrupt_sync: tokens of version {version} need scoring but the kept weights "
                                f"are version {self._kept_version}")
         batch = TrainBatch.from_trajectories([t for t, _ in todo], version=self.ctx.trainer.version)
-        logp = forward(self.ctx.trainer, batch, self._params_of_kept()).float().cpu()
+        wanted = torch.zeros(batch.loss_mask.shape, dtype=torch.bool)
+        for b, (_, idx) in enumerate(todo):
+            wanted[b, int(batch.prompt_lens[b]) - 1 + torch.tensor(idx)] = True
+        logp = torch.full(batch.loss_mask.shape, math.nan)
+        # with routing replay each token replays the routes of the request that generated it (megarl/routes.py)
+        score_at(batch, self.ctx.trainer, version, self._params_of_kept(), logp, wanted)
         for b, (t, idx) in enumerate(todo):
             old = ensure_logp_old(t)
             base = int(batch.prompt_lens[b]) - 1

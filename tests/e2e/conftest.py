@@ -26,19 +26,37 @@ def run_megarl(*args, timeout=600, unset=()):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    """A random tiny dense Qwen3 checkpoint written by `megarl init-checkpoint`."""
-    out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    r = run_megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3.yaml", "--output", str(out))
+def _init_checkpoint(tmp_path_factory, model: str):
+    """A random tiny checkpoint of configs/models/MODEL.yaml written by `megarl init-checkpoint`."""
+    out = tmp_path_factory.mktemp(model) / model
+    r = run_megarl("init-checkpoint", "--model", f"configs/models/{model}.yaml", "--output", str(out))
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """The tiny dense Qwen3."""
+    return _init_checkpoint(tmp_path_factory, "tiny_qwen3")
 
 
 @pytest.fixture(scope="session")
 def text_ckpt(tmp_path_factory):
     """The tiny Qwen3 with the character-level ASCII tokenizer (long answers at random init: splicing)."""
-    out = tmp_path_factory.mktemp("text_ckpt") / "tiny_text"
-    r = run_megarl("init-checkpoint", "--model", "configs/models/tiny_qwen3_text.yaml", "--output", str(out))
-    assert r.returncode == 0, r.stderr
-    return out
+    return _init_checkpoint(tmp_path_factory, "tiny_qwen3_text")
+
+
+@pytest.fixture(scope="session")
+def moe_ckpt(tmp_path_factory):
+    """The tiny Qwen3-MoE of configs/models/tiny_qwen3_moe.yaml (2 MoE layers, 4 experts, top-2)."""
+    return _init_checkpoint(tmp_path_factory, "tiny_qwen3_moe")
+
+
+def assert_exact_fp32(name: str, s: dict) -> None:
+    """A strategy of an fp32 verify run (engines and trainer in fp32) that claims exactness: measured exact
+    against the reference, and the reference itself checked by the engine oracle (it reproduced every policy
+    token's logp_behav within 1e-5), so a reference fed wrong inputs cannot pass."""
+    assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+    o = s["oracle"]
+    assert o["judges"] and o["passed"] and o["max_abs_err"] <= 1e-5 and o["n_tokens"] >= s["n_tokens"] > 0, (name, o)
+    assert not s["copy"]["is_copy"] and s["copy"]["telling_tokens"] > 0, (name, s["copy"])

@@ -90,3 +90,56 @@ def test_the_trainer_at_each_tokens_version_reproduces_the_engine(spliced):
     assert int(second.sum()) >= N_TRAJ * 3
     assert float(err[mask].max()) <= TOL, (float(err[mask & (batch.versions == 0)].max()),
                                            float(err[second].max()))
+
+
+def _engine_gap(logp, batch) -> float:
+    mask = policy_mask(batch)
+    return float((logp - batch.logp_behav).abs()[mask].max())
+
+
+def test_every_exact_scoring_path_reproduces_the_engine(spliced):
+    # the reference of verify-recovery, interrupt_sync's per-version scoring and the dedicated scorer's jobs each
+    # pick the routes of the request that generated a token by themselves: each must reproduce the engine
+    from types import SimpleNamespace
+
+    from recovery._dedicated_scorer import _score
+    from recovery._reference import true_logp_old
+    from recovery._scoring import scoring_segments
+    from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
+
+    trainer, params_v0, trajs = spliced
+    batch = TrainBatch.from_trajectories(trajs, version=trainer.version)
+    params = {0: params_v0, 1: trainer.get_params()}
+    assert _engine_gap(true_logp_old(batch, params, trainer), batch) <= TOL
+    # interrupt_sync: version 0's tokens with the kept copy of version 0, then version 1's with the current weights
+    copies = [Trajectory.from_dict(t.to_dict()) for t in trajs]
+    sync = InterruptSync(InterruptSyncConfig(), SimpleNamespace(trainer=trainer))
+    sync._kept, sync._kept_version = params_v0, 0
+    assert sync._score(copies, 0) == N_TRAJ * SPLICE_AT
+    sync._kept, sync._kept_version = params[1], 1
+    sync._score(copies, 1)
+    for t in copies:
+        assert max(abs(a - b) for a, b in zip(t.logp_old, t.logp_behav)) <= TOL
+    # the dedicated scorer, at version 1, on the second segments' jobs
+    jobs = [{"traj_id": t.traj_id, "start": s.start, "end": s.end, "version": s.version, "prompt_ids": t.prompt_ids,
+             "response_ids": t.response_ids[:s.end], "routes": rs.routes[:len(t.prompt_ids) + s.end - 1]}
+            for t in trajs for s, rs in scoring_segments(t) if s.version == 1]
+    assert len(jobs) == N_TRAJ
+    for (tid, start, end, logps), t in zip(_score(trainer, jobs), trajs):
+        assert tid == t.traj_id
+        assert max(abs(a - b) for a, b in zip(logps, t.logp_behav[start:end])) <= TOL
+
+
+@pytest.mark.parametrize("control", ["routes_first_prefix", "routes_shifted", "routes_other_version"])
+def test_wrong_routes_miss_the_engine(spliced, control):
+    # the negative controls of verify-recovery's oracle, here on the same sequences: each misses by far more than
+    # the tolerance, so a check against the engine cannot pass them
+    from recovery._negative_controls import ROUTE_CONTROLS
+
+    trainer, params_v0, trajs = spliced
+    wrong = [Trajectory.from_dict({**t.to_dict(), "route_segments": []}) for t in trajs]
+    for t, orig in zip(wrong, trajs):
+        t.route_segments = ROUTE_CONTROLS[control](list(orig.route_segments))
+    batch = TrainBatch.from_trajectories(wrong, version=trainer.version)
+    logp_old = score_versions(batch, trainer, lambda v: params_v0 if v == 0 else None)
+    assert _engine_gap(logp_old, batch) > 1e-4
