@@ -203,25 +203,3 @@ def drive_history(strategy, trainer, loop: LoopState, *, extra_step: bool = Fals
         t.advantage = 1.0
     trajs = [t0, t1, t2]
     return TrainBatch.from_trajectories(trajs, version=trainer.version), trajs, params
-
-
-def snapshot_next_version_class():
-    """A deliberately wrong exact strategy (not registered): a snapshot that scores the tokens of version v
-    with the weights of v + 1 (the current weights when v + 1 is not held). Tests register it when they need
-    it by name; ``megarl verify-recovery`` must catch it."""
-    from megarl.types import AnchorResult
-    from recovery._scoring import score_versions
-    from recovery.snapshot import Snapshot
-
-    class SnapshotNextVersion(Snapshot):
-        name = "snapshot_next_version"
-
-        def anchor(self, batch, trajs):
-            current, held = self.ctx.trainer.version, set(self.held_versions)
-
-            def params_of(v: int):
-                return self.params(v + 1) if v + 1 in held and v + 1 != current else None
-
-            return AnchorResult(logp_anchor=score_versions(batch, self.ctx.trainer, params_of), exact=True)
-
-    return SnapshotNextVersion

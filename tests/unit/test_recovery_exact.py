@@ -214,9 +214,8 @@ def verified(strategy, trainer, loop, tol=1e-5):
 
 
 def test_verify_report_measures_exactness(ckpt, trainer):
-    from recovery_scorer import snapshot_next_version_class
-
     from megarl.exactness import failures
+    from recovery._negative_controls import NextVersion
 
     loop = LoopState()
     good, _, _ = verified(Snapshot(SnapshotConfig(), loop.context(trainer)), trainer, loop)
@@ -224,7 +223,7 @@ def test_verify_report_measures_exactness(ckpt, trainer):
     assert good["n_tokens"] == 21 and good["tol"] == 1e-5
     # scoring v7 tokens with v8 weights and v8 tokens with the current v9 weights is off by > 1e-3
     other, loop = HFScorerForTests(ckpt, version=7), LoopState()
-    bad, _, _ = verified(snapshot_next_version_class()(SnapshotConfig(), loop.context(other)), other, loop)
+    bad, _, _ = verified(NextVersion(Snapshot(SnapshotConfig(), loop.context(other))), other, loop)
     assert bad["claims_exact"] and not bad["measured_exact"] and bad["max_abs_err"] > 1e-3, bad
     (line,) = failures({"strategies": {"snapshot": good, "snapshot_next_version": bad}})
     assert line.startswith("snapshot_next_version claims exactness but its max abs error "), line
