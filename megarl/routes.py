@@ -84,9 +84,11 @@ class RouteSegment:
 
 # -- storage ----------------------------------------------------------------------------------
 def compact(rows) -> np.ndarray:
-    """``rows`` ([positions, layers, k] ints, negative where none) in the smallest dtype that holds them."""
+    """``rows`` ([positions, layers, k] ints, negative where none) in the smallest dtype that holds them. A
+    uint8 array is taken as compact already (255 = none): convert raw uint8 expert ids (vLLM's native output,
+    where 255 is an expert of a 256-expert model) to a wider int first."""
     a = np.asarray(rows)
-    if a.dtype == np.uint8:
+    if a.dtype == np.uint8:  # already compact (255 = none); raw engine ids arrive as wider ints
         return a
     a = a.astype(np.int64, copy=False)
     if a.size == 0 or a.max() < _UINT8_NONE:

@@ -54,7 +54,8 @@ def native_histories(rows, n_positions: int) -> list[tuple[int, np.ndarray]] | N
         return []
     if len(rows) != n_positions - 1:
         return None
-    return [(0, np.asarray(rows))]
+    # uint8 ids of a 256-expert model include 255, which megarl's compact uint8 uses for "no route"
+    return [(0, np.asarray(rows, dtype=np.int64))]
 
 
 def pack_histories(histories: list[tuple[int, np.ndarray]] | None):

@@ -43,6 +43,12 @@ def test_routes_take_the_smallest_dtype_and_keep_unknown_positions():
     wide = compact(rows(300, -1))
     assert wide.dtype == np.int16 and wide.ravel().tolist() == [300, -1]
     assert known(wide).ravel().tolist() == [True, False]
+    # vLLM's native uint8 output of a 256-expert model: 255 is expert 255, not "no route"
+    from megarl.rollout.vllm_routes import native_histories
+
+    (_, native), = native_histories(np.array([[[255, 3]]], dtype=np.uint8), 2)
+    seg, = request_segments([(0, native)], prompt_len=1, n_output=1)
+    assert seg.routes.dtype == np.int16 and known(seg.routes).all() and seg.routes.ravel().tolist() == [255, 3]
     # the wire form is base64 .npy: JSON-safe, dtype and shape kept
     for a in (small, wide):
         back = decode(json.loads(json.dumps(encode(a))))
