@@ -4,7 +4,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import ENV, MEGARL, ROOT, run_megarl
+from conftest import ENV, MEGARL, ROOT, assert_exact_fp32, run_megarl
 
 SCRIPTED = "agent.fn=tests.unit.agent_fixtures:scripted"  # three turns, a tool result after each
 
@@ -25,7 +25,7 @@ def test_scripted_agent_under_interruptions_is_recovered_exactly(tmp_path):
                    "agent.max_turns=3", "agent.max_tokens=400", "rollout.max_new_tokens=64", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():
-        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert_exact_fp32(name, s)
         assert s["max_versions_per_sequence"] >= 2 and s["n_spliced_sequences"] >= 2, (name, s)
         steps = [x for x in _lines(tmp_path / f"verify-{name}" / "metrics.jsonl") if "reward_mean" in x]
         # every episode ran its three turns, each recorded token-exactly (a mismatch fails the group)
@@ -94,7 +94,7 @@ def test_an_agent_in_another_process_is_recovered_exactly_on_spliced_episodes(tm
                    timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():
-        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert_exact_fp32(name, s)
         assert s["n_spliced_sequences"] >= 2 and s["max_versions_per_sequence"] >= 2, (name, s)
         steps = [x for x in _lines(tmp_path / f"verify-{name}" / "metrics.jsonl") if "reward_mean" in x]
         # every completion was recorded token-exactly (a mismatch fails its group: n_dropped)

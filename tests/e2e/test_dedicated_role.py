@@ -11,7 +11,7 @@ import json
 import secrets
 import subprocess
 
-from conftest import ENV, MEGARL, ROOT
+from conftest import ENV, MEGARL, ROOT, assert_exact_fp32
 
 from megarl.rollout.client import free_port
 
@@ -39,7 +39,7 @@ def test_dedicated_role_on_its_own_process_is_exact(text_ckpt, tmp_path):
             role.communicate()
     assert role.returncode == 0, role_out[-3000:]
     s = json.loads(report.read_text())["strategies"]["dedicated"]
-    assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, s
+    assert_exact_fp32("dedicated", s)
     assert s["n_tokens"] > 0 and s["max_versions_per_sequence"] >= 2, s  # spliced sequences were scored too
     # the version directories the role loaded (on the shared run directory) are gone
     assert not (tmp_path / "verify-dedicated" / "dedicated").exists()

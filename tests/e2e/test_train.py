@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import run_megarl
+from conftest import assert_exact_fp32, run_megarl
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "eval.path="]
 
@@ -93,7 +93,7 @@ def test_verify_exact_strategies(text_ckpt, tmp_path):
     strategies = json.loads(report.read_text())["strategies"]
     for name in ("snapshot", "interrupt_sync", "dedicated"):
         s = strategies[name]
-        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert_exact_fp32(name, s)
         assert s["n_tokens"] > 0 and s["max_versions_per_sequence"] >= 2, (name, s)
         assert s["n_spliced_sequences"] >= 2, (name, s)
     loglinear = strategies["loglinear"]
@@ -112,7 +112,7 @@ def test_verify_exact_strategies_multi_turn(text_ckpt, tmp_path):
                "rollout.max_turns=4", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():
-        assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
+        assert_exact_fp32(name, s)
         assert s["max_versions_per_sequence"] >= 2 and s["n_spliced_sequences"] >= 2, (name, s)
         # policy tokens only: tool output is never scored
         assert 0 < s["n_tokens"] < 6 * 2 * 64, (name, s)

@@ -9,11 +9,14 @@ import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from megarl.models.tiny import write_tiny_checkpoint
-from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory, routes_tensor
+from megarl.routes import RouteSegment, as_int16, compact
+from megarl.types import GenerateRequest, SamplingParams, TrainBatch, Trajectory
+from recovery._scoring import score_versions
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, K, EXPERTS = 2, 2, 4
@@ -66,12 +69,14 @@ def test_routes_cover_every_fed_position_and_replay_to_logp_behav(setup):
     trajs = []
     for prompt, res in zip(PROMPTS, routed):
         n = len(prompt) + len(res.output_ids)
-        assert len(res.routes) == n and res.routes[-1] == []
-        for r in res.routes[:-1]:  # every fed position, the shared prompt's cached positions too
-            assert len(r) == LAYERS and all(len(set(e)) == K and all(0 <= x < EXPERTS for x in e) for e in r)
+        seg, = res.routes  # one forward history: every fed position, the shared prompt's cached positions too
+        assert (seg.start, seg.end) == (len(prompt) - 1, n - 1) and seg.routes.shape == (n - 1, LAYERS, K)
+        assert all(len(set(e)) == K for r in seg.routes.tolist() for e in r) and int(seg.routes.max()) < EXPERTS
+        seg.version = 0
         trajs.append(Trajectory(res.request_id, "g", prompt, res.output_ids, res.logp_behav, res.versions,
-                                [1] * len(res.output_ids), routes=routes_tensor(res.routes)))
-    assert routed[0].routes[:len(PROMPTS[0])] == routed[1].routes[:len(PROMPTS[0])]  # one prompt, one routing
+                                [1] * len(res.output_ids), route_segments=[seg]))
+    n0 = len(PROMPTS[0])  # one prompt, one routing
+    assert (routed[0].routes[0].routes[:n0] == routed[1].routes[0].routes[:n0]).all()
     batch = TrainBatch.from_trajectories(trajs, version=0)
     replayed, live = trainer.logprobs(batch), trainer.logprobs(TrainBatch.from_trajectories(
         [Trajectory(t.traj_id, "g", t.prompt_ids, t.response_ids, t.logp_behav, t.versions, t.loss_mask)
@@ -84,8 +89,12 @@ def test_routes_cover_every_fed_position_and_replay_to_logp_behav(setup):
         worst_live = max(worst_live, float((live[b, cut] - behav).abs().max()))
     print(f"MEASURE max |logp_trainer - logp_behav| on vLLM's routes, fp32: live routing {worst_live:.2e}")
     # not vacuous: the same routes one position off do not reproduce logp_behav
+    def shift(seg):
+        rows = as_int16(seg.routes)
+        return RouteSegment(seg.start, compact(np.concatenate([rows[1:], rows[-1:] * 0 - 1])), seg.version)
+
     shifted = [Trajectory(t.traj_id, "g", t.prompt_ids, t.response_ids, t.logp_behav, t.versions, t.loss_mask,
-                          routes=torch.cat([t.routes[1:], t.routes[-1:] * 0 - 1])) for t in trajs]
+                          route_segments=[shift(s) for s in t.route_segments]) for t in trajs]
     off = trainer.logprobs(TrainBatch.from_trajectories(shifted, version=0))
     assert max(float((off[b] - replayed[b]).abs().max()) for b in range(len(trajs))) > 1e-3
     # the worker keeps nothing: the asked-for routes were taken, the others never recorded
@@ -120,16 +129,18 @@ def test_an_aborted_request_returns_the_routes_of_what_it_fed_and_its_resubmissi
     first, rest = loop.run_until_complete(interrupted())
     assert first.finish_reason == "abort" and 0 < len(first.output_ids) < 110
     n = len(prompt) + len(first.output_ids)
-    assert len(first.routes) == n and first.routes[-1] == [] and all(len(r) == LAYERS for r in first.routes[:-1])
-    traj = Trajectory("x", "g", prompt, [], routes=None)
-    traj.merge_routes(first.routes)
-    traj.append_policy(first.output_ids, first.logp_behav, first.versions)
-    traj.merge_routes(rest.routes)  # the re-prefilled prefix keeps its first routes; the new tokens add theirs
-    traj.append_policy(rest.output_ids, rest.logp_behav, rest.versions)
-    assert traj.routes[:n - 1].tolist() == first.routes[:n - 1]
-    assert traj.routes[n - 1].tolist() == rest.routes[n - 1] != []
-    logp = trainer.logprobs(TrainBatch.from_trajectories([traj], version=0))[0]
+    (seg1,), (seg2,) = first.routes, rest.routes
+    assert (seg1.start, seg1.end) == (len(prompt) - 1, n - 1) and seg1.routes.shape[1:] == (LAYERS, K)
+    # the resubmission re-prefilled prompt + partial answer: its own routes cover that prefix and what it added
+    assert (seg2.start, seg2.end) == (n - 1, n + len(rest.output_ids) - 1)
+    traj = Trajectory("x", "g", prompt, [])
+    for seg, res in ((seg1, first), (seg2, rest)):
+        seg.version = 0
+        traj.add_route_segment(seg)
+        traj.append_policy(res.output_ids, res.logp_behav, res.versions)
+    batch = TrainBatch.from_trajectories([traj], version=0)
+    got = score_versions(batch, trainer, lambda v: None)[0]
     behav = torch.tensor(first.logp_behav + rest.logp_behav)
-    got = logp[len(prompt) - 1:len(prompt) - 1 + len(behav)]
+    got = got[len(prompt) - 1:len(prompt) - 1 + len(behav)]
     assert torch.allclose(got, behav, atol=1e-5), (got - behav).abs().max()
     assert loop.run_until_complete(engine.llm.collective_rpc("megarl_routes_pending")) == [0]
