@@ -7,8 +7,8 @@ failed reward), then the dedicated scoring process is SIGKILLed between steps
 (the run stops with its error; the strategy's state cannot be saved without the
 process, so the newest periodic checkpoint stands). Between attempts the newest
 checkpoint is damaged. Attempt 2 resumes from the newest valid one, setting the
-damaged one aside, and is stopped by SIGTERM (checkpoint, exit code 75).
-Attempt 3 resumes and finishes.
+damaged one aside, checkpoints after every step and is stopped by SIGTERM
+(checkpoint, exit code 75). Attempt 3 resumes and finishes.
 
 Checked at the end (the definitions of "accepted" and "trained" are
 megarl/checkpoint.py's): metrics hold steps and versions 1..N without a gap or a
@@ -16,7 +16,12 @@ repeat; every trajectory accepted before the checkpoint an attempt resumed from
 is trained exactly once, later accepts of that attempt are generated again under
 new ids, no id is trained twice, every id accepted up to the final checkpoint is
 trained or waits in its buffer; the damaged checkpoint is set aside whole and
-the valid ones are kept as ``logging.keep_last`` says.
+the valid ones are kept as ``logging.keep_last`` says. Attempt 1's kill leaves
+groups accepted after the checkpoint attempt 2 resumes from, redone under new
+ids (a non-empty set). From the tensors alone (tests/e2e/adam_oracle.py):
+attempt 2's first step is one AdamW step from that checkpoint's trainer state,
+the weights it published are the ones it trained, and the dedicated scorer's
+weights in both checkpoints are their trainer's.
 
 The scorer is killed between steps, not half way through a reply: from outside
 its process the moment its queue's feeder thread writes cannot be hit
@@ -25,11 +30,14 @@ reliably (tests/unit/test_dedicated_queue_link.py writes half a reply itself).
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
 
-from conftest import run_megarl
+import torch
+from adam_oracle import assert_resumed_from, equal, params, to_hf, trainer_state
+from conftest import ROOT, run_megarl
 from test_resume import SMALL, jsonl, process_gone, start, wait_for
 
 SEED = 3
@@ -135,11 +143,13 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     os.truncate(damaged, size // 2)
     back_to = valid[-1]
     manifest2 = json.loads((run / "checkpoints" / f"step_{back_to}" / "manifest.json").read_text())
+    resumed_from = tmp_path / f"step_{back_to}"  # attempt 2's keep_last may remove it
+    shutil.copytree(run / "checkpoints" / f"step_{back_to}", resumed_from)
 
-    # -- attempt 2: resumes from the newest valid checkpoint, stopped by SIGTERM
+    # -- attempt 2: resumes from the newest valid checkpoint, checkpoints every step, stopped by SIGTERM
     log2 = tmp_path / "attempt2.log"
     t2 = time.monotonic()
-    second = start(["train", "--resume", str(run), *args], log2)
+    second = start(["train", "--resume", str(run), *args, "logging.save_every=1"], log2)
     try:
         # metrics.jsonl holds attempt 1's lines until the resume rewinds it, then records the attempt
         wait_for(lambda: len(jsonl(run / "resumes.jsonl")) == 1 and steps_done(run) >= back_to + sigterm_after,
@@ -156,9 +166,18 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     assert process_gone(int((run / "engine0.pid").read_text())), "the engine is stopped with the SIGTERMed run"
     set_aside = run / "checkpoints" / f"damaged_step_{k1}"
     assert (set_aside / "trainer" / "rank0.pt").stat().st_size == size // 2, "the damaged one is kept as it was"
-    written2 = [s for s in range(back_to + 1, k2 + 1) if s % 2 == 0 or s == k2]
+    written2 = list(range(back_to + 1, k2 + 1))
     kept2 = sorted({*valid, *written2})[-KEEP:]
     assert step_dirs(run) == kept2, "only keep_last removes valid checkpoints"
+    # the trainer attempt 2 resumed is step back_to's; the dedicated scorer's weights are its trainer's
+    first_step = run / "checkpoints" / f"step_{back_to + 1}"
+    hf = json.loads((ckpt / "config.json").read_text())
+    published = assert_resumed_from(resumed_from, first_step, hf, ROOT / "configs" / "tiny_cpu.yaml",
+                                    total_steps=TOTAL)
+    for step_dir, version, weights in ((resumed_from, back_to, to_hf(params(trainer_state(resumed_from)), hf)),
+                                       (first_step, back_to + 1, published)):
+        scorer = torch.load(step_dir / "strategy" / "rank0.pt", weights_only=False)
+        assert scorer["version"] == version and equal(scorer["weights"]["model.safetensors"], weights), step_dir
     journal2 = {name: jsonl(run / name) for name in ("accepted.jsonl", "trained_ids.jsonl")}
     manifest3 = json.loads((run / "checkpoints" / f"step_{k2}" / "manifest.json").read_text())
     print(f"attempt 1 stopped at step {reached}; attempt 2 resumed from step {back_to} (step_{k1} damaged), "
@@ -184,6 +203,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     accepted_lines = jsonl(run / "accepted.jsonl")
     accepted = [i for r in accepted_lines for i in r["traj_ids"]]
     assert len(accepted) == len(set(accepted)) and set(trained) <= set(accepted)
+    redone = []  # per attempt: its accepts after the checkpoint the next one resumed from
     for journal, step, total in ((journal1, back_to, manifest2["accepted_total"]),
                                  (journal2, k2, manifest3["accepted_total"])):
         before = [r for r in journal["accepted.jsonl"] if r["accepted_total"] <= total]
@@ -193,7 +213,9 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
                                           f"{trained.count(i)} times"
         after = {i for r in journal["accepted.jsonl"] if r["accepted_total"] > total for i in r["traj_ids"]}
         assert not after & set(accepted), f"groups accepted after step {step}'s checkpoint come back under new ids"
+        redone.append(after)
         assert trained_lines[:step] == [r for r in journal["trained_ids.jsonl"] if r["step"] <= step]
+    assert redone[0], f"attempt 1 accepted nothing after step {back_to}'s checkpoint: nothing was redone"
     # the end: every trajectory accepted up to the final checkpoint is trained once or waits in its buffer
     from megarl.checkpoint import load_file
 

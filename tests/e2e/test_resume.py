@@ -9,7 +9,13 @@ What is checked after kill -9 + `--resume` (see megarl/checkpoint.py for the def
   ``accepted_total <= manifest.accepted_total``, as the killed run wrote it — is
   trained exactly once; groups accepted after the checkpoint are generated again
   under new ids;
-* the killed run's engine process is gone (it exits when its parent dies).
+* the killed run's engine process is gone (it exits when its parent dies);
+* the kill lands with work in flight: the run is stopped (SIGSTOP) and killed only once groups were
+  accepted after its newest checkpoint, so the set redone under new ids is never empty;
+* checked from the tensors alone (tests/e2e/adam_oracle.py), the resumed trainer is the checkpoint's:
+  its first step is one AdamW step from the checkpoint's weights, moments and step count, the
+  weights it published first (what the engine loaded as that version) are those weights, and the
+  snapshot versions it kept are the checkpoint's.
 
 Speed: the resume runs use the HF engine backend (starts in ~4 s) except the
 snapshot one and the engine-kill test, which run the vLLM CPU engine.
@@ -23,6 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from adam_oracle import assert_resumed_from, equal, params, trainer_state
 from conftest import ENV, MEGARL, ROOT, run_megarl
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false",
@@ -50,6 +58,40 @@ def wait_for(cond, proc: subprocess.Popen, log: Path, timeout: float = 300.0) ->
         time.sleep(0.05)
 
 
+def written_lines(path: Path) -> list[dict]:
+    """The complete lines of a file a live run appends to (a line being written is left out)."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    return out
+
+
+def work_in_flight(run: Path) -> bool:
+    """Groups were accepted after the newest checkpoint: a resume from it must redo them."""
+    found = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    if not found:
+        return False
+    k = found[-1]  # published by a rename, manifest inside: complete
+    total = json.loads((run / "checkpoints" / f"step_{k}" / "manifest.json").read_text())["accepted_total"]
+    return any(r["accepted_total"] > total for r in written_lines(run / "accepted.jsonl"))
+
+
+def kill_with_work_in_flight(proc: subprocess.Popen, run: Path, log: Path, timeout: float = 300.0) -> None:
+    """SIGKILL the run's process group at a moment :func:`work_in_flight` holds: seen to hold, the group is
+    stopped (SIGSTOP), checked again while nothing it writes can change, and killed or let go on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_for(lambda: work_in_flight(run), proc, log, timeout=max(deadline - time.monotonic(), 1.0))
+        os.killpg(proc.pid, signal.SIGSTOP)
+        if work_in_flight(run):
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
 def process_gone(pid: int, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -75,7 +117,7 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
               f"rollout.backend={backend}", *SMALL]
     first = start(["train", "--output-dir", str(run), *common, "trainer.total_steps=40"], tmp_path / "first.log")
     try:
-        wait_for(lambda: (run / "checkpoints" / "step_2").is_dir(), first, tmp_path / "first.log")
+        kill_with_work_in_flight(first, run, tmp_path / "first.log")
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -88,8 +130,12 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     size = du(run / "checkpoints" / f"step_{k}")
 
     t0 = time.monotonic()
-    second = start(["train", "--resume", str(run), *common, "trainer.total_steps=10"], tmp_path / "second.log")
-    wait_for(lambda: len(jsonl(run / "metrics.jsonl")) > k or second.poll() == 0, second, tmp_path / "second.log")
+    # a checkpoint after every step, all kept: the one after the first resumed step is compared with step_k
+    second = start(["train", "--resume", str(run), *common, "trainer.total_steps=10", "logging.save_every=1",
+                    "logging.keep_last=0"], tmp_path / "second.log")
+    # metrics.jsonl holds the killed run's steps after k until the resume rewinds it (then resumes.jsonl appears)
+    wait_for(lambda: (run / "resumes.jsonl").is_file() and len(written_lines(run / "metrics.jsonl")) > k
+             or second.poll() == 0, second, tmp_path / "second.log")
     resume_s = time.monotonic() - t0
     assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
     print(f"\n{strategy}/{backend}: killed after checkpoint step_{k}; resume to first new step {resume_s:.1f} s; "
@@ -115,11 +161,24 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     for i in (i for r in before for i in r["traj_ids"]):
         assert trained.count(i) == 1, f"{i} was accepted before the checkpoint but trained {trained.count(i)} times"
     redone = {i for r in killed["accepted.jsonl"] if r["accepted_total"] > accepted_at_ckpt for i in r["traj_ids"]}
+    assert redone, "the kill found no group accepted after the checkpoint: nothing was redone"
     assert not redone & set(accepted), "groups accepted after the checkpoint come back under new ids"
     assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
     assert all(r["group_id"].startswith("r1.") for r in accepted_lines[len(before):])
     assert (run / "final" / "model.safetensors").is_file()
-    assert sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == [8, 10]
+    assert sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == [*steps, *range(k + 1, 11)]
+
+    ckpts = run / "checkpoints"
+    hf = json.loads((ckpt / "config.json").read_text())
+    assert_resumed_from(ckpts / f"step_{k}", ckpts / f"step_{k + 1}", hf, ROOT / "configs" / "tiny_cpu.yaml",
+                        total_steps=10)
+    # snapshot's kept versions: the checkpoint's are its trainer's; the resumed run kept them as they were
+    kept0, kept1 = (torch.load(ckpts / f"step_{s}" / "strategy" / "rank0.pt", weights_only=False)["versions"]
+                    for s in (k, k + 1))
+    assert equal(kept0[k], params(trainer_state(ckpts / f"step_{k}")))
+    assert equal(kept1[k + 1], params(trainer_state(ckpts / f"step_{k + 1}")))
+    carried = sorted(set(kept0) & set(kept1))
+    assert carried and all(equal(kept0[v], kept1[v]) for v in carried), (sorted(kept0), sorted(kept1))
 
 
 # a scheduler's SIGTERM (preemption: checkpoint the step reached, exit code 75, resume) is attempt 2 of

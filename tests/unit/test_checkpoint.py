@@ -3,21 +3,20 @@
 The loop test runs the real Controller and ReplayBuffer against the timing
 simulators of test_staleness_gate.py, checkpoints it, "kills" it (drops the
 objects), restores a fresh controller from the checkpointed state and checks
-that no accepted trajectory is lost or trained twice.
+that no accepted trajectory is lost or trained twice: by the loop's journal, and
+again from the simulated engines' own logs and the trainers' records alone
+(tests/unit/loop_fixtures.py), which the checkpoint does not write.
 """
 import asyncio
-import copy
-import functools
 import json
-import pickle
-import random
 import subprocess
 import sys
-import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_tokenizer, write_tokenizer
+from conftest import ROOT
+from loop_fixtures import make_controller
 
 from megarl.checkpoint import (
     find_latest_checkpoint,
@@ -175,104 +174,15 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path):
 
 
 # -- the loop's state ----------------------------------------------------------------------
-class StateTrainer:
-    """The gate tests' step counter, plus save/load of its version."""
-
-    def __init__(self, rng):
-        from test_staleness_gate import StepCounterTrainerForGateTests
-
-        self.inner = StepCounterTrainerForGateTests(rng)
-
-    @property
-    def version(self):
-        return self.inner.version
-
-    @property
-    def trained(self):
-        return self.inner.trained
-
-    @property
-    def last_skip_reason(self):
-        return self.inner.last_skip_reason
-
-    def train_step(self, batch, loss_fn):
-        return self.inner.train_step(batch, loss_fn)
-
-
-class CapturingCheckpointer:
-    def __init__(self):
-        self.saved: dict[int, dict] = {}
-        self.last_step = None
-
-    async def save(self, controller):
-        self.saved[controller.step] = pickle.loads(pickle.dumps(controller.state_dict()))
-        self.saved[controller.step]["trainer_version"] = controller.trainer.version
-        self.last_step = controller.step
-
-
-class Journal:
-    def __init__(self):
-        self.lines: dict[str, list] = {"accepted": [], "trained_ids": []}
-
-    def write(self, name, record):
-        self.lines[name].append(copy.deepcopy(record))
-
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer_dir():
-    return write_tokenizer("configs/models/tiny_qwen3.yaml", Path(tempfile.mkdtemp(prefix="megarl-tok-")))
-
-
-def make_controller(seed, steps_state=None, eta=2, checkpointer=None, overrides=()):
-    from test_staleness_gate import Rewards, SimulatedEngineForGateTests, SingleTurn
-
-    from megarl.buffer import PublishedVersion, ReplayBuffer
-    from megarl.builder import load_run_config
-    from megarl.controller import Controller
-    from megarl.data import PromptDataset
-    from recovery.base import RecoveryContext
-    from recovery.behav import Behav
-
-    rng = random.Random(seed)
-    cfg = load_run_config(None, [f"rollout.eta={eta}", "trainer.batch_size=8", "rollout.group_size=4",
-                                 "logging.save_every=3", *overrides])
-    engine = SimulatedEngineForGateTests(rng, 12)
-    trainer = StateTrainer(rng)
-
-    class Publisher:
-        async def prepare(self, version):
-            pass
-
-        async def apply(self, version):
-            engine.version = version
-
-    def advantages(trajs):
-        for t in trajs:
-            t.advantage = 0.0
-
-    checkpointer, journal = checkpointer or CapturingCheckpointer(), Journal()
-    c = Controller(cfg, trainer=trainer, router=engine, buffer=ReplayBuffer(cfg.trainer.batch_size, eta),
-                   published=PublishedVersion(),
-                   rewards=Rewards(),
-                   dataset=PromptDataset(str(ROOT / "configs/data/reverse_digits_256.jsonl"),
-                                         run_tokenizer(_tokenizer_dir()), seed=0), workflow=SingleTurn(),
-                   strategy=Behav(None, RecoveryContext(trainer=trainer)), publisher=Publisher(),
-                   loss_fn_factory=lambda b, a: None, advantages=advantages, on_step=lambda r: None,
-                   checkpointer=checkpointer, journal=journal)
-    if steps_state is not None:
-        trainer.inner.version = steps_state["trainer_version"]
-        engine.version = steps_state["version"]
-        c.load_state_dict(steps_state, id_prefix="r1.")
-        checkpointer.last_step = c.step
-    return c, trainer, checkpointer, journal
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_loop_state_round_trip_loses_nothing(seed):
-    c1, t1, ck1, j1 = make_controller(seed)
+# a trainer faster than generation is cut with groups in flight (redone under new ids); a slower one with a
+# full buffer (carried over): each case is asserted non-empty where it is made sure of
+@pytest.mark.parametrize("seed,slow_trainer", [(0, False), (1, False), (2, True), (3, True)])
+def test_loop_state_round_trip_loses_nothing(seed, slow_trainer):
+    delay = 0.03 if slow_trainer else 0.0
+    c1, t1, ck1, j1 = make_controller(seed, train_delay_s=delay)
     asyncio.run(c1.train(8))  # "killed" after step 8; checkpoints at 3 and 6 (and 8, the end)
     state = ck1.saved[6]
-    c2, t2, ck2, j2 = make_controller(seed + 100, state)
+    c2, t2, ck2, j2 = make_controller(seed + 100, state, train_delay_s=delay)
     asyncio.run(c2.train(12))
 
     def ids_of(trained):
@@ -296,6 +206,38 @@ def test_loop_state_round_trip_loses_nothing(seed):
     assert all(g.startswith("r1.g") and int(g[4:]) >= state["group_counter"] for g in resumed), resumed
     assert not {i for rec in j1.lines["accepted"] for i in rec["traj_ids"]} & accepted_after, \
         "the killed attempt's ids (also those after the checkpoint) never come back"
+
+    # -- the same, from the engines' own logs (loop_fixtures.RecordingEngine) and the trainers' records alone
+    log1, cut = c1.router.log, ck1.cuts[6]
+    prompt = {}  # trajectory -> its prompt: the first request of it an engine saw
+    for kind, tid, *rest in log1 + c2.router.log:
+        if kind == "start":
+            prompt.setdefault(tid, rest[0])
+    trained1, trained2 = ids_of(t1.trained[:6]), ids_of(t2.trained)
+    assert set(trained1 + trained2) <= set(prompt), "a trained trajectory no engine generated"
+    group = lambda tid: tid.rsplit("-", 1)[0]  # noqa: E731
+    started = {}  # group -> prompt, of the groups run 1's engine had started when the checkpoint was cut
+    for kind, tid, *_ in log1[:cut]:
+        if kind == "start":
+            started.setdefault(group(tid), prompt[tid])
+    want = Counter(p for p in started.values() for _ in range(4))
+    assert not want - Counter(prompt[t] for t in trained1 + trained2), "a group started before the cut was lost"
+    # in flight at the cut: none of its trajectories trained under its own id; run 2 generated it again
+    redone = [p for g, p in started.items() if g not in {group(t) for t in trained1 + trained2}]
+    assert redone or slow_trainer, "the checkpoint was cut with no group in flight: nothing was redone"
+    again = Counter(prompt[t] for t in trained2 if t.startswith("r1."))
+    assert not Counter(p for p in redone for _ in range(4)) - again, "a group in flight at the cut was not redone"
+    # carried over in the checkpoint's buffer: finished by run 1's engine before the cut, trained by run 2 with
+    # the versions that engine returned
+    versions, finished = {}, {}
+    for kind, tid, *rest in log1[:cut]:
+        if kind == "end":
+            versions.setdefault(tid, []).extend(rest[0])
+            finished[tid] = rest[1] != "abort"
+    carried = [t for t in trained2 if not t.startswith("r1.")]
+    assert carried or not slow_trainer, "the checkpoint was cut with an empty buffer: nothing carried over"
+    assert all(finished.get(t) for t in carried), "run 2 trained run-1 work unfinished at the cut"
+    assert all(t2.inner.row_versions[t] == versions[t] for t in carried), "token versions changed in the checkpoint"
 
 
 def test_resume_from_the_end_of_a_synchronous_run():

@@ -7,7 +7,7 @@ engine and step-counting trainer); the real CLI under SIGTERM is tests/e2e/test_
 import asyncio
 
 import pytest
-from test_checkpoint import make_controller
+from loop_fixtures import make_controller
 
 import megarl.run_stop as run_stop
 from megarl.builder import load_run_config
