@@ -23,7 +23,7 @@ from megarl.cpu_affinity import check_affinity
 from megarl.data import PromptDataset
 from megarl.errors import ConfigError
 from megarl.models.hf_config import is_moe
-from megarl.models.tiny import write_tiny_checkpoint
+from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rollout.base import engine_options, truncates_sampling
 from megarl.tokenizer import RunTokenizer
@@ -99,7 +99,26 @@ def ensure_checkpoint(cfg: MegaRLConfig) -> Path:
             raise ConfigError(f"model.checkpoint {ckpt} has no config.json; point it at an HF checkpoint "
                               f"or set model.init_model to a model YAML to create one")
         write_tiny_checkpoint(cfg.model.init_model, ckpt, seed=cfg.model.init_seed)
+    elif cfg.model.init_model:
+        check_init_model_matches(ckpt, cfg.model.init_model)
     return ckpt
+
+
+#: config.json fields that make a checkpoint another model than a model YAML describes
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_init_model_matches(ckpt: Path, init_model: str) -> None:
+    """An existing ``model.checkpoint`` is used as it is, whatever ``model.init_model`` says (a test or a user may
+    point a config at another checkpoint on purpose); when the two describe different models, say so once, so a
+    checkpoint left by an earlier run of another config is not taken for the one the YAML describes."""
+    have = json.loads((ckpt / "config.json").read_text())
+    want = load_model_yaml(init_model)
+    differ = [f"{k} {have.get(k)} (the YAML: {want.get(k)})" for k in _SHAPE_FIELDS if have.get(k) != want.get(k)]
+    if differ:
+        log.warning("model.checkpoint %s exists and is used as it is, but it is not the model model.init_model=%s "
+                    "describes: %s. It is written from model.init_model only when it does not exist: point "
+                    "model.checkpoint at a new directory to get that model", ckpt, init_model, ", ".join(differ))
 
 
 def validate(cfg: MegaRLConfig, hf: dict) -> None:
