@@ -6,8 +6,12 @@ first step, at most every ``logging.summary_every_s`` seconds and at the last.
 
 Evaluation results (megarl/evaluation.py) go to metrics.jsonl as lines of
 their own (``step`` plus ``eval/...`` keys) and to TensorBoard and W&B under
-``eval/``. ``samples.jsonl`` holds decoded trajectories per step
-(``logging.log_samples``).
+``eval/``. An evaluation runs in the background and reports at the step it
+started, after later steps were logged; W&B drops a row logged with a ``step=``
+below its current one, so W&B rows carry their step as a metric instead (``step``
+for training, ``eval/step`` for evaluations, each the x-axis of its namespace
+through ``define_metric``) and W&B's own counter only orders the rows.
+``samples.jsonl`` holds decoded trajectories per step (``logging.log_samples``).
 
 Journals (``write(name, record)``, one JSON line each, flushed): ``accepted.jsonl``
 (per accepted group: ``step``, ``accepted_total`` after it, ``group_id``,
@@ -61,6 +65,7 @@ class RunLogger:
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self._wandb = None
+        self._wandb_axes: set[str] = set()  # keys given their x-axis with define_metric
         if wandb is not None:
             self._wandb = start_wandb(self.run_dir, **wandb)
         self._bar = None
@@ -99,7 +104,7 @@ class RunLogger:
     def log_eval(self, record: dict[str, Any]) -> None:
         """An evaluation result: its own metrics.jsonl line, TensorBoard/W&B scalars, and one console line
         (above the progress bar on a terminal)."""
-        self._write_scalars(record)
+        self._write_scalars(record, wandb_step="eval/step")
         parts = []
         if "eval/pass@1" in record:
             parts.append(f"held-out pass@1 {record['eval/pass@1']:.3f}")
@@ -120,7 +125,7 @@ class RunLogger:
         else:
             print(line, flush=True)
 
-    def _write_scalars(self, record: dict[str, Any]) -> dict[str, Any]:
+    def _write_scalars(self, record: dict[str, Any], wandb_step: str = "step") -> dict[str, Any]:
         record = _jsonable(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -130,8 +135,19 @@ class RunLogger:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            self._log_wandb(scalars, step, wandb_step)
         return record
+
+    def _log_wandb(self, scalars: dict[str, Any], step: int, step_key: str) -> None:
+        """One W&B row with its step as the metric ``step_key`` (module doc: never W&B's ``step=``)."""
+        if step_key not in self._wandb_axes:
+            self._wandb.define_metric(step_key)
+            self._wandb_axes.add(step_key)
+        for k in scalars:
+            if k != step_key and k not in self._wandb_axes:
+                self._wandb.define_metric(k, step_metric=step_key)
+                self._wandb_axes.add(k)
+        self._wandb.log({**{k: v for k, v in scalars.items() if k != "step"}, step_key: step})
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         """Append ``record`` to ``RUN_DIR/{name}.jsonl``."""

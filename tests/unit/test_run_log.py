@@ -1,6 +1,8 @@
 """Run outputs: metrics lines, evaluation lines, journals, and Weights & Biases in offline mode."""
 import json
 
+from wandb_offline import history
+
 from megarl.run_log import RunLogger
 
 
@@ -28,6 +30,35 @@ def test_wandb_offline_without_an_api_key(tmp_path, monkeypatch):
     log.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert history(tmp_path) == [{"step": 1, "reward_mean": 0.5}, {"eval/step": 1, "eval/reward_mean": 0.25}]
+
+
+def test_wandb_keeps_an_evaluation_logged_after_later_steps(tmp_path, monkeypatch):
+    # evaluation runs in the background and reports at the step it started, after later steps were logged:
+    # W&B drops a row whose step= is below the current one, so evaluations live on a step axis of their own
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = RunLogger(tmp_path, total_steps=4, tensorboard=False, progress="none",
+                    wandb={"project": "megarl-test", "config": {}})
+    for step in (1, 2, 3, 4):
+        log.log({"step": step, "reward_mean": step / 10})
+    log.log_eval({"step": 2, "eval/pass@1": 0.5})
+    log.close()
+    rows = history(tmp_path)
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 4]
+    assert [r for r in rows if "eval/pass@1" in r] == [{"eval/step": 2, "eval/pass@1": 0.5}]
+
+
+def test_the_reader_sees_what_wandb_wrote(tmp_path, monkeypatch):
+    # the offline-file reader of these tests against a run written by W&B itself, with its own step argument
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="megarl-test", dir=str(tmp_path), mode="offline")
+    run.log({"a": 1}, step=3)
+    run.log({"b": 2.5}, step=5)
+    run.finish()
+    assert history(tmp_path) == [{"a": 1}, {"b": 2.5}]
 
 
 def test_progress_bar_counts_steps(tmp_path):
