@@ -38,6 +38,7 @@ from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
 from megarl.preflight import RunSetup
 from megarl.publish import make_publisher
 from megarl.resume import ResumePoint, restore
+from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.rollout.base import logprob_temperature
@@ -221,7 +222,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
         rewards = RewardService(cfg.reward.fn, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
                                 memory_mb=cfg.reward.memory_mb, on_failure=cfg.reward.on_failure)
         stack.callback(rewards.close)
-        scorer = TrajectoryScorer(inputs.tokenizer, rewards)
+        scorer = TrajectoryScorer(inputs.tokenizer, rewards, length_penalty=overlong_penalty(cfg))
         remote = current_role().engine_addrs
         engines = _EngineStarts(cfg, ckpt, run_dir, remote, engine_pool)
         stack.push_async_callback(engines.close)
@@ -280,7 +281,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
             stack.callback(eval_workflow.close)
             if hasattr(eval_workflow, "aclose"):
                 stack.push_async_callback(eval_workflow.aclose)
-            evaluator = Evaluator(inputs.eval_dataset.prompts(), eval_workflow, scorer,
+            evaluator = Evaluator(inputs.eval_dataset.prompts(), eval_workflow, scorer.without_length_penalty(),
                                   n_samples=cfg.eval.n_samples, pass_threshold=cfg.eval.pass_threshold)
         # built before any resume loads a checkpoint: the KL reference is the run's initial weights
         objective = loss_fn_factory_for_run(cfg, trainer)

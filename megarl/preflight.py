@@ -151,6 +151,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                               f"loss.entropy_coef and stays within the two)")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
+    _check_overlong(cfg)
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:
         raise ConfigError("rollout.filter_groups=true with rollout.group_size=1: a group of one sample always has "
                           "equal rewards, so every group would be filtered and no batch would ever form; set "
@@ -247,3 +248,19 @@ def load_inputs(cfg: MegaRLConfig, vocab_size: int) -> RunInputs:
         if cfg.eval.path:
             load_agent(cfg.eval.agent_fn, key="eval.agent_fn")
     return RunInputs(tokenizer, dataset, eval_dataset)
+
+
+def _check_overlong(cfg: MegaRLConfig) -> None:
+    buffer = cfg.reward.overlong_buffer
+    if buffer == 0:
+        return
+    if not 0 < buffer <= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer={buffer} must be in [0, rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}] (0 = no overlong penalty)")
+    if cfg.reward.overlong_penalty < 0:
+        raise ConfigError(f"reward.overlong_penalty={cfg.reward.overlong_penalty} must be >= 0 (the reward a "
+                          f"response of rollout.max_new_tokens tokens loses)")
+    if cfg.rollout.workflow != "single_turn":
+        raise ConfigError(f"reward.overlong_buffer applies to single-turn responses, whose limit is "
+                          f"rollout.max_new_tokens; rollout.workflow={cfg.rollout.workflow!r} limits each turn, not "
+                          f"the episode: set reward.overlong_buffer=0")

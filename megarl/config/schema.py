@@ -204,7 +204,7 @@ class RewardConfig:
     """The reward service (runs off the critical path in worker processes)."""
 
     fn: str = "reverse_digits"
-    """Built-in reward name (reverse_digits, math, code) or a dotted path pkg.mod:func."""
+    """Built-in reward name (reverse_digits, digits, math, math_strict, code) or a dotted path pkg.mod:func. math takes a plain final number when the response marks none; math_strict only a final \\boxed{}, '#### N' or 'Answer: ...'."""
     n_workers: int = 1
     """Reward worker processes."""
     timeout_s: float = 10.0
@@ -215,6 +215,10 @@ class RewardConfig:
     """A failed reward gives reward 0 (zero) or drops the sample (drop)."""
     max_fail_frac: float = 0.5
     """Stop the run when more than this fraction of one step's reward calls fail (the error shows one failing call); 1 = never."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a training response longer than rollout.max_new_tokens - overlong_buffer tokens loses reward linearly, up to overlong_penalty at rollout.max_new_tokens (megarl/rewards/overlong.py); 0 = off. Never applied to evaluation. Single-turn workflows only."""
+    overlong_penalty: float = 1.0
+    """The reward a response of rollout.max_new_tokens tokens loses under reward.overlong_buffer."""
 
 
 @dataclass

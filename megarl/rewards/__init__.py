@@ -37,6 +37,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "reverse_digits": "megarl.tasks.reverse_digits:reward",
     "digits": "megarl.rewards.digits:digit_reward",
     "math": "megarl.rewards.math:math_reward",
+    "math_strict": "megarl.rewards.math:math_strict_reward",
     "code": "megarl.rewards.code:code_reward",
 }
 

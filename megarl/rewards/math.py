@@ -13,6 +13,13 @@ in this order:
   does not start with a number is parsed as math;
 - else whatever math-verify finds in the whole response (a plain final number).
 
+``math_strict`` (:func:`math_strict_reward`) takes only an answer the response
+marks as final: the last ``\\boxed{}``, else the number after the last
+``####``, else what follows the last ``Answer:`` on its line (DAPO's format);
+a response with none of them scores 0.0. The lenient fallback above scores
+"48 in April and 24 in May, 72 in total." as the answer 72; the strict reward
+does not, as GSM8K's and DAPO's reference rewards do not.
+
 The ground truth is read the same way when it holds a box or ``####`` (a
 GSM8K solution), else as LaTeX (``2\\sqrt{3}``, ``\\frac{\\pi}{2}``: bare LaTeX
 is what math datasets store). A ground truth math-verify cannot parse raises:
@@ -62,15 +69,42 @@ def after_hashes(text: str) -> str | None:
     return rest.strip().split("\n", 1)[0]
 
 
-def final_answer(text: str) -> list:
-    """What math-verify parses as the final answer of ``text`` (module docstring); [] when there is none."""
+_ANSWER_LINE = re.compile(r"Answer\s*:")
+
+
+def after_answer_colon(text: str) -> str | None:
+    """The rest of the line after the last ``Answer:`` (DAPO's format), a trailing period dropped; None without."""
+    starts = list(_ANSWER_LINE.finditer(text))
+    if not starts:
+        return None
+    line = text[starts[-1].end():].split("\n", 1)[0].strip()
+    return line[:-1].rstrip() if line.endswith(".") else line
+
+
+def marked_answer(text: str) -> list | None:
+    """The final answer ``text`` marks as such (a box, ``####``), parsed; None when it marks none."""
     box = last_boxed(text)
     if box is not None:
         return parse("\\boxed{" + box + "}") if box.strip() else []
     hashed = after_hashes(text)
     if hashed is not None:
         return parse("\\boxed{" + hashed + "}") if hashed.strip() else []
-    return parse(text)
+    return None
+
+
+def final_answer(text: str) -> list:
+    """What math-verify parses as the final answer of ``text`` (module docstring); [] when there is none."""
+    marked = marked_answer(text)
+    return parse(text) if marked is None else marked
+
+
+def strict_final_answer(text: str) -> list:
+    """The final answer of ``text`` for :func:`math_strict_reward`: a box, ``####`` or ``Answer:``, else []."""
+    marked = marked_answer(text)
+    if marked is not None:
+        return marked
+    line = after_answer_colon(text)
+    return parse("\\boxed{" + line + "}") if line else []
 
 
 def parse_ground_truth(answer: Any) -> list:
@@ -81,12 +115,20 @@ def parse_ground_truth(answer: Any) -> list:
 
 
 def math_reward(response: str, answer: Any, **_: Any) -> float:
+    return _score(final_answer(response), answer)
+
+
+def math_strict_reward(response: str, answer: Any, **_: Any) -> float:
+    """1.0 when the answer the response marks as final (module docstring) equals the ground truth, else 0.0."""
+    return _score(strict_final_answer(response), answer)
+
+
+def _score(pred: list, answer: Any) -> float:
     if answer is None or str(answer).strip() == "":
         raise ValueError("math reward needs the ground truth (data.answer_key) of every row")
     gold = parse_ground_truth(answer)
     if all(isinstance(g, str) for g in gold):  # no expression, at most the text math-verify gave up on
         raise ValueError(f"math-verify cannot parse the ground truth {answer!r}")
-    pred = final_answer(response)
     if not pred:
         return 0.0
     # verify(gold, pred) is not symmetric: the ground truth goes first
