@@ -43,3 +43,30 @@ def test_a_row_without_the_final_answer_is_named(tmp_path, capsys):
     src.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     assert main(["prepare-data", "--format", "gsm8k", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
     assert f"{src}:1: the answer does not end in '#### N'" in capsys.readouterr().err
+
+
+def test_the_instruction_is_printed_and_can_be_changed_or_left_out(tmp_path, capsys):
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "o.jsonl"
+    assert main(["prepare-data", "--format", "gsm8k", "--input", str(src), "--output", str(out)]) == 0
+    assert "appended to every prompt: 'Solve the problem step by step" in capsys.readouterr().out
+    assert main(["prepare-data", "--format", "gsm8k", "--input", str(src), "--output", str(out),
+                 "--no-instruction"]) == 0
+    assert "appended nothing to the prompts" in capsys.readouterr().out
+    assert json.loads(out.read_text().splitlines()[0])["prompt"] == ROWS[0]["question"]
+    assert main(["prepare-data", "--format", "gsm8k", "--input", str(src), "--output", str(out),
+                 "--instruction", "Answer: N at the end."]) == 0
+    assert json.loads(out.read_text().splitlines()[0])["prompt"].endswith("\nAnswer: N at the end.")
+
+
+def test_a_verl_parquet_is_pointed_at_the_data_keys(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1+1?"}],
+                                          "reward_model": {"ground_truth": "2", "style": "rule"}}]), src)
+    assert main(["prepare-data", "--format", "gsm8k", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "data.answer_key=reward_model.ground_truth" in err and "needs no conversion" in err
