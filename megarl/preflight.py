@@ -27,7 +27,8 @@ from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rollout.base import engine_options, truncates_sampling
 from megarl.tokenizer import RunTokenizer
-from megarl.workflows.agent import check_agent_config, load_agent
+from megarl.workflows.agent import load_agent
+from megarl.workflows.agent_checks import check_agent_config
 
 log = logging.getLogger("megarl.preflight")
 

@@ -23,37 +23,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from aiohttp import web
 
 from megarl.agents.client import AgentClient, AgentLimitError
 from megarl.agents.http_requests import RequestError, completion_kwargs, stream_mode
+from megarl.agents.http_service import EpisodeOffers
+from megarl.agents.http_session import Session, bearer, error_response
 from megarl.agents.http_stream import send_streamed
 from megarl.errors import InputError
 
 log = logging.getLogger("megarl.agents.http")
-
-
-@dataclass
-class Session:
-    """One episode's key and client; ``error`` is why the episode failed (None while it has not)."""
-
-    key: str
-    client: AgentClient
-    error: str | None = None
-    busy: bool = False
-    row: dict | None = None  # what a long-lived agent service is handed with the key (http_service.py)
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-
-def error_response(status: int, message: str, type_: str, code: str) -> web.Response:
-    """An OpenAI-shaped error that the openai package does not retry."""
-    return web.json_response({"error": {"message": message, "type": type_, "code": code, "param": None}},
-                             status=status, headers={"x-should-retry": "false"})
 
 
 @web.middleware
@@ -69,18 +50,10 @@ async def _openai_shaped(request: web.Request, handler):
                               "not_found" if e.status == 404 else "method_not_allowed")
 
 
-def bearer(request: web.Request) -> str:
-    """The request's ``Authorization: Bearer`` key ('' when it has none)."""
-    auth = request.headers.get("Authorization", "")
-    return auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
-
-
 class AgentHttpServer:
     """The endpoint: ``await start()``, then :meth:`open_session` per episode and :meth:`close_session` after it."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, model: str = "megarl", service_key: str = "") -> None:
-        from megarl.agents.http_service import EpisodeOffers  # it builds on this module
-
         self.host, self.port, self.model = host, port, model
         #: episodes waiting for a long-lived agent service (POST /sessions with ``service_key``)
         self.offers = EpisodeOffers(self, service_key)

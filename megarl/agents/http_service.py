@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megarl.agents.http_server import Session, bearer, error_response
+from megarl.agents.http_session import Session, bearer, error_response
 from megarl.errors import InputError
 
 #: how long one POST /sessions waits for an episode before answering 204

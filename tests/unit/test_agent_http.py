@@ -384,7 +384,7 @@ def test_the_example_agent_runs_as_an_episode_and_failures_cost_the_episode(text
 def test_agent_http_configuration_is_checked_before_the_run(text_tokenizer):
     from megarl.config.schema import AgentConfig
     from megarl.errors import ConfigError
-    from megarl.workflows.agent import check_agent_config
+    from megarl.workflows.agent_checks import check_agent_config
 
     for agent, match in ((AgentConfig(command=""), "needs agent.command"),
                          (AgentConfig(command="no-such-program --flag"), "program 'no-such-program' is not found"),

@@ -505,7 +505,7 @@ def test_agent_configuration_is_checked_before_the_run(text_tokenizer, text_toke
     from conftest import run_tokenizer
 
     from megarl.config.schema import AgentConfig
-    from megarl.workflows.agent import check_agent_config
+    from megarl.workflows.agent_checks import check_agent_config
 
     check_agent_config(AgentConfig(fn="math_python", tools=["python", "agent_fixtures:add"]), text_tokenizer)
     with pytest.raises(ConfigError, match="is not an async function"):
