@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "launch": "launch",
     "plan": "plan",
     "prepare-data": "prepare_data",
+    "export-hf": "export_hf",
 }
 
 
