@@ -23,9 +23,13 @@ is ``line.accepted_total <= manifest.accepted_total``.
 Writing is atomic: files go to ``checkpoints/.tmp-step_{n}-*``, are fsynced, the
 manifest is written last, and one rename publishes the directory; a crash
 leaves at most a ``.tmp-`` directory, which is never read and is removed on
-resume. A resume past damaged newer checkpoints renames them ``damaged_step_{n}``
-(never read, never counted by ``keep_last``). Loading checks the manifest first; a missing or corrupt file raises
-:class:`~megarl.errors.CheckpointError` naming it.
+resume. Overwriting a step's checkpoint swaps the two copies in renames
+between which a kill always leaves a complete copy that resume takes. A resume
+past damaged newer checkpoints renames them ``damaged_step_{n}`` (never read,
+never counted by ``keep_last``, pruned with the checkpoints older than those it
+keeps). megarl/checkpoint_dirs.py has the directory names and rules,
+megarl/checkpoint_files.py the manifest. Loading checks the manifest first; a
+missing or corrupt file raises :class:`~megarl.errors.CheckpointError` naming it.
 
 Megatron's distributed checkpointing (``dist_checkpointing``) is not used: the
 trainer's parts are ``torch.save`` of each rank's ``model.state_dict()`` and
@@ -36,29 +40,38 @@ on resume (checked) but no resharding machinery.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
 import random
-import re
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from megarl.checkpoint_dirs import (
+    find_latest_checkpoint,
+    list_checkpoints,
+    prune,
+    remove_temp_dirs,
+    set_aside_newer,
+    write_checkpoint,
+)
+from megarl.checkpoint_files import MANIFEST, build_manifest, link_or_copy_tree, read_manifest, verify_checkpoint
 from megarl.errors import CheckpointError, ConfigError
 from megarl.trainer.parallel import global_rank
 
+#: the directory and manifest functions are megarl/checkpoint_dirs.py's and checkpoint_files.py's; callers
+#: import them from here, with the state, as one API of run checkpoints
+__all__ = ["MANIFEST", "Checkpointer", "SingleRankStates", "build_manifest", "capture_rng", "check_run_settings",
+           "find_latest_checkpoint", "link_or_copy_tree", "list_checkpoints", "load_file", "load_rank_state",
+           "prune", "read_manifest", "remove_temp_dirs", "restore_rng", "rewind_run_logs", "run_settings",
+           "save_rank_state", "set_aside_newer", "verify_checkpoint", "write_checkpoint"]
+
 log = logging.getLogger("megarl.checkpoint")
 
-MANIFEST = "manifest.json"
-FORMAT = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 #: run settings a resumed run must share with the checkpoint (name -> config path)
 RUN_KEYS = {"batch_size": "trainer.batch_size", "group_size": "rollout.group_size", "eta": "rollout.eta",
             "recovery": "recovery.name", "seed": "trainer.seed", "tp": "parallel.tp", "pp": "parallel.pp",
@@ -67,181 +80,6 @@ RUN_KEYS = {"batch_size": "trainer.batch_size", "group_size": "rollout.group_siz
 #: HF config fields that fix the shapes of the saved model and optimizer state
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
-
-
-# -- files ------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file())
-
-
-def link_or_copy_tree(src: Path, dst: Path) -> None:
-    """``dst`` gets the files of ``src``: hard links where the filesystem allows (files are never rewritten
-    in place)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in _files(src):
-        target = dst / f.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(f, target)
-        except OSError:
-            shutil.copy2(f, target)
-
-
-def build_manifest(root: Path, meta: dict) -> dict:
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _files(root) if p.name != MANIFEST or p.parent != root}
-    return {"format": FORMAT, **meta, "files": files}
-
-
-def read_manifest(step_dir: Path) -> dict:
-    path = step_dir / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: {step_dir} is not a complete checkpoint") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path} has no 'files' table")
-    return manifest
-
-
-def verify_checkpoint(step_dir: str | Path) -> dict:
-    """The manifest of ``step_dir`` after checking every file it lists; CheckpointError names the first bad file."""
-    step_dir = Path(step_dir)
-    manifest = read_manifest(step_dir)
-    for rel, want in sorted(manifest["files"].items()):
-        path = step_dir / rel
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing (listed in {step_dir / MANIFEST})")
-        size = path.stat().st_size
-        if size != want["size"]:
-            raise CheckpointError(f"{path} has {size} bytes, the manifest says {want['size']}: truncated or corrupt")
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path} does not match its sha256 in {step_dir / MANIFEST}: corrupt")
-    return manifest
-
-
-# -- writing ----------------------------------------------------------------------
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of the published checkpoints under ``root``, oldest first (temp dirs excluded)."""
-    if not root.is_dir():
-        return []
-    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(out)
-
-
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints (0 keeps all)."""
-    if keep_last <= 0:
-        return
-    for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def set_aside_newer(root: Path, step: int) -> list[Path]:
-    """Rename the checkpoints newer than ``step`` (the one a resume continues from, so they failed their check)
-    to ``damaged_step_{n}``: kept for inspection, but neither resumed from nor counted by :func:`prune`, which
-    would otherwise keep them and delete the resumed run's valid checkpoints as they are written."""
-    moved = []
-    for n, path in list_checkpoints(root):
-        if n > step:
-            target = root / f"damaged_{path.name}"
-            if target.exists():  # set aside before, by an earlier resume
-                target = root / f"damaged_{path.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(path, target)
-            log.warning("damaged checkpoint %s set aside as %s (not resumed from, not counted by keep_last)",
-                        path, target.name)
-            moved.append(target)
-    return moved
-
-
-def remove_temp_dirs(root: Path) -> None:
-    """Leftovers of writes a crash interrupted; never part of a checkpoint."""
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith((".tmp-", ".old-")):
-                shutil.rmtree(p, ignore_errors=True)
-
-
-def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None], *, keep_last: int = 0,
-                     meta: dict | None = None) -> Path:
-    """Atomically publish ``root/step_{step}``: ``fill(tmp_dir)`` writes the files, then manifest, fsync, rename."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = root / f".tmp-step_{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        fill(tmp)
-        manifest = build_manifest(tmp, {"step": step, "created": time.time(), **(meta or {})})
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        for p in _files(tmp):
-            _fsync_file(p)
-        for d in sorted({p.parent for p in _files(tmp)}, key=lambda d: -len(d.parts)):
-            _fsync_dir(d)
-        if final.exists():  # the same step again (a resumed run passing an older checkpoint's step)
-            old = root / f".old-step_{step}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            try:
-                os.rename(tmp, final)
-            except BaseException:
-                os.rename(old, final)  # the step's earlier checkpoint stays, as it was
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    prune(root, keep_last)
-    return final
-
-
-def find_latest_checkpoint(run_dir: str | Path) -> Path:
-    """The newest checkpoint of ``run_dir`` whose files match its manifest; CheckpointError when there is none."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise CheckpointError(f"--resume {run_dir}: no such run directory")
-    found = list_checkpoints(run_dir / "checkpoints")
-    if not found:
-        raise CheckpointError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} (checkpoints are "
-                              f"written every logging.save_every steps and at the end of a run)")
-    problems = []
-    for _, path in reversed(found):
-        try:
-            verify_checkpoint(path)
-            if problems:
-                log.warning("resuming from %s; newer checkpoints are damaged: %s", path, "; ".join(problems))
-            return path
-        except CheckpointError as e:
-            problems.append(str(e))
-    raise CheckpointError(f"--resume {run_dir}: no valid checkpoint: " + "; ".join(problems))
 
 
 # -- state ------------------------------------------------------------------------
