@@ -75,7 +75,7 @@ def run(args) -> int:
     overlays = ([recovery_overlay(args.recovery)] if args.recovery else []) + list(args.overlay)
     overrides = [o for path in overlays for o in overlay_overrides(path)] + list(args.overrides)
     cfg = load_run_config(args.config, overrides)
-    hf, source = load_hf_config(cfg)
+    hf, source = load_hf_config(cfg, overrides)
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None

@@ -50,7 +50,7 @@ def run(args) -> int:
     overrides = ([o for o in overlay_overrides(recovery_overlay(args.recovery))] if args.recovery else [])
     overrides += list(args.overrides)
     cfg = load_run_config(args.config, overrides)
-    hf, source = load_hf_config(cfg)
+    hf, source = load_hf_config(cfg, overrides)
     args.dry_run, args.launcher = True, None
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None

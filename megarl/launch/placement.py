@@ -169,15 +169,25 @@ def model_summary(hf: dict) -> dict[str, Any]:
     return out
 
 
-def load_hf_config(cfg) -> tuple[dict, str]:
+def load_hf_config(cfg, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, str]:
     """The model's HF config fields and where they came from.
 
     ``model.checkpoint``/config.json when it exists here, else
     ``placement.model_config``, else ``model.init_model`` (tiny random models).
+    A config's ``placement.model_config`` describes the checkpoint that config
+    names: when ``overrides`` point ``model.checkpoint`` at another one that
+    cannot be read here, and name no model fields of their own, the plan is
+    refused rather than made for the config's model (an 8B path planned as 4B).
     """
     ckpt = Path(cfg.model.checkpoint) / "config.json" if cfg.model.checkpoint else None
     if ckpt is not None and ckpt.is_file():
         return json.loads(ckpt.read_text()), str(ckpt)
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    if "model.checkpoint" in keys and not keys & {"placement.model_config", "model.init_model"}:
+        raise ConfigError(f"model.checkpoint={cfg.model.checkpoint} has no config.json on this machine, and the "
+                          f"config's model fields (placement.model_config={cfg.placement.model_config or '(unset)'}) "
+                          f"describe the checkpoint the config file names, not this one: plan where the checkpoint "
+                          f"is readable, or pass placement.model_config=YAML with its config.json fields")
     for key, path in (("placement.model_config", cfg.placement.model_config),
                       ("model.init_model", cfg.model.init_model)):
         if path:
