@@ -135,11 +135,27 @@ def test_engine_dtype_is_rollout_dtype_else_model_dtype(tmp_path, monkeypatch):
     assert make_publisher(cfg, None, None, tmp_path).engine_dtype == "bfloat16"
 
 
-def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path):
+async def _prepared(pub, version: int) -> None:
+    """``prepare``, then wait for the disk copy as every reader in megarl does: the broadcast publisher writes
+    it in the background, and reading it right after ``prepare`` raced the writer (FileNotFoundError)."""
+    await pub.prepare(version)
+    await pub.wait_written()
+
+
+def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
+    import megarl.publish
+    from megarl.models.bridge import write_hf_checkpoint
     from megarl.models.tiny import write_tiny_checkpoint
+    from megarl.rollout.disk_copy import DiskCopy
+
+    def slow_write(*args):  # a slow disk: a reader that does not wait for the background copy fails every time
+        time.sleep(0.3)
+        return write_hf_checkpoint(*args)
+
+    monkeypatch.setattr(megarl.publish, "DiskCopy", lambda: DiskCopy(write=slow_write))
 
     ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", tmp_path / "ckpt", seed=0)
     fp32 = load_file(str(ckpt / "model.safetensors"))
@@ -147,7 +163,7 @@ def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path):
     trainer = CheckpointExporter(ckpt)
     for pub in (DiskPublisher(trainer, None, tmp_path / "disk", engine_dtype="bfloat16"),
                 BroadcastPublisher(trainer, None, tmp_path / "bcast", engine_dtype="bfloat16")):
-        asyncio.run(pub.prepare(3))
+        asyncio.run(_prepared(pub, 3))
         written = load_file(str(pub.weights_dir / "v3" / "model.safetensors"))
         assert written.keys() == fp32.keys()
         assert all(torch.equal(written[k], fp32[k].to(torch.bfloat16)) for k in fp32)
