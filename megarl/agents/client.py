@@ -147,12 +147,13 @@ class AgentClient:
             pass
 
     async def _complete_alone(self, messages: list[Any], tools: list[dict] | None, kwargs: dict[str, Any]):
+        # a request refused here (another distribution, a conversation the template rejects) uses no turn
+        sampling = self._sampling(kwargs)
+        text = self.tokenizer.render_chat([_as_dict(m) for m in messages], tools=tools)
         self.stats.n_turns += 1
         if self.stats.n_turns > self.max_turns:
             raise AgentLimitError(f"the agent asked for completion {self.stats.n_turns}, more than "
                                   f"agent.max_turns={self.max_turns}")
-        sampling = self._sampling(kwargs)
-        text = self.tokenizer.render_chat([_as_dict(m) for m in messages], tools=tools)
         row = self._extend_or_start(text)
         budget = self.limits.max_tokens - len(row.tokens)
         if budget <= 0:

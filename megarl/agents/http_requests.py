@@ -7,7 +7,12 @@ model's vocabulary (the stop token stays in the content, as the engine
 returns it), but not change the distribution (``temperature`` and ``top_p``
 must be the run's; penalties and ``logit_bias`` are refused), ask for several
 choices, or force a tool (``tool_choice`` other than ``auto``). ``stream`` and
-``stream_options.include_usage`` are honoured (http_stream.py).
+``stream_options.include_usage`` are honoured (http_stream.py). ``model`` must
+be the one served (``GET /v1/models``; 404 otherwise, as OpenAI answers), and
+``max_tokens`` at most the episode's token budget (``agent.max_tokens``, by
+default the model's context); below that, the run's
+``rollout.max_new_tokens`` caps it. Every field is checked for its type and
+shape before anything uses it.
 """
 from __future__ import annotations
 
@@ -19,19 +24,31 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(ValueError):
-    """A request megarl refuses (HTTP 400); ``code`` is the OpenAI error code."""
+    """A request megarl refuses (HTTP ``status``, 400 by default); ``code`` is the OpenAI error code."""
 
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400) -> None:
         super().__init__(message)
         self.code = code
+        self.status = status
 
 
-def completion_kwargs(body: Any, tokenizer: Any) -> tuple[dict[str, Any], list[int]]:
-    """The keyword arguments of ``AgentClient.chat.completions.create`` for ``body``, and its stop token ids."""
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def completion_kwargs(body: Any, tokenizer: Any, *, model: str, max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+    """The keyword arguments of ``AgentClient.chat.completions.create`` for ``body``, and its stop token ids;
+    ``model`` is the served model's id, ``max_tokens`` the episode's token budget."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if body.get("n") not in (None, 1):
-        raise RequestError(f"n={body['n']}: megarl's endpoint returns one choice per request (n=1)")
+    if body.get("model") is not None and body["model"] != model:
+        raise RequestError(f"the model {body['model']!r:.100} is not served here; megarl serves {model!r} "
+                           f"(GET /v1/models)", "model_not_found", 404)
+    n = body.get("n")
+    if n is not None and not _positive_int(n):
+        raise RequestError(f"n={n!r:.40} must be a positive integer (megarl returns one choice: n=1)", "invalid_n")
+    if n not in (None, 1):
+        raise RequestError(f"n={n}: megarl's endpoint returns one choice per request (n=1)", "invalid_n")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise RequestError(f"{key}={body[key]}: megarl trains on the distribution the engine samples from; "
@@ -53,8 +70,12 @@ def completion_kwargs(body: Any, tokenizer: Any) -> tuple[dict[str, Any], list[i
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise RequestError(f"{key} must be a positive integer, got {value!r}")
+            if not _positive_int(value):
+                raise RequestError(f"{key} must be a positive integer, got {value!r:.40}", "invalid_max_tokens")
+            if value > max_tokens:
+                raise RequestError(f"{key}={value} is more than this episode's token budget of {max_tokens} "
+                                   f"(agent.max_tokens, at most the model's context; prompt and turns included)",
+                                   "invalid_max_tokens")
             kwargs["max_tokens"] = min(value, kwargs.get("max_tokens", value))
     return kwargs, _stop_ids(body.get("stop"), tokenizer)
 
@@ -102,10 +123,16 @@ def _messages(messages: Any, tool_names: set[str]) -> list[dict]:
                                f"{m!r:.200}", "invalid_messages")
         m = {k: v for k, v in m.items() if v is not None}
         m["content"] = _text(m.get("content", ""), i)
+        if not isinstance(m.get("tool_calls", []), list):
+            raise RequestError(f"messages[{i}].tool_calls must be a list of tool calls, got "
+                               f"{m['tool_calls']!r:.200}", "invalid_messages")
+        if not isinstance(m.get("tool_call_id", ""), str):
+            raise RequestError(f"messages[{i}].tool_call_id must be text, got {m['tool_call_id']!r:.200}",
+                               "invalid_messages")
         for j, call in enumerate(m.get("tool_calls") or ()):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                    or not isinstance(fn.get("arguments", ""), str):
+                    or not isinstance(fn.get("arguments", ""), str) or not isinstance(call.get("id", ""), str):
                 raise RequestError(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
                                    f"{{'name', 'arguments': <JSON text>}}}}, got {call!r:.200}", "invalid_messages")
             if fn["name"] not in tool_names and fn["name"] != INVALID_TOOL:

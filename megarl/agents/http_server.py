@@ -12,11 +12,17 @@ Errors are OpenAI-shaped (``{"error": {"message", "type", "code"}}``) and carry
 ``x-should-retry: false`` (the openai package would otherwise resend a
 completion the engine may already be generating): 401 for a missing, unknown
 or finished key, 409 for a second completion while one of the same session is
-running, 400 for malformed input. A completion past ``agent.max_turns`` or the
-token budget, or one that fails inside megarl, fails the episode
-(:attr:`Session.error`); bad input does not. The request checks live in
-http_requests.py. ``stream: true`` sends the finished completion as
-server-sent events (http_stream.py).
+running, 400 for malformed input, 404 for a model other than the one served,
+408 for a body that has not arrived within the session's ``agent.timeout_s``,
+413 for one over 64 MiB. A completion past ``agent.max_turns`` or the token
+budget, or one that fails inside megarl, fails the episode
+(:attr:`Session.error`); bad input does not, and uses no turn. The request
+checks live in http_requests.py. ``stream: true`` sends the finished
+completion as server-sent events (http_stream.py).
+
+A key is ``megarl-<secret>`` and says nothing about other sessions; a finished
+key is told it has finished (the endpoint remembers the last
+:data:`FINISHED_KEYS_KEPT`), any other is unknown.
 """
 from __future__ import annotations
 
@@ -30,11 +36,15 @@ from aiohttp import web
 from megarl.agents.client import AgentClient, AgentLimitError
 from megarl.agents.http_requests import RequestError, completion_kwargs, stream_mode
 from megarl.agents.http_service import EpisodeOffers
-from megarl.agents.http_session import Session, bearer, error_response
+from megarl.agents.http_session import MAX_BODY_BYTES, Session, bearer, error_response, read_json
 from megarl.agents.http_stream import send_streamed
+from megarl.config.agent import AgentConfig
 from megarl.errors import InputError
 
 log = logging.getLogger("megarl.agents.http")
+
+#: finished keys remembered, to tell their holders so (older ones are then simply unknown)
+FINISHED_KEYS_KEPT = 1 << 16
 
 
 @web.middleware
@@ -58,7 +68,7 @@ class AgentHttpServer:
         #: episodes waiting for a long-lived agent service (POST /sessions with ``service_key``)
         self.offers = EpisodeOffers(self, service_key)
         self._sessions: dict[str, Session] = {}
-        self._issued = 0  # keys are megarl-<n>-<secret>: one below this that is not live has finished
+        self._finished: dict[str, None] = {}  # keys of closed sessions, oldest first
         self._runner: web.AppRunner | None = None
 
     @property
@@ -68,7 +78,7 @@ class AgentHttpServer:
         return f"http://{host}:{self.port}/v1"
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=64 << 20, middlewares=[_openai_shaped])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_shaped])
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         self.offers.add_routes(app)
@@ -89,16 +99,24 @@ class AgentHttpServer:
             await self._runner.cleanup()
             self._runner = None
 
-    def open_session(self, client: AgentClient) -> Session:
-        session = Session(f"megarl-{self._issued}-{secrets.token_urlsafe(24)}", client)
-        self._issued += 1
+    def open_session(self, client: AgentClient, timeout_s: float = AgentConfig.timeout_s) -> Session:
+        """A new episode's session; ``timeout_s`` (agent.timeout_s) bounds its body reads and its closing."""
+        session = Session(f"megarl-{secrets.token_urlsafe(32)}", client, timeout_s=timeout_s)
         self._sessions[session.key] = session
         return session
 
     async def close_session(self, session: Session) -> None:
-        """Refuse the key from now on; a completion still running finishes first (its tokens are the episode's)."""
-        self._sessions.pop(session.key, None)
-        await session.idle.wait()
+        """Refuse the key from now on; a completion still running finishes first (its tokens are the episode's),
+        for at most the session's ``timeout_s``: past it the episode fails (:attr:`Session.error`)."""
+        if self._sessions.pop(session.key, None) is not None:
+            self._finished[session.key] = None
+            while len(self._finished) > FINISHED_KEYS_KEPT:
+                del self._finished[next(iter(self._finished))]
+        try:
+            await asyncio.wait_for(session.idle.wait(), session.timeout_s)
+        except TimeoutError:
+            session.error = session.error or (f"a completion was still running agent.timeout_s="
+                                              f"{session.timeout_s:g}s after the episode ended")
 
     # -- handlers --------------------------------------------------------------------------------
     def _session(self, request: web.Request) -> Session | web.Response:
@@ -112,8 +130,7 @@ class AgentHttpServer:
         session = self._sessions.get(key)
         if session is not None:
             return session
-        parts = key.split("-", 2)
-        if len(parts) == 3 and parts[0] == "megarl" and parts[1].isdigit() and int(parts[1]) < self._issued:
+        if key in self._finished:
             return error_response(401, "this API key's episode has finished; a new episode has a new key",
                                   "invalid_request_error", "session_finished")
         return error_response(401, "unknown API key: megarl hands each episode its own key (OPENAI_API_KEY)",
@@ -138,13 +155,15 @@ class AgentHttpServer:
         session.idle.clear()
         client, limits = session.client, session.client.limits
         try:
+            body = await read_json(request, session.timeout_s)
+            if isinstance(body, web.Response):  # late, too large or not JSON
+                return body
             try:
-                body = await request.json()
-                kwargs, stop_ids = completion_kwargs(body, client.tokenizer)
+                kwargs, stop_ids = completion_kwargs(body, client.tokenizer, model=self.model,
+                                                     max_tokens=limits.max_tokens)
                 stream, include_usage = stream_mode(body)
-            except ValueError as e:  # not JSON, or a RequestError
-                return error_response(400, f"the request body is not JSON: {e}" if not isinstance(e, RequestError)
-                                      else str(e), "invalid_request_error", getattr(e, "code", "invalid_json"))
+            except RequestError as e:
+                return error_response(e.status, str(e), "invalid_request_error", e.code)
             if stop_ids:  # this request's stop tokens on top of the run's (one completion at a time per session)
                 client.limits = replace(limits, sampling=replace(
                     limits.sampling, stop_token_ids=[*limits.sampling.stop_token_ids, *stop_ids]))

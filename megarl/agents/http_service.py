@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megarl.agents.http_session import Session, bearer, error_response
+from megarl.agents.http_session import Session, bearer, error_response, read_json
 from megarl.errors import InputError
 
 #: how long one POST /sessions waits for an episode before answering 204
@@ -74,10 +74,9 @@ class EpisodeOffers:
         if not hmac.compare_digest(bearer(request).encode(), self.service_key.encode()):
             return error_response(401, "POST /sessions needs 'Authorization: Bearer <the run's "
                                        "MEGARL_AGENT_SERVICE_KEY>'", "invalid_request_error", "invalid_api_key")
-        try:
-            body = await request.json() if await request.read() else {}
-        except ValueError as e:
-            return error_response(400, f"the request body is not JSON: {e}", "invalid_request_error", "invalid_json")
+        body = await read_json(request, CLAIM_WAIT_S)
+        if isinstance(body, web.Response):
+            return body
         if isinstance(body, dict) and "row" in body:
             return await self._rollout_row(body["row"])
         if self._queue is None:
@@ -119,10 +118,9 @@ class EpisodeOffers:
         session = self.server.lookup(key)
         if isinstance(session, web.Response):
             return session
-        try:
-            body = await request.json()
-        except ValueError as e:
-            return error_response(400, f"the request body is not JSON: {e}", "invalid_request_error", "invalid_json")
+        body = await read_json(request, session.timeout_s)
+        if isinstance(body, web.Response):
+            return body
         outcome = self._outcomes.get(key)
         if outcome is None or outcome.done():  # checked after the last await: two reports cannot both pass
             return error_response(409, "this episode's outcome was reported already", "invalid_request_error",

@@ -213,7 +213,7 @@ class AgentHttpWorkflow(AgentWorkflow):
         self.server.offers.rows = rows
 
     async def _episode(self, client: AgentClient, row: dict[str, Any]) -> float | None:
-        session = self.server.open_session(client)
+        session = self.server.open_session(client, self.timeout_s)
         try:
             if self.argv is None:
                 answer, reward = await self._served(session, row)

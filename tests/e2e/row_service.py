@@ -25,7 +25,8 @@ def log(record: dict) -> None:
 async def episode(http: aiohttp.ClientSession, session: dict, row: dict) -> None:
     try:
         async with openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["key"]) as oa:
-            reply = await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
+            model = (await oa.models.list()).data[0].id  # the id megarl serves
+            reply = await oa.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
         outcome = {"answer": reply.choices[0].message.content}
     except openai.APIError as e:  # e.g. the run ended meanwhile: the episode gets reward 0
         log({"completion_error": str(e)})

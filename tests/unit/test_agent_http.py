@@ -157,10 +157,10 @@ def test_keys_no_key_unknown_key_and_finished_key_get_401(text_tokenizer):
             with pytest.raises(openai.AuthenticationError) as unknown:
                 await oa.models.list()
         async with api(server, session.key) as oa:
-            await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
             await server.close_session(session)
             with pytest.raises(openai.AuthenticationError) as finished:
-                await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         return no_key, not_served, unknown.value, finished.value
 
     no_key, not_served, unknown, finished = asyncio.run(serving(main))
@@ -188,10 +188,10 @@ def test_a_second_completion_while_one_runs_gets_409(text_tokenizer):
         model.started, model.release = asyncio.Event(), asyncio.Event()
         session = server.open_session(client)
         async with api(server, session.key) as oa:  # the package's default retries stay on
-            first = asyncio.create_task(oa.chat.completions.create(model="m", messages=msgs))
+            first = asyncio.create_task(oa.chat.completions.create(model="tiny", messages=msgs))
             await model.started.wait()
             with pytest.raises(openai.ConflictError) as second:
-                await oa.chat.completions.create(model="m", messages=msgs)
+                await oa.chat.completions.create(model="tiny", messages=msgs)
             model.release.set()
             return (await first).choices[0].message.content, second.value
 
@@ -207,7 +207,7 @@ def test_a_completion_whose_body_is_still_arriving_already_holds_the_session(tex
         session, release = server.open_session(client), asyncio.Event()
 
         async def slow_body():
-            yield b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]'
+            yield b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]'
             await release.wait()
             yield b"}"
 
@@ -219,7 +219,7 @@ def test_a_completion_whose_body_is_still_arriving_already_holds_the_session(tex
                     break
             async with api(server, session.key) as oa:
                 with pytest.raises(openai.ConflictError) as second:
-                    await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                    await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
             release.set()
             async with await first as r:
                 return r.status, second.value.code
@@ -246,11 +246,11 @@ def test_bad_requests_get_400_and_the_session_goes_on(text_tokenizer):
         async with api(server, session.key) as oa:
             for code, kw in bad.items():
                 with pytest.raises(openai.BadRequestError) as e:
-                    await oa.chat.completions.create(model="m", **kw)
+                    await oa.chat.completions.create(model="tiny", **kw)
                 out[code] = e.value
             with pytest.raises(openai.BadRequestError) as temp:
-                await oa.chat.completions.create(model="m", messages=user, temperature=0.5)
-            ok = await oa.chat.completions.create(model="m", messages=user, stop="\n", max_tokens=5)
+                await oa.chat.completions.create(model="tiny", messages=user, temperature=0.5)
+            ok = await oa.chat.completions.create(model="tiny", messages=user, stop="\n", max_tokens=5)
         return out, temp.value, ok, session
 
     out, temp, ok, session = asyncio.run(serving(main))
@@ -268,9 +268,9 @@ def test_a_completion_past_the_budget_fails_the_episode(text_tokenizer):
     async def main(server):
         session = server.open_session(client)
         async with api(server, session.key) as oa:
-            await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
             with pytest.raises(openai.BadRequestError) as e:
-                await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         return e.value, session
 
     e, session = asyncio.run(serving(main))
@@ -447,7 +447,7 @@ def test_an_agent_service_claims_episodes_and_reports_their_outcomes(text_tokeni
             claims = [(await post(http, "/sessions", SERVICE_KEY))[1] for _ in trajs]
             by_row = {c["row"]["j"]: c for c in claims}
             async with openai.AsyncOpenAI(base_url=by_row[0]["base_url"], api_key=by_row[0]["key"]) as oa:
-                reply = await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "p"}])
+                reply = await oa.chat.completions.create(model=wf.server.model, messages=[{"role": "user", "content": "p"}])
             bad = await post(http, f"/sessions/{by_row[0]['key']}/reward", by_row[0]["key"], {"reward": "high"})
             reports = [await post(http, f"/sessions/{by_row[0]['key']}/reward", "", {"reward": 0.75}),
                        await post(http, f"/sessions/{by_row[1]['key']}/reward", "", {"answer": "\\boxed{3}"})]

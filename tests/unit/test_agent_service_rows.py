@@ -72,7 +72,7 @@ async def post(http, workflow, path, body=None, key=KEY):
 async def run_episode(http, workflow, session, reward):
     """What a service does with one key: a completion, then the episode's reward."""
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["key"]) as oa:
-        await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}])
+        await oa.chat.completions.create(model=workflow.server.model, messages=[{"role": "user", "content": "go"}])
     status, _, _ = await post(http, workflow, f"/sessions/{session['key']}/reward", {"reward": reward}, key="")
     assert status == 200
 
