@@ -4,7 +4,9 @@ The progress display draws only on a terminal; when stdout is not one (a
 piped or logged run) a plain one-line step summary is printed instead, at the
 first step, at most every ``logging.summary_every_s`` seconds and at the last.
 
-Evaluation results (megarl/evaluation.py) go to metrics.jsonl as lines of
+TensorBoard and W&B name each metric by its namespace (``actor/``, ``rollout/``,
+``timing/``, ``recovery/``, ``eval/``: megarl/metric_names.py); metrics.jsonl
+keeps the flat keys. Evaluation results (megarl/evaluation.py) go to metrics.jsonl as lines of
 their own (``step`` plus ``eval/...`` keys) and to TensorBoard and W&B under
 ``eval/``. An evaluation runs in the background and reports at the step it
 started, after later steps were logged; W&B drops a row logged with a ``step=``
@@ -33,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tqdm import tqdm
 
 from megarl.errors import ConfigError
+from megarl.metric_names import dashboard_name
 
 
 def _jsonable(v: Any) -> Any:
@@ -130,7 +133,9 @@ class RunLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         step = int(record.get("step", 0))
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        # the dashboards get namespaced names (megarl/metric_names.py); metrics.jsonl keeps the flat keys
+        scalars = {dashboard_name(k): v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
@@ -147,7 +152,7 @@ class RunLogger:
             if k != step_key and k not in self._wandb_axes:
                 self._wandb.define_metric(k, step_metric=step_key)
                 self._wandb_axes.add(k)
-        self._wandb.log({**{k: v for k, v in scalars.items() if k != "step"}, step_key: step})
+        self._wandb.log({**scalars, step_key: step})
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         """Append ``record`` to ``RUN_DIR/{name}.jsonl``."""

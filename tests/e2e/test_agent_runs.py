@@ -4,7 +4,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import ENV, MEGARL, ROOT, assert_exact_fp32, run_megarl
+from conftest import ENV, MEGARL, ROOT, assert_exact_fp32, assert_namespaced, run_megarl
 
 SCRIPTED = "agent.fn=tests.unit.agent_fixtures:scripted"  # three turns, a tool result after each
 
@@ -47,6 +47,7 @@ def test_math_with_python_agent_end_to_end(tmp_path):
     assert len(steps) == 4 and all(x["n_reward_failed"] == x["n_agent_failed"] for x in steps)
     assert sum(x["n_agent_failed"] for x in steps) < sum(x["n_reward_calls"] for x in steps) / 2
     assert sum(x["n_agent_turns"] for x in steps) >= 4 * 16 and sum(x["n_tool_calls"] for x in steps) > 0
+    assert_namespaced(lines, verl=False)  # the agent's own counters have one too
     assert [x["step"] for x in lines if "eval/reward_mean" in x] == [2, 4]
     sample = _lines(run_dir / "samples.jsonl")[0]
     assert "<tools>" in sample["prompt"] and '"name": "python"' in sample["prompt"]

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import assert_exact_fp32, run_megarl
+from conftest import assert_exact_fp32, assert_namespaced, run_megarl
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "eval.path="]
 
@@ -38,6 +38,14 @@ def test_async_run_outputs(async_run):
     assert (async_run / "config.yaml").is_file()
     assert (async_run / "final" / "config.json").is_file()
     assert list((async_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert_namespaced(lines)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(async_run / "tensorboard"))
+    tb.Reload()
+    tags = set(tb.Tags()["scalars"])
+    assert {"actor/pg_loss", "rollout/reward_mean", "timing/step_s", "recovery/behav_w/masked_frac",
+            "eval/pass@1"} <= tags and "reward_mean" not in tags
 
 
 def test_evaluation_every_k_steps_and_at_the_end(async_run):

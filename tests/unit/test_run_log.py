@@ -30,7 +30,7 @@ def test_wandb_offline_without_an_api_key(tmp_path, monkeypatch):
     log.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
-    assert history(tmp_path) == [{"step": 1, "reward_mean": 0.5}, {"eval/step": 1, "eval/reward_mean": 0.25}]
+    assert history(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}, {"eval/step": 1, "eval/reward_mean": 0.25}]
 
 
 def test_wandb_keeps_an_evaluation_logged_after_later_steps(tmp_path, monkeypatch):
@@ -45,7 +45,8 @@ def test_wandb_keeps_an_evaluation_logged_after_later_steps(tmp_path, monkeypatc
     log.log_eval({"step": 2, "eval/pass@1": 0.5})
     log.close()
     rows = history(tmp_path)
-    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 4]
+    assert [(r["step"], r["rollout/reward_mean"]) for r in rows if "step" in r] == [(1, 0.1), (2, 0.2), (3, 0.3),
+                                                                                   (4, 0.4)]
     assert [r for r in rows if "eval/pass@1" in r] == [{"eval/step": 2, "eval/pass@1": 0.5}]
 
 
