@@ -17,6 +17,7 @@ from megarl.launch.roles import RoleEnv, current_role
 from megarl.rollout.base import engine_options, wants_routed_experts
 from megarl.rollout.engine_key import is_loopback
 from megarl.rollout.server import serve
+from megarl.secret_env import take_all_secrets
 
 
 def register(sub) -> None:
@@ -52,6 +53,7 @@ def run(args) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     role = current_role()
+    take_all_secrets()  # held in memory from here on; /proc/<pid>/environ shows none (megarl/secret_env.py)
     if role.role != "trainer":
         serve_role(cfg, role)
         return 0

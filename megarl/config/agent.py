@@ -46,3 +46,5 @@ class AgentConfig:
     """agent.command: CPU seconds one episode's process may use (RLIMIT_CPU; it is killed past it and its episode fails); 0 = no limit."""
     command_open_files: int = 1024
     """agent.command: open file descriptors one episode's process may hold (RLIMIT_NOFILE); 0 = inherit megarl's. Core dumps are always off."""
+    command_allow_unisolated: bool = False
+    """agent.command runs in a PID namespace of its own without capabilities (it cannot read the run's processes or other episodes' keys); where this machine cannot make one the run refuses to start. true: run commands anyway, able to read this user's other processes (a warning is logged)."""

@@ -25,6 +25,7 @@ from megarl import errors
 from megarl.cpu_affinity import format_cores
 from megarl.errors import EngineError
 from megarl.rollout.engine_key import ENGINE_KEY_ENV, auth_headers, engine_key_from_env, new_engine_key
+from megarl.secret_env import pass_by_pipe, scrubbed_env
 from megarl.types import GenerateRequest, GenerateResult
 
 
@@ -140,8 +141,9 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     ``--cpu-threads`` (rollout.kv_cache_gb, rollout.cpu_threads; None: the flags'
     defaults). ``cpu_cores`` become ``--cpu-cores`` (placement.cpu_affinity.engines): the engine pins itself
     and vLLM's processes to them. ``env`` adds to this process's environment; a variable set to None is removed.
-    The engine's key (``MEGARL_ENGINE_KEY`` of ``env`` or of this process, else a new one) goes to it in its
-    environment, and the returned client sends it.
+    The engine's key (``MEGARL_ENGINE_KEY`` of ``env`` or of this process, else a new one) goes to it through a
+    pipe (megarl/secret_env.py: never in its environment, where /proc shows it), and the returned client sends it;
+    the run's other secrets do not go to it at all.
     """
     port = port or free_port(host)
     log = Path(log_path or tempfile.mkstemp(prefix=f"megarl-engine-{port}-", suffix=".log")[1])
@@ -155,14 +157,17 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
         cmd += ["--cpu-threads", str(cpu_threads)]
     if cpu_cores:
         cmd += ["--cpu-cores", format_cores(cpu_cores)]
-    child_env = {**os.environ, **(env or {})}
-    key = child_env.get(ENGINE_KEY_ENV) or new_engine_key()
-    child_env[ENGINE_KEY_ENV] = key
+    key = (env or {}).get(ENGINE_KEY_ENV) or engine_key_from_env() or new_engine_key()
+    child_env = scrubbed_env({**os.environ, **(env or {})})  # no secret but its own key, which goes by a pipe
+    key_fd = pass_by_pipe(ENGINE_KEY_ENV, key, child_env)
     if exit_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={k: v for k, v in child_env.items() if v is not None}, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, pass_fds=(key_fd,),
+                                    env={k: v for k, v in child_env.items() if v is not None}, start_new_session=True)
+        finally:
+            os.close(key_fd)
     proc.log_path = str(log)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + startup_timeout_s

@@ -3,11 +3,12 @@
 An engine answers only callers that send ``Authorization: Bearer <key>``; any
 other request, on any endpoint, gets 401 and changes nothing (anyone who
 reaches the port could otherwise generate, abort or load weights from any
-path). The key comes from ``MEGARL_ENGINE_KEY`` in the environment, never
-from a command line (which other users of a host can read):
+path). The key comes from ``MEGARL_ENGINE_KEY`` (or a pipe or file it names),
+never from a command line (which other users of a host can read); each
+process takes it once and removes it from its environment (megarl/secret_env.py):
 
 * engines the trainer starts itself (:func:`megarl.rollout.client.launch_engine_process`)
-  get a fresh key per run, or the one in the trainer's environment;
+  get a fresh key per run, or the trainer's, through a pipe;
 * engines with commands of their own (``megarl launch``) and the trainer inherit
   the launching environment's; ``megarl launch`` makes one when it is not set
   and every process is started from the launching host (megarl/launch/engine_key_env.py).
@@ -19,20 +20,19 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 import secrets
 from typing import Any, Mapping
 
 from aiohttp import web
 
 from megarl.errors import ConfigError
-
-ENGINE_KEY_ENV = "MEGARL_ENGINE_KEY"
+from megarl.secret_env import ENGINE_KEY_ENV, take_secret
 
 
 def engine_key_from_env(env: Mapping[str, str] | None = None) -> str:
-    """The key in ``env`` (default: this process's environment); "" when none is set."""
-    return (os.environ if env is None else env).get(ENGINE_KEY_ENV, "")
+    """The key in ``env``; "" when none is set. Without ``env``: this process's key, taken from its environment
+    (or the pipe or file it names) once and then held in memory only (megarl/secret_env.py)."""
+    return take_secret(ENGINE_KEY_ENV) if env is None else env.get(ENGINE_KEY_ENV, "")
 
 
 def new_engine_key() -> str:

@@ -6,7 +6,9 @@ its process comes back as ``(kind, message)`` with kind ``raise``, ``timeout``,
 killed and replaced. A successful call comes back as ``("ok", value)``.
 
 Workers are fresh interpreters (see ``process.py``), never forks of the
-trainer's or engine's process with its threads and CUDA state. What a worker
+trainer's or engine's process with its threads and CUDA state, and they
+start without the run's secrets in their environment (megarl/secret_env.py):
+user code runs there. What a worker
 runs is set by its ``mode`` (``process.HANDLERS``) and ``target``. Waiting
 uses ``loop.add_reader``, so it needs a Unix selector event loop (the asyncio
 default on Linux). Call ``call`` from one event loop at a time; it is not
@@ -27,6 +29,7 @@ from typing import Any
 
 from megarl.cpu_affinity import release
 from megarl.errors import ConfigError
+from megarl.secret_env import scrubbed_env
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,8 @@ class _Worker:
         fd = child_sock.fileno()
         boot = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 f"from megarl.workers.process import main; main({fd})")
-        self.proc = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[fd], stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[fd], stdin=subprocess.DEVNULL,
+                                     env=scrubbed_env())
         release(self.proc.pid)  # a pinned trainer's workers may run on any core (megarl/cpu_affinity.py)
         child_sock.close()  # so the worker's death shows here as EOF
         self.conn = Connection(parent_sock.detach())

@@ -16,6 +16,14 @@ Each command runs under resource limits (:class:`CommandLimits`: address space
 ``agent.command_open_files``, no core dumps); a command past one fails its
 episode the same way.
 
+Secrets and isolation. The command starts with megarl's environment minus
+the run's secrets (megarl/secret_env.py: no engine, scorer or service key),
+holding only its own episode key, and in a PID namespace of its own with
+every capability dropped (megarl/process_isolation.py), so that it can read
+neither the run's processes nor another episode's command (their
+``/proc/<pid>/environ`` or memory). Where no such namespace can be made the
+run refuses to start, unless ``agent.command_allow_unisolated=true``.
+
 With ``agent.serve=true`` no command runs: each episode waits for a
 long-lived agent service to claim it (megarl/agents/http_service.py) and to
 report its reward or answer within ``agent.timeout_s``; with
@@ -28,7 +36,9 @@ recording, token-exactness checks and counts are the in-process workflow's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import math
 import os
 import resource
@@ -41,6 +51,8 @@ from typing import Any
 from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.http_server import SHARED, AgentHttpServer
 from megarl.errors import ConfigError
+from megarl.process_isolation import exit_status, isolation_prefix
+from megarl.secret_env import AGENT_SERVICE_KEY_ENV, scrubbed_env, take_secret
 from megarl.types import Trajectory
 from megarl.workflows.agent import AgentWorkflow
 from megarl.workflows.base import GenerateFn
@@ -48,7 +60,8 @@ from megarl.workflows.base import GenerateFn
 #: stderr kept in a failed command's error
 STDERR_TAIL = 400
 #: the environment variable holding the secret an agent service claims episodes with (agent.serve)
-SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
+SERVICE_KEY_ENV = AGENT_SERVICE_KEY_ENV
+logger = logging.getLogger(__name__)
 
 
 class AgentCommandError(RuntimeError):
@@ -62,13 +75,33 @@ class CommandLimits:
     memory_mb: int = 8192
     cpu_s: int = 600
     open_files: int = 1024
+    #: run without a PID namespace where none can be made (agent.command_allow_unisolated)
+    allow_unisolated: bool = False
 
     @classmethod
     def from_config(cls, agent_cfg: Any) -> "CommandLimits":
         for key in ("command_memory_mb", "command_cpu_s", "command_open_files"):
             if getattr(agent_cfg, key) < 0:
                 raise ConfigError(f"agent.{key}={getattr(agent_cfg, key)} must be >= 0 (0 = no limit)")
-        return cls(agent_cfg.command_memory_mb, agent_cfg.command_cpu_s, agent_cfg.command_open_files)
+        limits = cls(agent_cfg.command_memory_mb, agent_cfg.command_cpu_s, agent_cfg.command_open_files,
+                     agent_cfg.command_allow_unisolated)
+        if agent_cfg.command and not agent_cfg.serve:
+            limits.prefix()  # refuse the run now, not at its first episode
+        return limits
+
+    def prefix(self) -> tuple[str, ...]:
+        """What the command runs under: its own PID namespace without capabilities (module docstring); () with a
+        warning when none can be made and ``allow_unisolated``, else a ConfigError naming the opt-out."""
+        prefix = isolation_prefix(network=True)
+        if prefix or not self.allow_unisolated:
+            if not prefix:
+                raise ConfigError("agent.command cannot be isolated here: neither 'unshare --pid' (root) nor a user "
+                                  "namespace ('unshare --user') works, and setpriv must be installed. Without it a "
+                                  "command could read the run's processes and other episodes' keys; run where one "
+                                  "works, or set agent.command_allow_unisolated=true to run commands anyway")
+            return prefix
+        _warn_unisolated()
+        return ()
 
     def apply(self) -> None:
         """In the command's process, before it execs: lower its limits (never above megarl's own hard limits,
@@ -120,7 +153,7 @@ def agent_source(agent_cfg: Any) -> tuple[list[str] | None, str]:
     if agent_cfg.command:
         raise ConfigError(f"agent.serve=true and agent.command={agent_cfg.command!r}: episodes are either run as a "
                           f"command or claimed by an agent service; set one")
-    key = os.environ.get(SERVICE_KEY_ENV, "")
+    key = take_secret(SERVICE_KEY_ENV)
     if len(key) < 16:
         raise ConfigError(f"agent.serve=true needs ${SERVICE_KEY_ENV}: a secret of at least 16 characters that the "
                           f"agent service sends to claim episodes (POST /sessions)")
@@ -130,13 +163,21 @@ def agent_source(agent_cfg: Any) -> tuple[list[str] | None, str]:
     return None, key
 
 
+@functools.lru_cache(maxsize=1)
+def _warn_unisolated() -> None:
+    logger.warning("agent.command runs WITHOUT a PID namespace (agent.command_allow_unisolated=true): it can read "
+                   "the environment and memory of this user's other processes")
+
+
 async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str], timeout_s: float,
                       limits: CommandLimits | None = None) -> str:
-    """Run one episode's command under ``limits``; its stdout. AgentCommandError on a non-zero exit or past
-    ``timeout_s``."""
+    """Run one episode's command under ``limits``, isolated, in this environment without the run's secrets plus
+    ``env``; its stdout. AgentCommandError on a non-zero exit or past ``timeout_s``."""
     limits = limits or CommandLimits()
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, env={**os.environ, **env},
+    prefix = limits.prefix()
+    proc = await asyncio.create_subprocess_exec(*prefix, *argv, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, env=scrubbed_env(**env),
                                                 start_new_session=True,  # its own group: a timeout kills it all
                                                 preexec_fn=limits.apply)
     try:
@@ -150,10 +191,11 @@ async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str],
             except ProcessLookupError:
                 pass
             await proc.wait()
-    if proc.returncode != 0:
+    returncode = exit_status(proc.returncode, prefix)
+    if returncode != 0:
         tail = err.decode(errors="replace").strip()[-STDERR_TAIL:]
-        raise AgentCommandError(f"agent.command exited with status {proc.returncode}"
-                                f"{limits.explain(proc.returncode, tail)}: {tail}")
+        raise AgentCommandError(f"agent.command exited with status {returncode}"
+                                f"{limits.explain(returncode, tail)}: {tail}")
     return out.decode(errors="replace")
 
 

@@ -1,0 +1,154 @@
+"""The run's secrets: one list of their variable names, how a process takes one, and the environment children get.
+
+A run holds three secrets: the engine key (``MEGARL_ENGINE_KEY``: whoever holds
+it can load weights into any engine and so poison the rollouts that become
+training data), the dedicated scorer's link key (``MEGARL_DEDICATED_AUTHKEY``:
+the link carries pickles, so it runs code on the scorer) and the agent
+service key (``MEGARL_AGENT_SERVICE_KEY``). :data:`SECRET_ENV_VARS` names them;
+every child megarl starts for user code (agent commands, tool and reward
+workers, the code sandbox) gets :func:`scrubbed_env`, which holds none of
+them nor the variables that say where to read one.
+
+A long-lived process takes each secret once with :func:`take_secret` and
+keeps it in memory only. It comes, in this order, from
+
+* ``<NAME>_FD``: a pipe's read end the parent passed (:func:`pass_by_pipe`),
+  read to its end and closed;
+* ``<NAME>_FILE``: a file of mode 0600 owned by this user, read and deleted;
+* ``<NAME>`` itself, as a launching shell exports it.
+
+Each of the three variables is then removed from the environment, and the
+value of ``<NAME>`` is overwritten in the process's initial environment block
+first: ``/proc/<pid>/environ`` shows that block as it was at exec, whatever
+``unsetenv`` does, and other processes of the same user can read it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import threading
+from typing import Mapping
+
+from megarl.errors import ConfigError
+
+ENGINE_KEY_ENV = "MEGARL_ENGINE_KEY"
+DEDICATED_AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
+AGENT_SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
+#: every secret of a run, by its environment variable
+SECRET_ENV_VARS = (ENGINE_KEY_ENV, DEDICATED_AUTHKEY_ENV, AGENT_SERVICE_KEY_ENV)
+FD_SUFFIX, FILE_SUFFIX = "_FD", "_FILE"
+
+_taken: dict[str, str] = {}
+_lock = threading.Lock()
+
+
+def secret_carriers(name: str) -> tuple[str, str, str]:
+    """The variables that may carry secret ``name``: itself, its pipe fd and its file path."""
+    return name, name + FD_SUFFIX, name + FILE_SUFFIX
+
+
+def _all_carriers() -> set[str]:
+    return {v for name in SECRET_ENV_VARS for v in secret_carriers(name)}
+
+
+def scrubbed_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``base`` (default: this process's environment) without any secret or carrier variable, plus ``extra``."""
+    drop = _all_carriers()
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
+    env.update(extra)
+    return env
+
+
+def _wipe_initial_value(name: str) -> None:
+    """Overwrite ``name``'s value in the C environment (the exec-time block /proc/<pid>/environ reads)."""
+    try:
+        environ = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
+    except (OSError, ValueError, AttributeError):
+        return
+    prefix = (name + "=").encode()
+    i = 0
+    while environ[i]:
+        entry = ctypes.string_at(environ[i])
+        if entry.startswith(prefix):
+            ctypes.memset(environ[i] + len(prefix), ord("x"), len(entry) - len(prefix))
+        i += 1
+
+
+def _read_fd(name: str, text: str) -> str:
+    try:
+        fd = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}{FD_SUFFIX}={text!r} is not a file descriptor number") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read().decode().strip()
+    except OSError as e:
+        raise ConfigError(f"{name}{FD_SUFFIX}={fd}: cannot read the secret from that descriptor ({e}); "
+                          f"the process that starts this one must pass it open (pass_fds)") from None
+
+
+def _read_file(name: str, path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"{name}{FILE_SUFFIX}={path!r}: cannot read the secret file ({e})") from None
+    if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.geteuid():
+        raise ConfigError(f"{name}{FILE_SUFFIX}={path!r} has mode {stat.S_IMODE(st.st_mode):o} and owner uid "
+                          f"{st.st_uid}: a secret file must be mode 0600 and owned by this user (uid "
+                          f"{os.geteuid()}); `chmod 600` it, or pass the secret another way")
+    with open(path) as f:
+        value = f.read().strip()
+    os.unlink(path)  # read once: nobody else finds it later
+    return value
+
+
+def take_secret(name: str) -> str:
+    """Secret ``name`` of :data:`SECRET_ENV_VARS` ("" when none was given): taken from its carrier (module
+    docstring), which is removed, then kept in this process's memory; a carrier set again later replaces it."""
+    if name not in SECRET_ENV_VARS:
+        raise ValueError(f"{name} is not one of megarl's secrets {SECRET_ENV_VARS}")
+    with _lock:
+        plain, fd_var, file_var = secret_carriers(name)
+        if not any(var in os.environ for var in (plain, fd_var, file_var)):
+            return _taken.get(name, "")
+        if os.environ.get(fd_var):
+            value = _read_fd(name, os.environ[fd_var])
+        elif os.environ.get(file_var):
+            value = _read_file(name, os.environ[file_var])
+        else:
+            value = os.environ.get(plain, "")
+        _wipe_initial_value(plain)
+        for var in (plain, fd_var, file_var):
+            os.environ.pop(var, None)
+        _taken[name] = value
+        return value
+
+
+def give_secret(name: str, value: str) -> None:
+    """Hold ``value`` as secret ``name`` in this process (one this process made or was handed in code)."""
+    if name not in SECRET_ENV_VARS:
+        raise ValueError(f"{name} is not one of megarl's secrets {SECRET_ENV_VARS}")
+    with _lock:
+        _taken[name] = value
+
+
+def pass_by_pipe(name: str, value: str, env: dict[str, str]) -> int:
+    """Make a pipe holding ``value`` for a child: sets ``<name>_FD`` in ``env`` and returns the read end, which the
+    caller passes (``pass_fds``) and closes once the child has started. The child's :func:`take_secret` reads it."""
+    r, w = os.pipe()
+    try:
+        os.write(w, value.encode())  # far below a pipe's buffer: never blocks
+    finally:
+        os.close(w)
+    os.set_inheritable(r, True)
+    for var in secret_carriers(name):
+        env.pop(var, None)
+    env[name + FD_SUFFIX] = str(r)
+    return r
+
+
+def take_all_secrets() -> None:
+    """At a process's start: take every secret it was given, so none stays in its environment (module docstring)."""
+    for name in SECRET_ENV_VARS:
+        take_secret(name)
