@@ -14,9 +14,13 @@ The sandbox is one subprocess (``python -I``) with:
 - setrlimit: address space (memory), CPU seconds, file size 16 MB, no core;
 - its own session, killed as a group at the end (stray children included),
   and SIGKILL if the reward worker dies (PR_SET_PDEATHSIG);
-- no network when ``unshare -n`` (root) or ``unshare -rn`` (user namespaces)
-  works on this machine; otherwise it keeps the host's network and a warning
-  is logged once.
+- no network and no sight of other processes: an empty network namespace and
+  a PID namespace of its own, every capability dropped
+  (megarl/process_isolation.py). Where this machine cannot make them the
+  sandbox refuses to run (:class:`SandboxUnavailable`), unless
+  ``reward.sandbox_allow_unisolated=true`` opted out (the run sets
+  ``MEGARL_SANDBOX_ALLOW_UNISOLATED=1`` for its workers): then it runs with the
+  host's network and a warning is logged once.
 
 Limitations: the tests run in the solution's interpreter, so adversarial code
 that inspects the harness's frames could forge a pass (the per-run nonce only
@@ -40,6 +44,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from megarl.errors import ConfigError
+from megarl.process_isolation import isolation_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -87,19 +94,38 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-@functools.lru_cache(maxsize=1)
-def netns_prefix() -> tuple[str, ...]:
-    """The command prefix that gives the sandbox an empty network namespace, or () if none works."""
-    for prefix in (("unshare", "-n"), ("unshare", "-rn")):
-        try:
-            ok = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True,
-                                timeout=30).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            ok = False
-        if ok:
-            return prefix
-    logger.warning("code sandbox runs WITH network access: neither 'unshare -n' nor 'unshare -rn' works here")
+#: set to 1 in the run's environment by reward.sandbox_allow_unisolated=true; the workers inherit it
+ALLOW_UNISOLATED_ENV = "MEGARL_SANDBOX_ALLOW_UNISOLATED"
+OPT_OUT_KEY = "reward.sandbox_allow_unisolated"
+
+
+class SandboxUnavailable(ConfigError):
+    """The sandbox cannot cut its code off from the network and the other processes here, and nobody opted out."""
+
+
+def allows_unisolated() -> bool:
+    return os.environ.get(ALLOW_UNISOLATED_ENV, "") == "1"
+
+
+def sandbox_prefix() -> tuple[str, ...]:
+    """The prefix every sandboxed command runs under; SandboxUnavailable when there is none and the run did not
+    opt out (then () and a warning, once)."""
+    prefix = isolation_prefix(network=False)
+    if prefix:
+        return prefix
+    if not allows_unisolated():
+        raise SandboxUnavailable(
+            "the code sandbox cannot isolate code here: neither 'unshare --net --pid' (root) nor a user namespace "
+            "('unshare --user') works, and setpriv must be installed. Run where one works, or set "
+            f"{OPT_OUT_KEY}=true to run reward and tool code WITH the host's network and its processes in view")
+    _warn_unisolated()
     return ()
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unisolated() -> None:
+    logger.warning("code sandbox runs WITH network access and other processes in view (%s=true): no network or "
+                   "PID namespace can be made here", OPT_OUT_KEY)
 
 
 def _limit_child(memory_mb: int, cpu_s: int) -> None:
@@ -130,7 +156,7 @@ def _run_in_sandbox(files: dict[str, str], script: str, stdin: str, time_limit_s
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [*netns_prefix(), sys.executable, "-I", "-c", script]
+        cmd = [*sandbox_prefix(), sys.executable, "-I", "-c", script]
         out_path, err_path = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
         timed_out = False
         # output goes to files, not pipes: code printing in a loop then hits
@@ -192,3 +218,18 @@ def code_reward(response: str, answer: Any, *, row: dict[str, Any] | None = None
                            time_limit_s=float(row.get("time_limit_s", DEFAULT_TIME_LIMIT_S)),
                            memory_mb=int(row.get("memory_mb", DEFAULT_MEMORY_MB)))
     return result.n_passed / result.n_tests
+
+
+def uses_sandbox(cfg: Any) -> bool:
+    """Whether a run's config runs code in this sandbox: the code reward or the python tool."""
+    return cfg.reward.fn in ("code", "megarl.rewards.code:code_reward") or "python" in cfg.agent.tools
+
+
+def prepare_sandbox(cfg: Any) -> None:
+    """Before a run starts: refuse it (SandboxUnavailable) when it would run sandboxed code that cannot be
+    isolated here; with ``reward.sandbox_allow_unisolated=true`` let its workers run such code (they inherit
+    ``MEGARL_SANDBOX_ALLOW_UNISOLATED=1``)."""
+    if cfg.reward.sandbox_allow_unisolated:
+        os.environ[ALLOW_UNISOLATED_ENV] = "1"
+    if uses_sandbox(cfg):
+        sandbox_prefix()
