@@ -21,10 +21,12 @@ through a message):
 * a scorer started by its own command on its own node (``MEGARL_ROLE=dedicated``),
   over a TCP connection from :mod:`multiprocessing.connection`. Messages are
   pickled, so the connection is authenticated: both ends hold the same key,
-  ``MEGARL_DEDICATED_AUTHKEY`` (``megarl launch`` gives both commands the
-  same one: :func:`megarl.launch.role_commands.dedicated_authkey` says where it
-  comes from), and the listener refuses a client whose key differs before
-  reading any message from it.
+  ``MEGARL_DEDICATED_AUTHKEY`` (``megarl launch`` makes a random one per run
+  and hands it to both through the environment, never a command line; each
+  takes it at start and removes it, megarl/secret_env.py), and the listener
+  refuses a client whose key differs before reading any message from it. The
+  handshakes have deadlines and the scorer's reads time out
+  (recovery/_dedicated_listener.py): the trainer sends a heartbeat when idle.
 
 Each end of the TCP connection reads in a thread of its own into an in-memory
 queue, and the trainer end also sends from a thread: a send never waits for
@@ -41,21 +43,24 @@ import socket
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Callable
+from multiprocessing.connection import Connection
+from typing import Any
 
 from megarl.errors import ConfigError, ScorerError
+from megarl.secret_env import DEDICATED_AUTHKEY_ENV, take_secret
+from recovery._dedicated_listener import HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, client_handshake
 
 #: what a lost scorer's error adds: the run stops, and where it goes on from
 RESUME_HINT = "; `megarl train --resume RUN_DIR` continues from the run's newest checkpoint"
 
-AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
+AUTHKEY_ENV = DEDICATED_AUTHKEY_ENV
 _CLOSE = object()
 
 
 def authkey_from_env(env: Any = None) -> bytes:
-    """The shared key of the TCP link; a ConfigError saying how to set it when it is missing."""
-    key = (os.environ if env is None else env).get(AUTHKEY_ENV, "")
+    """The shared key of the TCP link (without ``env``: this process's, taken once, megarl/secret_env.py); a
+    ConfigError saying how to set it when it is missing."""
+    key = take_secret(AUTHKEY_ENV) if env is None else env.get(AUTHKEY_ENV, "")
     if not key:
         raise ConfigError(f"{AUTHKEY_ENV} is not set: the trainer and the dedicated scorer authenticate their "
                           f"connection with it. `megarl launch` sets it for both; when starting them by hand, "
@@ -168,7 +173,8 @@ class TcpLink:
         last = None
         while not self._closing.is_set():
             try:
-                return Client(self._target, authkey=self._authkey)
+                remaining = self._deadline - time.monotonic()
+                return client_handshake(self._target, self._authkey, max(0.05, min(HANDSHAKE_TIMEOUT_S, remaining)))
             except AuthenticationError:
                 self._failure = ConfigError(
                     f"the dedicated scorer at {self.addr} refused the connection: {AUTHKEY_ENV} differs between "
@@ -191,7 +197,10 @@ class TcpLink:
         self._conn = conn
         threading.Thread(target=self._recv_loop, args=(conn,), name="megarl-dedicated-recv", daemon=True).start()
         while True:
-            msg = self._outbox.get()
+            try:
+                msg = self._outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:  # nothing to say: tell the scorer this host is still there
+                msg = ("ping", None)
             if msg is _CLOSE:
                 return
             try:
@@ -221,9 +230,13 @@ class TcpLink:
         return _get(self._inbox, timeout)
 
     def alive(self) -> bool:
+        if self._failure is None and self._conn is None and time.monotonic() > self._deadline + 1.0:
+            self._failure = ScorerError(f"dedicated scorer at {self.addr} did not complete the connection within "
+                                        f"{self._timeout_s:g} s (recovery.dedicated.start_timeout_s)")
         return self._failure is None
 
     def failure(self) -> Exception:
+        self.alive()
         return self._failure or ScorerError(f"dedicated scorer at {self.addr}: connection closed{RESUME_HINT}")
 
     def close(self, stop: bool) -> None:
@@ -253,47 +266,3 @@ def hang_up(conn: Connection) -> None:
     except OSError:  # already closed or never connected
         pass
     conn.close()
-
-
-# -- the scorer role's side -----------------------------------------------------------------
-def listen(port: int, authkey: bytes, host: str = "0.0.0.0") -> Listener:
-    return Listener((host, port), authkey=authkey)
-
-
-def accept_in_background(listener: Listener, log: Callable[[str], None]) -> "queue.Queue[Connection]":
-    """Accept the first client that proves the key (others are logged and dropped) while the model builds."""
-    got: queue.Queue = queue.Queue(maxsize=1)
-
-    def run() -> None:
-        while True:
-            try:
-                conn = listener.accept()
-            except AuthenticationError:
-                log("refused a connection with the wrong key (MEGARL_DEDICATED_AUTHKEY differs)")
-                continue
-            except (OSError, EOFError) as e:  # a client that hung up during the handshake
-                if listener._listener is None:  # the listener was closed: the role is exiting
-                    return
-                log(f"a connection attempt failed: {e!r}")
-                continue
-            got.put(conn)
-            return
-
-    threading.Thread(target=run, name="megarl-dedicated-accept", daemon=True).start()
-    return got
-
-
-def reader(conn: Connection) -> Callable[[], tuple]:
-    """``recv()`` over a thread that keeps reading ``conn``; ("closed", None) once the trainer hangs up."""
-    inbox: queue.Queue = queue.Queue()
-
-    def run() -> None:
-        while True:
-            try:
-                inbox.put(conn.recv())
-            except (EOFError, OSError):
-                inbox.put(("closed", None))
-                return
-
-    threading.Thread(target=run, name="megarl-dedicated-read", daemon=True).start()
-    return inbox.get

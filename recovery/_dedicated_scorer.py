@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import shutil
+import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from megarl.routes import RouteSegment, newest_routes
 from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.types import TrainBatch, Trajectory
 from recovery import _dedicated_link as link
+from recovery import _dedicated_listener as listening
 
 log = logging.getLogger("megarl.dedicated")
 
@@ -46,6 +48,10 @@ class DedicatedConfig:
     """Seconds to wait for the scoring process to build its model."""
     wait_timeout_s: float = 600.0
     """Seconds anchor() waits for missing segment scores before giving up with an error."""
+    listen_host: str = ""
+    """Scorer role with its own command: the address it listens on; empty = its node's address in the plan (MEGARL_SERVER_HOST, the one the trainer reaches), 0.0.0.0 = every interface."""
+    peer_timeout_s: float = 60.0
+    """Scorer role with its own command: it ends when the trainer has sent nothing, not even its heartbeat (every 5 s), for this long (the trainer's host is gone without closing the connection)."""
 
 
 def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0,
@@ -94,7 +100,25 @@ def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_thre
         out_q.put(("error", traceback.format_exc()))
 
 
-def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str = "0.0.0.0") -> None:
+def listen_address(cfg: DedicatedConfig, server_host: str = "") -> str:
+    """The address the scorer role binds: ``recovery.dedicated.listen_host``, else its node's in the plan
+    (``server_host``, MEGARL_SERVER_HOST; this host's name without one), resolved here."""
+    if cfg.listen_host:
+        return cfg.listen_host
+    name = server_host or socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError as e:
+        raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e}); set "
+                          f"recovery.dedicated.listen_host to the address the trainer reaches") from None
+    if addr.startswith("127.") and not name.startswith(("127.", "localhost")):
+        log.warning("%s resolves to %s here, which other nodes cannot reach: set recovery.dedicated.listen_host "
+                    "(0.0.0.0 for every interface) if the trainer runs elsewhere", name, addr)
+    return addr
+
+
+def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str | None = None,
+               server_host: str = "") -> None:
     """The scorer as a launched role (``MEGARL_ROLE=dedicated``): serve trainer rank 0 over TCP, then return.
 
     ``run_cfg`` is the run's config (the same file and overrides as the
@@ -102,7 +126,8 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
     ``model.dtype`` scoring at ``rollout.temperature`` (under ``rollout.batch_invariant`` on the
     batch-invariant kernels, as the trainer), the options from ``recovery.dedicated``;
     ``cuda_visible_devices`` does not apply (the launcher gives the role its
-    GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``.
+    GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``; ``host`` (the address to bind) to
+    :func:`listen_address` of ``server_host``.
 
     It listens first and accepts the trainer's connection in the background
     while it builds its model (so a wrong key fails the trainer at once, not
@@ -121,10 +146,15 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
                           f"checkpoint (config.json) that this node can read")
     cfg: DedicatedConfig = run_cfg.recovery.options.get("dedicated") or DedicatedConfig()
     dtype = run_cfg.model.dtype
-    listener = link.listen(port, link.authkey_from_env() if authkey is None else authkey, host)
+    if cfg.peer_timeout_s <= 2 * listening.HEARTBEAT_S:
+        raise ConfigError(f"recovery.dedicated.peer_timeout_s={cfg.peer_timeout_s:g} must exceed twice the "
+                          f"trainer's heartbeat ({listening.HEARTBEAT_S:g} s), or a quiet trainer would be dropped")
+    key = link.authkey_from_env() if authkey is None else authkey
+    host = listen_address(cfg, server_host) if host is None else host
+    listener = listening.listen(port, host)
     log.info("dedicated scorer listening on %s:%d", host, port)
     try:
-        pending = link.accept_in_background(listener, log.warning)
+        pending = listening.accept_in_background(listener, key, log.warning)
         _own_world({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.master_port or free_port())})
         build_error = None
@@ -141,7 +171,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
         try:
             if build_error is not None:
                 raise RuntimeError(f"building the scorer failed:\n{build_error}")
-            _serve(scorer, link.reader(conn), conn.send)
+            _serve(scorer, listening.reader(conn, cfg.peer_timeout_s, log.warning), conn.send)
         except (ConnectionError, EOFError):  # the trainer hung up while a reply was on its way
             log.info("the trainer closed the connection")
         except BaseException:

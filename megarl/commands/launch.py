@@ -20,7 +20,7 @@ import sys
 
 from megarl.errors import ConfigError
 from megarl.launch import cluster, memory
-from megarl.launch.engine_key_env import ensure_engine_key
+from megarl.launch.engine_key_env import ensure_run_keys
 from megarl.launch.overlays import overlay_overrides, recovery_overlay
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.runner import run_commands
@@ -104,7 +104,7 @@ def run(args) -> int:
             raise ConfigError(f"this host ({me}) has no role in the plan; run launch/torchrun.sh on each of: "
                               f"{', '.join(hosts)}")
         commands = mine
-    ensure_engine_key(plan, launcher)  # in the environment the commands inherit, not on their command lines
+    ensure_run_keys(plan, launcher)  # in the environment the commands inherit, not on their command lines
     return run_commands(commands)
 
 

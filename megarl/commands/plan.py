@@ -18,7 +18,7 @@ from pathlib import Path
 from megarl.config.loader import field_docs
 from megarl.errors import ConfigError
 from megarl.launch import cost, memory
-from megarl.launch.overlays import overlay_overrides, recovery_overlay
+from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 
 
@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--config", help="run config YAML (e.g. configs/qwen3_4b_h100.yaml)")
     p.add_argument("--nodes", type=int, help="simulate an allocation of this many nodes (with --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node of the simulated allocation")
-    p.add_argument("--recovery", metavar="NAME", help="apply the overlay configs/recovery/NAME.yaml")
+    add_overlay_flags(p)
     p.add_argument("--cost", action="store_true", help="print the cost model per recovery strategy")
     p.add_argument("--calibrate", metavar="SWEEP_REPORT",
                    help="fit the CPU constants on a `megarl bench --sweep` report.json; print predicted vs measured")
@@ -47,8 +47,7 @@ def run(args) -> int:
     from megarl.commands.launch import allocation
     from megarl.losses.policy import normalizer_needs_anchor
 
-    overrides = ([o for o in overlay_overrides(recovery_overlay(args.recovery))] if args.recovery else [])
-    overrides += list(args.overrides)
+    overrides = command_overrides(args.recovery, args.overlay, args.overrides)
     cfg = load_run_config(args.config, overrides)
     hf, source = load_hf_config(cfg, overrides)
     args.dry_run, args.launcher = True, None

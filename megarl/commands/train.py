@@ -77,7 +77,7 @@ def serve_role(cfg, role: RoleEnv) -> None:
         return
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 
-    serve_dedicated_role(cfg, role.server_port)
+    serve_dedicated_role(cfg, role.server_port, server_host=role.server_host)
 
 
 def engine_host(role: RoleEnv) -> str:

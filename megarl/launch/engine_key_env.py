@@ -1,21 +1,27 @@
-"""The engine key of a launched plan (megarl/rollout/engine_key.py): in the environment, never on a command line.
+"""The secrets of a launched plan: the engine key (megarl/rollout/engine_key.py) and the dedicated scorer's link key.
 
-Engines with commands of their own and the trainer read ``MEGARL_ENGINE_KEY``
-from the environment they inherit. When the launching environment has none,
-``megarl launch`` makes a fresh secret and puts it in its own environment
-before starting the commands: the runner's subprocesses and srun
-(``--export=ALL``, its default) inherit it, and mpirun forwards it
-(``-x MEGARL_ENGINE_KEY``, megarl/launch/role_commands.py). torchrun across
+Neither is ever put on a command line (``ps`` shows command lines to every
+user of a node), derived from the plan or printed. Engines with commands of
+their own and the trainer read ``MEGARL_ENGINE_KEY``, a dedicated scorer with
+its own command and the trainer ``MEGARL_DEDICATED_AUTHKEY``, from the
+environment they inherit, and each takes it at start and removes it from its
+environment (megarl/secret_env.py). When the launching environment has none,
+``megarl launch`` makes a fresh random secret (``secrets.token_hex``) and
+puts it in its own environment before starting the commands: the runner's
+subprocesses and srun (``--export=ALL``, its default) inherit it, and mpirun
+forwards it (``-x NAME``, megarl/launch/role_commands.py). torchrun across
 several nodes is the exception: each node runs its own ``megarl launch``, so
 the key must be exported on every node by hand.
 """
 from __future__ import annotations
 
 import os
+import secrets
 from typing import MutableMapping
 
 from megarl.errors import ConfigError
-from megarl.rollout.engine_key import ENGINE_KEY_ENV, engine_key_from_env, new_engine_key
+from megarl.rollout.engine_key import engine_key_from_env, new_engine_key
+from megarl.secret_env import DEDICATED_AUTHKEY_ENV, ENGINE_KEY_ENV
 
 
 def has_own_engines(plan) -> bool:
@@ -23,13 +29,26 @@ def has_own_engines(plan) -> bool:
     return any(not e.spawned for e in plan.engines)
 
 
-def ensure_engine_key(plan, launcher: str, env: MutableMapping[str, str] | None = None) -> None:
-    """Put a fresh key in ``env`` (default: this process's environment) when the plan's engines need one."""
-    env = os.environ if env is None else env
-    if not has_own_engines(plan) or engine_key_from_env(env):
+def has_own_dedicated(plan) -> bool:
+    """A dedicated scorer started by a command of its own (a spawned one talks to the trainer over queues)."""
+    return plan.dedicated is not None and not plan.dedicated.spawned
+
+
+def _ensure(name: str, make, plan, launcher: str, env: MutableMapping[str, str]) -> None:
+    if env.get(name):
         return
     if launcher == "torchrun" and plan.allocation.source != "local":
-        raise ConfigError(f"{ENGINE_KEY_ENV} is not set: with torchrun every node runs its own `megarl launch`, "
-                          f"and the trainer and the engines must share one key. Export the same secret on every "
-                          f"node, e.g. `export {ENGINE_KEY_ENV}=$(openssl rand -hex 24)` once, then copy it")
-    env[ENGINE_KEY_ENV] = new_engine_key()
+        raise ConfigError(f"{name} is not set: with torchrun every node runs its own `megarl launch`, and the "
+                          f"processes of every node must share one key. Export the same secret on every node, e.g. "
+                          f"`export {name}=$(openssl rand -hex 24)` once, then copy it")
+    env[name] = make()
+
+
+def ensure_run_keys(plan, launcher: str, env: MutableMapping[str, str] | None = None) -> None:
+    """Put fresh keys in ``env`` (default: this process's environment) for the plan's processes that need them:
+    the engine key when engines have commands of their own, the link key when the dedicated scorer has one."""
+    env = os.environ if env is None else env
+    if has_own_engines(plan) and not engine_key_from_env(env):
+        _ensure(ENGINE_KEY_ENV, new_engine_key, plan, launcher, env)
+    if has_own_dedicated(plan):
+        _ensure(DEDICATED_AUTHKEY_ENV, lambda: secrets.token_hex(16), plan, launcher, env)

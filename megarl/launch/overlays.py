@@ -3,7 +3,14 @@
 `megarl launch --recovery ewma` (or ``--overlay FILE``) turns the overlay into
 overrides placed before the user's own, so every role's command line stays
 ``python -m megarl.train --config RUN.yaml key=value ...``: the overlay beats
-the run file, the user's overrides beat the overlay.
+the run file, the user's overrides beat the overlay. `megarl train` and `megarl plan`
+take the same ``--recovery`` / ``--overlay`` flags through :func:`command_overrides`.
+
+A recovery overlay (configs/recovery/NAME.yaml) chooses the strategy and what it
+needs to run (its own options, ``rollout.interruptible``, the scorer's placement),
+never the loss: ``loss.*`` stays the run config's, so a strategy name trains the
+same loss whichever command or key (``--recovery NAME``, ``recovery.name=NAME``)
+selects it. Each overlay's comments say which train-inference mask suits it.
 """
 from __future__ import annotations
 
@@ -53,4 +60,24 @@ def recovery_overlay(name: str) -> Path:
     if not path.is_file():
         valid = sorted(p.stem for p in RECOVERY_DIR.glob("*.yaml"))
         raise ConfigError(f"no recovery overlay {name!r}; valid: {', '.join(valid)}")
+    loss = [o.split("=", 1)[0] for o in overlay_overrides(path) if o.startswith("loss.")]
+    if loss:
+        raise ConfigError(f"recovery overlay {path} sets {', '.join(loss)}: a strategy's overlay may not change "
+                          f"the loss (the same strategy name would train another loss through recovery.name=); "
+                          f"put loss settings in the run config")
     return path
+
+
+def command_overrides(recovery: str | None, overlays: list[str], overrides: list[str]) -> list[str]:
+    """The dotted overrides of a command's ``--recovery NAME``, ``--overlay FILE ...`` and ``key=value ...``,
+    in that order of precedence from lowest to highest (module doc)."""
+    paths = ([recovery_overlay(recovery)] if recovery else []) + list(overlays)
+    return [o for path in paths for o in overlay_overrides(path)] + list(overrides)
+
+
+def add_overlay_flags(parser) -> None:
+    """``--recovery NAME`` and ``--overlay FILE`` on a command's parser (train, launch, plan)."""
+    parser.add_argument("--recovery", metavar="NAME",
+                        help="select the strategy NAME with what it needs (configs/recovery/NAME.yaml; not the loss)")
+    parser.add_argument("--overlay", action="append", default=[], metavar="FILE",
+                        help="apply an overlay YAML as overrides (repeatable; before key=value overrides)")

@@ -8,15 +8,14 @@ same under srun, mpirun and a plain shell (srun's ``--export`` would split
 values that contain commas).
 
 A dedicated scorer with its own command and the trainer authenticate their
-TCP connection with ``MEGARL_DEDICATED_AUTHKEY`` (:func:`dedicated_authkey`);
+TCP connection with ``MEGARL_DEDICATED_AUTHKEY``, a random key per run that no command line holds
+(megarl/launch/engine_key_env.py);
 engines with commands of their own take requests only with the run's
 ``MEGARL_ENGINE_KEY`` (megarl/launch/engine_key_env.py), and serve on their
 node's address in the plan (``MEGARL_SERVER_HOST``).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shlex
 import socket
@@ -26,10 +25,11 @@ from megarl.errors import ConfigError
 from megarl.launch.cluster import compress_hosts
 from megarl.launch.engine_key_env import has_own_engines
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
+from megarl.secret_env import DEDICATED_AUTHKEY_ENV
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 CHECK_MODULE = "megarl.launch.rendezvous_check"
-AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
+AUTHKEY_ENV = DEDICATED_AUTHKEY_ENV
 
 
 @dataclass(frozen=True)
@@ -72,35 +72,6 @@ def _has_own_dedicated(plan) -> bool:
     return plan.dedicated is not None and not plan.dedicated.spawned
 
 
-def _authkey_inherited() -> bool:
-    return bool(os.environ.get(AUTHKEY_ENV))
-
-
-def dedicated_authkey(plan) -> str:
-    """The key of the trainer <-> dedicated scorer connection to write into their commands ("" = none).
-
-    The messages are pickled, so whoever holds the key can make the other end
-    run code: the connection is refused without it. A secret key is set in
-    the launching environment (``export MEGARL_DEDICATED_AUTHKEY=$(openssl rand
-    -hex 16)``); it is then kept out of the command lines (which other users
-    of a host can read) and the processes inherit it: the runner's
-    subprocesses and srun (``--export=ALL``, its default) do, mpirun gets
-    ``-x MEGARL_DEDICATED_AUTHKEY``, and with torchrun every node's shell
-    exports it. Without one, this derives a key from the plan (job id, hosts,
-    ports, config path and overrides) and writes it into both commands: the
-    same on every node that renders the same plan (torchrun renders it once
-    per node), different for another run or plan, so a trainer never talks to
-    another run's scorer. A derived key is not a secret (anyone who knows the
-    plan can derive it): on a shared cluster, set one.
-    """
-    if not _has_own_dedicated(plan) or _authkey_inherited():
-        return ""
-    seed = json.dumps({"job": plan.allocation.job_id, "hosts": plan.hosts_used, "dedicated": plan.dedicated.addr,
-                       "master": [plan.master_addr, plan.master_port], "config": plan.config_path,
-                       "overrides": list(plan.overrides)}, sort_keys=True)
-    return hashlib.sha256(f"megarl-dedicated:{seed}".encode()).hexdigest()[:32]
-
-
 def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict[str, str]:
     """The MEGARL_* variables of one role (and CUDA_VISIBLE_DEVICES where the launcher does not bind GPUs)."""
     env: dict[str, str] = {}
@@ -122,13 +93,11 @@ def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict
     else:
         if role == "engine":
             env["MEGARL_ENGINE_INDEX"] = str(server.index)
-            env["MEGARL_SERVER_HOST"] = server.host
+        env["MEGARL_SERVER_HOST"] = server.host  # the address it serves on: the one the trainer reaches
         env["MEGARL_SERVER_PORT"] = str(server.port)
         env["MEGARL_SERVER_TP"] = str(server.tp)
         if broadcast and role == "engine":
             env["MEGARL_WEIGHT_SYNC_RANK"] = str(plan.weight_sync_rank(server))
-    if role in ("trainer", "dedicated") and dedicated_authkey(plan):
-        env[AUTHKEY_ENV] = dedicated_authkey(plan)
     return env
 
 
@@ -226,7 +195,7 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
 # -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
 def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: bool = False,
                  engine_key: bool = False) -> list[str]:
-    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY, inherited from the launching environment;
+    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY (which `megarl launch` makes when that has none);
     ``engine_key``: it needs MEGARL_ENGINE_KEY (which `megarl launch` makes when that has none)."""
     argv = ["mpirun", "-n", str(n)]
     if _is_root():
@@ -235,7 +204,7 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: b
     if not local:
         argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node",
                  "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
-        if authkey and _authkey_inherited():
+        if authkey:
             argv += ["-x", AUTHKEY_ENV]
         if engine_key:
             argv += ["-x", ENGINE_KEY_ENV]

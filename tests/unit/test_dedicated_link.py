@@ -20,6 +20,7 @@ from recovery_scorer import HFScorerForTests, LoopState, drive_history, tiny_che
 from megarl.errors import ConfigError, ScorerError
 from megarl.rollout.client import free_port
 from recovery import _dedicated_link as link
+from recovery import _dedicated_listener as listening
 from recovery import verifier
 from recovery.dedicated import Dedicated, DedicatedConfig, serve_role
 
@@ -42,11 +43,11 @@ def test_link_connects_late_keeps_order_and_refuses_a_wrong_key():
     good.put(("score", [{"traj_id": "a"}]))
     time.sleep(0.5)
     assert good.alive() and good.get(None) is None
-    listener = link.listen(port, b"right-key", host="127.0.0.1")
+    listener = listening.listen(port, "127.0.0.1")
     warnings: list[str] = []
     try:
-        conn = link.accept_in_background(listener, warnings.append).get(timeout=20)
-        recv = link.reader(conn)
+        conn = listening.accept_in_background(listener, b"right-key", warnings.append).get(timeout=20)
+        recv = listening.reader(conn)
         assert recv() == ("version", (0, "/shared/run/dedicated/v0"))
         assert recv() == ("score", [{"traj_id": "a"}])
         conn.send(("ready", None))
@@ -55,7 +56,7 @@ def test_link_connects_late_keeps_order_and_refuses_a_wrong_key():
 
         # a client with another key: refused before any message, a clear error on its side; the
         # listener logs it and goes on waiting for the right client
-        pending = link.accept_in_background(listener, warnings.append)
+        pending = listening.accept_in_background(listener, b"right-key", warnings.append)
         bad = link.TcpLink(addr, b"wrong-key", connect_timeout_s=30, retry_s=0.1)
         _wait(lambda: not bad.alive())
         err = bad.failure()

@@ -7,6 +7,7 @@ from megarl.builder import load_run_config
 from megarl.errors import ConfigError
 from megarl.launch import cluster
 from megarl.launch.cluster import Allocation, compress_hosts, expand_nodelist, simulated
+from megarl.launch.engine_key_env import ensure_run_keys
 from megarl.launch.mpi_bootstrap import _from_env_only, bootstrap_env_from_mpi, under_mpi
 from megarl.launch.overlays import flatten
 from megarl.launch.placement import load_hf_config, param_counts, resolve_plan
@@ -116,8 +117,9 @@ def test_dedicated_role_commands(monkeypatch):
         assert t_env["MEGARL_DEDICATED_ADDR"] == "node05:8100" and "MEGARL_SERVER_PORT" not in t_env, launcher
         assert (d_env["MEGARL_ROLE"], d_env["MEGARL_SERVER_PORT"], d_env["MEGARL_SERVER_TP"]) == \
             ("dedicated", "8100", "1"), launcher
-        key = t_env["MEGARL_DEDICATED_AUTHKEY"]
-        assert len(key) == 32 and d_env["MEGARL_DEDICATED_AUTHKEY"] == key, launcher
+        # no key on any command line: `megarl launch` hands a random one to both through the environment
+        assert not any("MEGARL_DEDICATED_AUTHKEY=" in a for c in cmds.values() for a in c.argv), launcher
+        assert d_env["MEGARL_SERVER_HOST"] == "node05", launcher  # it listens where the trainer reaches it
         assert "torch.distributed.run" not in ded.argv and ded.server, launcher  # one process
         assert ded.argv[-len(plan.overrides) - 4:][:2] == ("-m", "megarl.train"), launcher
         role = current_role(d_env)
@@ -126,11 +128,14 @@ def test_dedicated_role_commands(monkeypatch):
         assert all("MEGARL_DEDICATED_AUTHKEY" not in a for c in cmds.values() if c.role == "engine" for a in c.argv)
     mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
     assert "-n 1 " in mpi["dedicated"].shell()
-    # the derived key: the same for the same plan (torchrun renders it on every node), another for another plan
-    again = _env_of(render(plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5), "slurm", python="py")[0])
-    other = _env_of(render(plan_for(CFG_30B, ["recovery.name=dedicated", "trainer.lr=2e-6"], nodes=5), "slurm",
-                           python="py")[0])
-    assert again["MEGARL_DEDICATED_AUTHKEY"] == key != other["MEGARL_DEDICATED_AUTHKEY"]
+    # the key `megarl launch` makes: random per run, never derived from the plan
+    first, second = {}, {}
+    ensure_run_keys(plan, "slurm", first)
+    ensure_run_keys(plan, "slurm", second)
+    key = first["MEGARL_DEDICATED_AUTHKEY"]
+    assert len(key) == 32 and key != second["MEGARL_DEDICATED_AUTHKEY"]
+    with pytest.raises(ConfigError, match="MEGARL_DEDICATED_AUTHKEY is not set: with torchrun every node"):
+        ensure_run_keys(plan, "torchrun", {"MEGARL_ENGINE_KEY": "exported"})
     # a key in the launching environment stays out of the command lines; mpirun forwards it to remote nodes
     monkeypatch.setenv("MEGARL_DEDICATED_AUTHKEY", "s3cret")
     for launcher in ("torchrun", "slurm", "mpirun"):
@@ -412,8 +417,6 @@ def test_a_launched_engine_serves_on_its_node_address_not_on_every_address(monke
 
 
 def test_engines_with_own_commands_share_the_run_key_through_the_environment(monkeypatch):
-    from megarl.launch.engine_key_env import ensure_engine_key
-
     monkeypatch.delenv("MEGARL_ENGINE_KEY", raising=False)
     plan = plan_for(CFG_30B, nodes=4)
     engines = [e for e in plan.engines if not e.spawned]
@@ -425,16 +428,16 @@ def test_engines_with_own_commands_share_the_run_key_through_the_environment(mon
     mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
     assert "-x MEGARL_ENGINE_KEY" in mpi["trainer"].shell() and "-x MEGARL_ENGINE_KEY" in mpi["engine0"].shell()
     env = {}
-    ensure_engine_key(plan, "slurm", env)  # a fresh secret the commands inherit
+    ensure_run_keys(plan, "slurm", env)  # a fresh secret the commands inherit
     assert len(env["MEGARL_ENGINE_KEY"]) == 48
     other = {}
-    ensure_engine_key(plan, "slurm", other)
+    ensure_run_keys(plan, "slurm", other)
     assert other["MEGARL_ENGINE_KEY"] != env["MEGARL_ENGINE_KEY"]
     mine = {"MEGARL_ENGINE_KEY": "exported"}
-    ensure_engine_key(plan, "mpirun", mine)
+    ensure_run_keys(plan, "mpirun", mine)
     assert mine == {"MEGARL_ENGINE_KEY": "exported"}
     with pytest.raises(ConfigError, match="with torchrun every node runs its own `megarl launch`"):
-        ensure_engine_key(plan, "torchrun", {})
+        ensure_run_keys(plan, "torchrun", {})
     spawned = {}
-    ensure_engine_key(plan_for(CFG_TINY), "torchrun", spawned)  # the trainer's own engines: a key of their own
+    ensure_run_keys(plan_for(CFG_TINY), "torchrun", spawned)  # the trainer's own engines: a key of their own
     assert spawned == {}

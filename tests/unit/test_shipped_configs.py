@@ -114,3 +114,25 @@ def test_4b_plan_numbers():
     t = plan.trainer
     assert (t.hosts, t.tp, t.dp) == (("node01",), 2, 4)
     assert [(e.host, e.gpu_ids) for e in plan.engines] == [("node02", (i,)) for i in range(8)]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.stem)
+def test_a_strategy_name_selects_no_loss(overlay):
+    """`--recovery NAME` (an overlay) and `recovery.name=NAME` train the same loss: overlays hold no loss.*."""
+    from megarl.launch.overlays import command_overrides
+
+    run = CONFIGS / "qwen3_30b_a3b_h100.yaml"
+    by_overlay = load_run_config(run, command_overrides(overlay.stem, [], []))
+    by_name = load_run_config(run, [f"recovery.name={overlay.stem}"])
+    assert by_overlay.recovery.name == by_name.recovery.name == overlay.stem
+    assert dump_yaml(by_overlay.loss) == dump_yaml(by_name.loss) == dump_yaml(load_run_config(run).loss)
+
+
+def test_a_recovery_overlay_that_sets_the_loss_is_refused(tmp_path, monkeypatch):
+    from megarl.errors import ConfigError
+    from megarl.launch import overlays
+
+    (tmp_path / "mine.yaml").write_text("recovery:\n  name: snapshot\nloss:\n  behav_low: 0.5\n")
+    monkeypatch.setattr(overlays, "RECOVERY_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="may not change the loss"):
+        overlays.recovery_overlay("mine")
