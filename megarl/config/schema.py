@@ -155,6 +155,8 @@ class RolloutConfig:
     """"True on-policy" mode (GPU only, vllm engines): the trainer runs megatron-core's batch_invariant_mode and every engine vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a token's log-prob does not depend on its batch and behav's anchor can equal logp_old bitwise; slower on both sides; refused on CPU (megarl/batch_invariant.py)."""
     publish_timeout_s: float = 600.0
     """Seconds each engine has to load a published version (disk or broadcast), and to return the requests a publish aborted; an engine that has not by then is taken for wedged, restarted (it loads that version; its requests are sent again) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
+    generate_timeout_s: float | Literal["auto"] = "auto"
+    """Deadline of one generation request in seconds (0 = none), or auto: 4 times what the engines' measured speed predicts for its max_new_tokens and the requests in flight beside it, at least 30 s, 600 s until a request has finished (megarl/rollout/generate_deadline.py). An engine that misses it is taken for wedged (its /health may still answer), restarted, and its requests are sent again."""
 
 
 @dataclass
@@ -219,8 +221,6 @@ class RewardConfig:
     """DAPO's soft overlong punishment: a training response longer than rollout.max_new_tokens - overlong_buffer tokens loses reward linearly, up to overlong_penalty at rollout.max_new_tokens (megarl/rewards/overlong.py); 0 = off. Never applied to evaluation. Single-turn workflows only."""
     overlong_penalty: float = 1.0
     """The reward a response of rollout.max_new_tokens tokens loses under reward.overlong_buffer."""
-    sandbox_allow_unisolated: bool = False
-    """The code sandbox (reward.fn=code and the python tool) runs code in empty network and PID namespaces; where this machine cannot make them the run refuses to start. true: run such code anyway, WITH the host's network and its other processes in view (a warning is logged)."""
 
 
 @dataclass

@@ -7,7 +7,7 @@
          └─ wait_available(), resubmit prompt + partial ◄── probe: process exited, or /health silent?
                                                                yes ─► fail(engine) ─► restart task
     health loop, every rollout.health_interval_s: process exited, or no /health answer within
-                 rollout.health_timeout_s ─► fail(engine)
+                 rollout.health_timeout_s ─► fail(engine); a request past rollout.generate_timeout_s too
     restart:     stop what is left of it; launch it from the base checkpoint; under the publish lock,
                  load the last published weights with their version (update_weights_from_disk; the
                  publisher keeps that directory until the next publish, which waits for the lock);
@@ -43,6 +43,7 @@ from typing import Any, Callable
 from megarl.errors import EngineError
 from megarl.rollout.base import slowest_phases
 from megarl.rollout.client import stop_engine_process
+from megarl.rollout.generate_deadline import DeadlineMissed, GenerateDeadlines
 from megarl.rollout.router import group_ranks
 from megarl.types import GenerateRequest, GenerateResult
 
@@ -83,7 +84,7 @@ class EngineSupervisor:
     def __init__(self, engines: list[tuple[Any, Any]], *, launch: Launcher | None, weights: tuple[str, int],
                  health_interval_s: float = 5.0, health_timeout_s: float = 30.0, max_restarts: int = 3,
                  work_dir: str | Path | None = None, stop: Callable[[Any, float], Any] | None = None,
-                 publish_timeout_s: float = 0.0) -> None:
+                 publish_timeout_s: float = 0.0, generate_timeout_s: float | str = 0.0) -> None:
         if not engines:
             raise EngineError("EngineSupervisor needs at least one engine")
         self.slots = [_Slot(i, client, proc) for i, (proc, client) in enumerate(engines)]
@@ -96,6 +97,7 @@ class EngineSupervisor:
         self.max_restarts = max_restarts
         #: seconds each engine has for a weight update (0 = no limit; the module doc says what happens after)
         self.publish_timeout_s = publish_timeout_s
+        self.deadlines = GenerateDeadlines(generate_timeout_s)  # rollout.generate_timeout_s (generate_deadline.py)
         self.work_dir = Path(work_dir) if work_dir else None
         #: stop(proc, timeout_s): ends an engine process and its children
         self.stop = stop or stop_engine_process
@@ -168,11 +170,12 @@ class EngineSupervisor:
         incarnation = slot.incarnation
         slot.in_flight += 1
         try:
-            return await slot.client.generate(req)
+            return await self.deadlines.run(slot.client.generate(req), req.sampling.max_new_tokens, slot.in_flight,
+                                            self._publish_lock.locked, engine=(slot.index, incarnation))
         except EngineError as e:
             if isinstance(e, EngineLost):
                 raise
-            if slot.incarnation != incarnation or await self._is_gone(slot):
+            if isinstance(e, DeadlineMissed) or slot.incarnation != incarnation or await self._is_gone(slot):
                 self._fail(slot, incarnation, f"request {req.request_id} failed ({e})")
                 raise EngineLost(f"engine {slot.index} lost request {req.request_id}: {e}") from e
             raise
