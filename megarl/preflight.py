@@ -25,6 +25,7 @@ from megarl.errors import ConfigError
 from megarl.models.hf_config import is_moe
 from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
+from megarl.rewards.code import prepare_sandbox
 from megarl.rollout.base import engine_options, truncates_sampling
 from megarl.rollout.generate_deadline import check_generate_timeout
 from megarl.tokenizer import RunTokenizer
@@ -153,6 +154,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                               f"loss.entropy_coef and stays within the two)")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
+    prepare_sandbox(cfg)  # no isolation for sandboxed code here: no run, unless explicitly opted out
     _check_overlong(cfg)
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:
         raise ConfigError("rollout.filter_groups=true with rollout.group_size=1: a group of one sample always has "

@@ -221,6 +221,8 @@ class RewardConfig:
     """DAPO's soft overlong punishment: a training response longer than rollout.max_new_tokens - overlong_buffer tokens loses reward linearly, up to overlong_penalty at rollout.max_new_tokens (megarl/rewards/overlong.py); 0 = off. Never applied to evaluation. Single-turn workflows only."""
     overlong_penalty: float = 1.0
     """The reward a response of rollout.max_new_tokens tokens loses under reward.overlong_buffer."""
+    sandbox_allow_unisolated: bool = False
+    """The code sandbox (reward.fn=code and the python tool) runs code in empty network and PID namespaces; where this machine cannot make them the run refuses to start. true: run such code anyway, WITH the host's network and its other processes in view (a warning is logged)."""
 
 
 @dataclass
