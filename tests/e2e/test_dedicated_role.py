@@ -22,7 +22,8 @@ def test_dedicated_role_on_its_own_process_is_exact(text_ckpt, tmp_path):
     env["MEGARL_DEDICATED_AUTHKEY"] = key
     role = subprocess.Popen([*MEGARL, "train", "--config", "configs/verify_cpu.yaml", f"model.checkpoint={text_ckpt}",
                              "recovery.name=dedicated"],
-                            cwd=ROOT, env={**env, "MEGARL_ROLE": "dedicated", "MEGARL_SERVER_PORT": str(port)},
+                            cwd=ROOT, env={**env, "MEGARL_ROLE": "dedicated", "MEGARL_SERVER_PORT": str(port),
+                                          "MEGARL_SERVER_HOST": "127.0.0.1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         report = tmp_path / "report.json"

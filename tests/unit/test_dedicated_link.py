@@ -110,7 +110,7 @@ def ckpt(tmp_path_factory):
 
 
 def _start_role(ckpt, port: int, key: str, factory: str) -> subprocess.Popen:
-    env = {**os.environ, "MEGARL_ROLE": "dedicated", "MEGARL_SERVER_PORT": str(port),
+    env = {**os.environ, "MEGARL_ROLE": "dedicated", "MEGARL_SERVER_PORT": str(port), "MEGARL_SERVER_HOST": "127.0.0.1",
            "MEGARL_DEDICATED_AUTHKEY": key, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "unit"), os.environ.get("PYTHONPATH", "")])}
     env.pop("MEGARL_DEDICATED_ADDR", None)
