@@ -10,9 +10,9 @@ MEGARL_ROLE                trainer, engine or dedicated
 MEGARL_ENGINE_ADDRS        trainer: host:port of every engine started by its own command
 MEGARL_DEDICATED_ADDR      trainer: host:port of the dedicated scorer started by its own command
 MEGARL_ENGINE_INDEX        engine: its index in rollout.n_engines
-MEGARL_DEDICATED_AUTHKEY   trainer / dedicated: the key of their TCP connection (recovery/_dedicated_link.py)
+MEGARL_DEDICATED_AUTHKEY   trainer / dedicated: the key of their TCP connection, taken at start (megarl/secret_env.py)
 MEGARL_SERVER_PORT         engine: the HTTP port to serve on; dedicated: the TCP port the trainer connects to
-MEGARL_SERVER_HOST         engine: its node's address in the plan, which it serves on
+MEGARL_SERVER_HOST         engine / dedicated: its node's address in the plan, which it serves on
 MEGARL_ENGINE_KEY          trainer / engine: the key every engine request carries (megarl/rollout/engine_key.py)
 MEGARL_SERVER_TP           engine / dedicated: its tensor-parallel size
 MEGARL_WEIGHT_SYNC_ADDR    host:port of the trainer -> servers weight broadcast group (broadcast only)
