@@ -447,7 +447,8 @@ def test_an_agent_service_claims_episodes_and_reports_their_outcomes(text_tokeni
             claims = [(await post(http, "/sessions", SERVICE_KEY))[1] for _ in trajs]
             by_row = {c["row"]["j"]: c for c in claims}
             async with openai.AsyncOpenAI(base_url=by_row[0]["base_url"], api_key=by_row[0]["key"]) as oa:
-                reply = await oa.chat.completions.create(model=wf.server.model, messages=[{"role": "user", "content": "p"}])
+                reply = await oa.chat.completions.create(model=wf.server.model,
+                                                         messages=[{"role": "user", "content": "p"}])
             bad = await post(http, f"/sessions/{by_row[0]['key']}/reward", by_row[0]["key"], {"reward": "high"})
             reports = [await post(http, f"/sessions/{by_row[0]['key']}/reward", "", {"reward": 0.75}),
                        await post(http, f"/sessions/{by_row[1]['key']}/reward", "", {"answer": "\\boxed{3}"})]
