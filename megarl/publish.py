@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import shutil
 import socket
@@ -42,9 +43,8 @@ from megarl.errors import EngineError
 from megarl.launch.roles import current_role
 from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.broadcast_sender import SenderProcess
-from megarl.rollout.client import free_port
 from megarl.rollout.disk_copy import DiskCopy
-from megarl.rollout.export_buckets import device_budget, pack_export
+from megarl.rollout.export_buckets import CollectiveExport, consume_export, device_budget, pack_export
 from megarl.rollout.weight_sync import WeightBroadcaster, iter_buckets, rows_bytes
 
 log = logging.getLogger("megarl.publish")
@@ -63,20 +63,23 @@ def engine_weights(trainer, engine_dtype: str | None) -> tuple[list[tuple[str, t
     multi-rank trainer, like ``export_hf_weights``.
     """
     tensors, hf = stream_engine_weights(trainer, engine_dtype)
-    return list(tensors), hf
+    return consume_export(tensors, list), hf
 
 
-def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = True):
+def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = True) -> tuple[CollectiveExport,
+                                                                                                dict]:
     """:func:`engine_weights` as a stream, one tensor at a time; ``to_host=False``: left on the trainer's
-    device (``export_hf_weights(to_host=False)``)."""
+    device (``export_hf_weights(to_host=False)``). Consume it with
+    :func:`~megarl.rollout.export_buckets.consume_export`: a consumer that fails half-way must not leave
+    the other trainer ranks in the export's gathers."""
     hf = dict(trainer.exported_hf_config())  # a copy: the trainer's own config stays as it is
     exported = trainer.export_hf_weights() if to_host else trainer.export_hf_weights(to_host=False)
     if not engine_dtype or engine_dtype == _recorded_dtype(hf):
-        return exported, hf
+        return CollectiveExport(exported), hf
     target = getattr(torch, engine_dtype)
     for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
         hf[key] = engine_dtype
-    return ((name, t.to(target) if t.is_floating_point() else t) for name, t in exported), hf
+    return CollectiveExport(exported, lambda t: t.to(target) if t.is_floating_point() else t), hf
 
 
 class DiskPublisher:
@@ -151,13 +154,15 @@ class BroadcastPublisher:
 
     def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
                  port: int = 0, backend: str | None = None, timeout_s: float = 60.0,
-                 engine_dtype: str | None = None) -> None:
+                 engine_dtype: str | None = None, bind_host: str | None = None) -> None:
         self.trainer = trainer
         self.engine_dtype = engine_dtype
         self.router = router
         self.weights_dir = weights_dir
         self.bucket_bytes = max(int(bucket_mb), 1) << 20
         self.host, self.port = host, port
+        #: where the group's rendezvous listens (None: ``host``, the one address the engines reach it at)
+        self.bind_host = bind_host
         self.backend = backend
         self.timeout_s = timeout_s
         self.n_groups = 0
@@ -188,7 +193,7 @@ class BroadcastPublisher:
     def _pack_on_device(self, device: torch.device) -> tuple[list, list, dict]:
         tensors, hf = stream_engine_weights(self.trainer, self.engine_dtype, to_host=False)
         budget = device_budget(device) if device.type == "cuda" else self.device_budget
-        return *pack_export(tensors, self.bucket_bytes, device, budget), hf
+        return *consume_export(tensors, lambda stream: pack_export(stream, self.bucket_bytes, device, budget)), hf
 
     def _sender_device(self) -> torch.device | None:
         """The device the sender broadcasts from: the trainer's GPU under NCCL, None (host) under gloo."""
@@ -226,7 +231,7 @@ class BroadcastPublisher:
             stats = await self._sent(buckets)
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
-            self._abandon()
+            self._abandon(f"version {version}: broadcast failed, load the disk copy")
             self.n_fallbacks += 1
             await self._written_for_engines()
             phases = await self.router.update_weights_from_disk(str(current), version)
@@ -249,10 +254,13 @@ class BroadcastPublisher:
         self._ensure_sender()  # before the group: a sender that died took its group with it
         if self._group is None or tuple(members) != self._members:
             # the sender leaves the old group when it is handed a new group id
-            port = self.port if self.port and not self.n_groups else free_port(self.host)
+            self._close_group()
+            port = self.port if self.port and not self.n_groups else 0  # 0: the rendezvous binds a free port
             world = 1 + sum(n_workers for _, _, n_workers in members)
-            self._group = self._broadcaster_cls(self.host, port, world, backend=self.backend,
-                                                timeout_s=self.timeout_s)
+            group = self._broadcaster_cls(self.host, port, world, backend=self.backend, timeout_s=self.timeout_s,
+                                          bind_host=self.bind_host)
+            group.start_rendezvous()  # served from this process; the sender and the engines join it
+            self._group, port = group, group.port
             self._members = tuple(members)
             self.n_groups += 1
             log.info("weight broadcast group %d: %s:%d, %d engine(s), world %d, %s", self.n_groups, self.host, port,
@@ -260,13 +268,14 @@ class BroadcastPublisher:
         info = self._group.group_info()
         self._sending = self._proc.send(info, [(bytes(meta.numpy()), payload) for _, meta, payload in buckets],
                                         self.timeout_s)
+        self._sending.add_done_callback(functools.partial(_abort_on_failure, self._group))
         return info
 
     def _ensure_sender(self) -> None:
         if self._proc is None or not self._proc.alive():
             if self._proc is not None:
                 self._proc.kill()
-                self._group = self._members = None  # its group died with it
+                self._close_group()  # its group died with it
             device = self._sender_device()
             self._proc = SenderProcess(self._broadcaster_cls, device.index if device is not None else None)
 
@@ -284,24 +293,41 @@ class BroadcastPublisher:
         except Exception as e:  # noqa: BLE001 - timed out or failed on a lost engine; the others are updated
             log.warning("weight broadcast to a lost engine did not complete (%s: %s); new group next publish",
                         type(e).__name__, e)
-            self._abandon()
+            self._abandon("the broadcast to a lost engine did not complete")
             return None
         return {"tensors": sum(len(rows) for rows, _, _ in buckets),
                 "bytes": sum(rows_bytes(rows) for rows, _, _ in buckets), "seconds": seconds}
 
-    def _abandon(self) -> None:
-        """Kill the sender (and with it the group): a lost engine's group is never reused."""
+    def _abandon(self, reason: str) -> None:
+        """Call the publish off: the engines still receiving leave the broadcast at once (the abort mark of
+        the group's rendezvous, megarl/rollout/receiver_group.py), then the sender (and with it the group)
+        is killed: a lost engine's group is never reused."""
+        if self._group is not None:
+            self._group.abort(reason)
         if self._proc is not None:
             self._proc.kill()
         self._proc = None
+        self._members = None  # the next publish makes a new group; this one's rendezvous stays up till then
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self._group = self._members = None
 
     def close(self) -> None:
         if self._proc is not None:
             self._proc.close()
         self._proc = None
-        self._group = self._members = None
+        self._close_group()
         self._copy.join()  # a copy being written is finished, not left half-way
+
+
+def _abort_on_failure(group, sending: concurrent.futures.Future) -> None:
+    """The sender failed or missed a step deadline: the engines still receiving leave now, not at their own
+    deadline (under NCCL they would not notice the sender's end), and the publish falls back to disk."""
+    error = sending.exception()
+    if error is not None:
+        group.abort(f"the trainer's sender failed ({type(error).__name__}: {error})")
 
 
 def _pack_shared(tensors: list, bucket_bytes: int) -> list:

@@ -127,9 +127,10 @@ def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
             if group is None or group.group_id != info["group_id"]:
                 if group is not None:
                     group.close()
+                # the trainer serves the group's rendezvous (megarl/rollout/rendezvous.py); this process joins it
                 group = broadcaster_cls(info["host"], int(info["port"]), int(info["world_size"]),
                                         backend=info["backend"], timeout_s=float(info["timeout_s"]),
-                                        group_id=info["group_id"])
+                                        group_id=info["group_id"], secret=info["secret"], serve_rendezvous=False)
                 group.connect()
             conn.send(("joined",))
             for meta, payload in buckets:

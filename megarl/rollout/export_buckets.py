@@ -18,12 +18,62 @@ publish, so they take at most ``device_budget`` bytes
 (:func:`device_budget`: a share of what the trainer's GPU has free); the
 buckets past it are packed in host shared memory as on CPU, and the sender
 copies each to the GPU as it sends it.
+
+The export is a collective (every trainer rank gathers each tensor over its
+TP/EP/PP groups; the followers replay it, megarl/trainer/spmd.py), and rank 0
+packs as it streams. If rank 0's consumer fails half-way (a device bucket
+that does not fit, a cast), the followers would wait in the next gather for
+good: :func:`consume_export` then drains the rest of the export on rank 0,
+dropping each tensor at once, so every rank leaves the collective together,
+and raises the consumer's error after it.
 """
 from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
 
 import torch
 
 from megarl.rollout.weight_sync import group_tensors, pack, payload_bytes
+
+log = logging.getLogger("megarl.publish")
+
+
+class CollectiveExport:
+    """Rank 0's view of the trainer's export: ``(name, convert(tensor))`` in order, and :meth:`drain` for
+    what the consumer did not take (``convert`` failing leaves the export itself where it was)."""
+
+    def __init__(self, exported: Iterable, convert: Callable | None = None) -> None:
+        self._raw = iter(exported)
+        self._convert = convert
+
+    def __iter__(self):
+        for name, t in self._raw:
+            yield name, (t if self._convert is None else self._convert(t))
+
+    def drain(self) -> int:
+        """Take the rest of the export (each tensor dropped as it comes); how many tensors that was."""
+        n = 0
+        for _ in self._raw:
+            n += 1
+        return n
+
+
+def consume_export(export: CollectiveExport, consumer: Callable):
+    """``consumer(iter(export))``; when it raises, the rest of the export is drained first (module doc)."""
+    try:
+        return consumer(iter(export))
+    except Exception as e:
+        try:
+            n = export.drain()
+        except Exception as drain_error:  # noqa: BLE001 - the export itself failed: the original error says more
+            log.error("draining the export after %s failed too (%s): other trainer ranks may still wait in its "
+                      "gathers", type(e).__name__, drain_error)
+            raise e from None
+        log.warning("the publish's export failed on rank 0 (%s: %s); drained its %d remaining tensor(s) so the "
+                    "other trainer ranks finish the export", type(e).__name__, e, n)
+        raise
+
 
 #: the share of the trainer GPU's free memory (its allocator's cached blocks included) device buckets may take;
 #: the rest stays for what runs during the stall (a recovery strategy's forward, the next step's start)

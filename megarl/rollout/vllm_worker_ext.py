@@ -17,7 +17,6 @@ lack the wheel, and the module is named in megarl's own code).
 """
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -27,7 +26,7 @@ from safetensors import safe_open
 from megarl.platform.amx import request_amx_if_asked
 from megarl.rollout.vllm_routes import install_capture, pack_histories
 from megarl.rollout.weight_spec import safetensors_files
-from megarl.rollout.weight_sync import receive_named_tensors
+from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
 
 # vLLM imports this module in each worker process before it loads the model: a bf16 engine's workers ask for
 # AMX state here, before their first forward (megarl/platform/amx.py)
@@ -81,12 +80,20 @@ class MegarlWorkerExtension:
         return self._megarl_reload(_safetensors_weights(path))
 
     def megarl_load_from_broadcast(self, group_info: dict, drain_only: bool = False) -> int:
-        """Receive the trainer's broadcast and load it (or only drain it, when the update was refused)."""
+        """Receive the trainer's broadcast and load it (or only drain it, when the update was refused).
+
+        A receive is bounded (megarl/rollout/receiver_group.py): when the publish is called off or
+        stalls, this raises ``BroadcastLeft`` and the group is dropped; the engine then loads the disk copy.
+        """
         pg, device = self._megarl_group(group_info)
         stream = receive_named_tensors(pg, device)
-        if drain_only:
-            return sum(1 for _ in stream)
-        return self._megarl_reload(stream)
+        try:
+            if drain_only:
+                return sum(1 for _ in stream)
+            return self._megarl_reload(stream)
+        except Exception:
+            self._megarl_pg = None  # a group that failed a publish is never used again
+            raise
 
     # -- helpers -----------------------------------------------------------------------------
     def _megarl_group(self, group_info: dict):
@@ -94,22 +101,19 @@ class MegarlWorkerExtension:
 
         ``group_info["rank"]`` is the engine's first rank; an engine with vLLM tensor
         parallelism k has k workers, and worker t joins as that rank + t (every worker
-        receives the full tensors and its own ``load_weights`` keeps its shard).
+        receives the full tensors and its own ``load_weights`` keeps its shard). The group
+        rendezvouses on megarl's authenticated store (megarl/rollout/rendezvous.py), not on
+        vLLM's stateless ``TCPStore``, which anyone reaching the port could write.
         """
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # vLLM: module doc
-
-        key = (group_info["host"], int(group_info["port"]), int(group_info["rank"]) + _tp_rank(),
-               int(group_info["world_size"]), group_info.get("backend", "gloo"), group_info.get("group_id"))
+        rank = int(group_info["rank"]) + _tp_rank()
+        key = (group_info["host"], int(group_info["port"]), rank, int(group_info["world_size"]),
+               group_info.get("backend", "gloo"), group_info.get("group_id"))
         cached = self._megarl_pg
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
-        backend = key[4]
-        device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        pg = stateless_init_torch_distributed_process_group(
-            key[0], key[1], key[2], key[3], backend=backend,
-            timeout=timedelta(seconds=float(group_info.get("timeout_s", 300.0))))
-        self._megarl_pg = (key, pg, device)
-        return pg, device
+        group, _store, device = join_weight_group({**group_info, "rank": rank})
+        self._megarl_pg = (key, group, device)
+        return group, device
 
     def _megarl_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         from vllm.config import set_current_vllm_config  # vLLM: module doc

@@ -1,11 +1,12 @@
 """Moving trainer weights to rollout engines: a bucketed broadcast, or safetensors on disk.
 
-Broadcast: the trainer is rank 0 of a process group of its own (TCPStore +
-gloo on CPU, NCCL on GPU) that it creates with :class:`WeightBroadcaster`;
-engine ``i`` joins as rank ``i + 1`` (vLLM workers through
-``stateless_init_torch_distributed_process_group``, which rendezvouses on the
-same ``tcp://host:port`` store prefix, the HF engine through
-:func:`join_weight_group`). Tensors travel in buckets of at most
+Broadcast: the trainer is rank 0 of a process group of its own (gloo on CPU,
+NCCL on GPU) that it creates with :class:`WeightBroadcaster`; engine ``i``
+joins as rank ``i + 1`` (the HF engine and vLLM's workers, through
+:func:`join_weight_group`). The ranks rendezvous on megarl's own store
+(megarl/rollout/rendezvous.py: it listens on the one address the engines
+reach, and answers only clients holding the group's secret), not on a
+``TCPStore`` anyone could write. Tensors travel in buckets of at most
 ``bucket_bytes`` (one tensor larger than that gets a bucket of its own), each
 bucket as three broadcasts::
 
@@ -15,7 +16,10 @@ bucket as three broadcasts::
 
 The stream describes itself, so a receiver needs no plan computed in
 advance, and a receiver that refuses an update can still drain it (the
-trainer never hangs on an engine that said no). Nothing here imports vLLM.
+trainer never hangs on an engine that said no). A receiver never waits on a
+collective without bound: it leaves a publish the trainer called off, or one
+that stalled for the group's step deadline (megarl/rollout/receiver_group.py).
+Nothing here imports vLLM.
 """
 from __future__ import annotations
 
@@ -24,43 +28,38 @@ import math
 import os
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
 from torch._C._distributed_c10d import ProcessGroup
-from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from megarl.errors import EngineError
+from megarl.rollout.receiver_group import ReceiverGroup, communicator_timeout
+from megarl.rollout.rendezvous import RendezvousServer, RendezvousStore, new_secret
 from megarl.rollout.weight_spec import dtype_name
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _ALIGN = 16
 
 
-def _tcp_prefix(host: str, port: int) -> str:
-    # must equal vLLM's get_tcp_uri(): its stateless group prefixes its store keys with it
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def _make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
-    """A process group outside torch.distributed's global state (the trainer has its own)."""
-    timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
-    prefix_store = PrefixStore(_tcp_prefix(host, port), store)
-    pg = ProcessGroup(prefix_store, rank, world_size)
+def _make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, secret: str):
+    """A process group outside torch.distributed's global state (the trainer has its own), rendezvousing on
+    the group's authenticated store; its communicator outlives a receiver's bound (receiver_group.py)."""
+    timeout = communicator_timeout(timeout_s)
+    store = RendezvousStore(host, port, secret, timeout_s=timeout_s)
+    pg = ProcessGroup(store, rank, world_size)
     if backend == "gloo":
-        impl = ProcessGroupGloo(prefix_store, rank, world_size, timeout=timeout)
+        impl = ProcessGroupGloo(store, rank, world_size, timeout=timeout)
         backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
     elif backend == "nccl":  # GPU machines: same seam, device tensors
         from torch.distributed.distributed_c10d import ProcessGroupNCCL  # absent from CPU-only torch builds
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        impl = ProcessGroupNCCL(prefix_store, rank, world_size, opts)
+        impl = ProcessGroupNCCL(store, rank, world_size, opts)
         backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda", torch.cuda.current_device())
     else:
         raise EngineError(f"weight broadcast backend {backend!r} unknown; use 'gloo' (CPU) or 'nccl' (GPU)")
@@ -79,15 +78,18 @@ def _bcast(pg, t: torch.Tensor) -> torch.Tensor:
 class WeightBroadcaster:
     """Trainer side (rank 0) of the weight broadcast group; engines join as ranks 1..world_size-1.
 
-    Construction only picks the group's identity; the first :meth:`broadcast`
-    creates the group and blocks until every engine has joined. So: make the
-    broadcaster, hand :meth:`group_info` to the engines'
-    ``update_weights_from_broadcast`` calls (they join on their first update
-    and keep the group for later ones), and broadcast concurrently.
+    Construction only picks the group's identity (and its fresh ``secret``); the first
+    :meth:`broadcast` starts the group's rendezvous, creates the group and blocks until every
+    engine has joined. So: make the broadcaster, hand :meth:`group_info` to the engines'
+    ``update_weights_from_broadcast`` calls (they join on their first update and keep the group
+    for later ones), and broadcast concurrently. ``serve_rendezvous=False``: the rendezvous runs
+    elsewhere (the publisher's process serves it; the sender process only joins, rank 0).
+    ``bind_host``: the address the rendezvous listens on (default ``host``; "0.0.0.0" for all).
     """
 
     def __init__(self, host: str, port: int, world_size: int, backend: str | None = None,
-                 timeout_s: float = 300.0, group_id: str | None = None) -> None:
+                 timeout_s: float = 300.0, group_id: str | None = None, secret: str | None = None,
+                 serve_rendezvous: bool = True, bind_host: str | None = None) -> None:
         if world_size < 2:
             raise EngineError(f"weight broadcast needs world_size >= 2 (trainer + engines), got {world_size}")
         self.host, self.port, self.world_size = host, port, world_size
@@ -95,19 +97,39 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         # lets engines tell a new group on a reused port from the one they joined before
         self.group_id = group_id or uuid.uuid4().hex
+        self.secret = secret or new_secret()
+        self.serve_rendezvous, self.bind_host = serve_rendezvous, bind_host
+        self.rendezvous: RendezvousServer | None = None
         self._pg = self._store = None
         self.device = None
+
+    def start_rendezvous(self) -> RendezvousServer:
+        """Serve the group's store from this process (idempotent); a port of 0 becomes a free one."""
+        if self.rendezvous is None:
+            self.rendezvous = RendezvousServer(self.host, self.port, self.secret, bind_host=self.bind_host,
+                                               timeout_s=self.timeout_s)
+            self.port = self.rendezvous.port
+        return self.rendezvous
+
+    def abort(self, reason: str) -> None:
+        """Tell the engines still receiving that this publish is over (they leave, receiver_group.py)."""
+        if self.rendezvous is not None:
+            self.rendezvous.abort(reason)
 
     def connect(self) -> None:
         """Create the group (blocks until all engines joined); :meth:`broadcast` calls it when needed."""
         if self._pg is None:
+            if self.serve_rendezvous:
+                self.start_rendezvous()
             self._pg, self._store, self.device = _make_group(self.host, self.port, 0, self.world_size,
-                                                             self.backend, self.timeout_s)
+                                                             self.backend, self.timeout_s, self.secret)
 
     def group_info(self, rank: int | None = None) -> dict:
-        """What an engine needs to join (``rank`` is filled per engine by :class:`EngineRouter`)."""
+        """What an engine needs to join (``rank`` is filled per engine by :class:`EngineRouter`); it holds the
+        group's secret: hand it over the engines' authenticated API only, never log it."""
         info = {"host": self.host, "port": self.port, "world_size": self.world_size,
-                "backend": self.backend, "timeout_s": self.timeout_s, "group_id": self.group_id}
+                "backend": self.backend, "timeout_s": self.timeout_s, "group_id": self.group_id,
+                "secret": self.secret}
         if rank is not None:
             info["rank"] = rank
         return info
@@ -139,13 +161,15 @@ class WeightBroadcaster:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        if self._pg is None:
-            return
-        try:
-            self._pg.shutdown()
-        except Exception:  # already torn down by a failed peer; nothing left to release
-            pass
-        self._pg = self._store = None
+        if self._pg is not None:
+            try:
+                self._pg.shutdown()
+            except Exception:  # already torn down by a failed peer; nothing left to release
+                pass
+            self._store.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+        self._pg = self._store = self.rendezvous = None
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -259,10 +283,15 @@ def unpack(meta: list, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tenso
 
 
 def join_weight_group(group_info: dict):
-    """Join a :class:`WeightBroadcaster` group as ``group_info["rank"]``; returns (group, store, device)."""
-    return _make_group(group_info["host"], int(group_info["port"]), int(group_info["rank"]),
-                       int(group_info["world_size"]), group_info.get("backend", "gloo"),
-                       float(group_info.get("timeout_s", 300.0)))
+    """Join a :class:`WeightBroadcaster` group as ``group_info["rank"]``; returns (group, store, device), the
+    group a :class:`~megarl.rollout.receiver_group.ReceiverGroup` whose every receive is bounded."""
+    backend, timeout_s = group_info.get("backend", "gloo"), float(group_info.get("timeout_s", 300.0))
+    if not group_info.get("secret"):
+        raise EngineError("weight broadcast group_info has no 'secret': the trainer's megarl is older than this "
+                          "engine's; run the same megarl version on both sides")
+    pg, store, device = _make_group(group_info["host"], int(group_info["port"]), int(group_info["rank"]),
+                                    int(group_info["world_size"]), backend, timeout_s, group_info["secret"])
+    return ReceiverGroup(pg, store, backend, timeout_s), store, device
 
 
 def save_for_engines(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,

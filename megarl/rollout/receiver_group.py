@@ -1,0 +1,98 @@
+"""An engine's end of the weight broadcast group: every receive is bounded, and the publish can call it off.
+
+A lost engine must cost that engine alone. Under gloo a receiver learns of a
+failed publish when the trainer's sender process dies (its sockets close);
+under NCCL it does not: a survivor sits in ``broadcast().wait()`` until the
+communicator's timeout, and then NCCL's watchdog ends the whole worker (the
+engine is lost as well). So a receiver never blocks on a collective alone.
+:meth:`ReceiverGroup.broadcast` returns a work whose ``wait`` polls
+completion and, every :data:`POLL_S` seconds, the group's rendezvous
+(megarl/rollout/rendezvous.py); it leaves the broadcast, raising
+:class:`BroadcastLeft`, when
+
+* the publisher marked the publish aborted (its sender failed or missed a
+  step deadline: megarl/publish.py), or the rendezvous is gone with the
+  trainer;
+* no collective completed for ``timeout_s`` (the group's step deadline, the
+  same one the trainer's side keeps).
+
+The engine's weight update then fails with that error, its lock is released,
+and the publisher has the live engines load the disk copy of the version.
+The communicator's own timeout is set past these bounds
+(:func:`communicator_timeout`), so the receiver leaves before any watchdog
+fires; leaving an NCCL group aborts its communicator (``ProcessGroup.abort``),
+which frees the GPU stream the pending broadcast holds. That last step, and
+the watchdog ordering, only a GPU with NCCL can show; on CPU the same code
+runs over gloo.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from megarl.errors import EngineError
+
+#: seconds between two looks at the rendezvous while a receive is pending
+POLL_S = 0.5
+
+
+class BroadcastLeft(EngineError):
+    """This engine left a broadcast publish that will not complete; its weights may be partly updated."""
+
+
+def communicator_timeout(timeout_s: float) -> timedelta:
+    """The process group's own timeout: past a receiver's bound, so the receiver leaves first."""
+    return timedelta(seconds=2 * timeout_s + 30)
+
+
+class ReceiverGroup:
+    """A joined broadcast group seen from an engine rank: ``broadcast(t, 0).wait()`` as on a process group."""
+
+    def __init__(self, pg, store, backend: str, timeout_s: float) -> None:
+        self.pg, self.store, self.backend, self.timeout_s = pg, store, backend, timeout_s
+        #: why this rank left the group (None: still in it)
+        self.left: str | None = None
+
+    def broadcast(self, tensor, src: int) -> "_BoundedWork":
+        if self.left is not None:
+            raise BroadcastLeft(f"weight broadcast group left before ({self.left}); the next publish makes a new one")
+        return _BoundedWork(self, self.pg.broadcast(tensor, src))
+
+    def publish_over(self) -> str | None:
+        """Why the publisher called this broadcast off, or None while it goes on."""
+        try:
+            return self.store.aborted()
+        except EngineError as e:
+            return f"the rendezvous is gone ({e})"
+
+    def leave(self, reason: str) -> None:
+        """Leave the group for good and raise :class:`BroadcastLeft`."""
+        self.left = reason
+        if self.backend == "nccl":  # free the stream the pending broadcast holds (GPU only)
+            try:
+                self.pg.abort()
+            except Exception:  # noqa: BLE001 - torn down already; nothing more to free
+                pass
+        raise BroadcastLeft(f"left the weight broadcast: {reason}; the publisher falls back to the disk copy")
+
+
+class _BoundedWork:
+    def __init__(self, group: ReceiverGroup, work) -> None:
+        self.group, self.work = group, work
+
+    def wait(self) -> bool:
+        group, work = self.group, self.work
+        start = time.monotonic()
+        next_poll, pause = start + POLL_S, 1e-4
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_poll:
+                reason = group.publish_over()
+                if reason is not None:
+                    group.leave(reason)
+                next_poll = now + POLL_S
+            if now - start >= group.timeout_s:
+                group.leave(f"no data from the trainer for {group.timeout_s:g} s (the group's step deadline)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        return work.wait()
