@@ -8,10 +8,12 @@ error naming the fix, and leaves nothing half-written behind.
 """
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import importlib.util
 import json
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,18 +61,9 @@ class RunSetup:
 
 def preflight(cfg: MegaRLConfig, resume: str | Path | None, world_size: int) -> RunSetup:
     """Check everything, then make the run directory; ``resume``: a run directory to continue."""
-    resume_from = None
     if resume is not None:
-        resume_from = find_latest_checkpoint(resume)
         cfg.logging.output_dir = str(resume)
-    ckpt = ensure_checkpoint(cfg)
-    hf = json.loads((ckpt / "config.json").read_text())
-    validate(cfg, hf)
-    refuse_unwired(cfg)
-    if resume_from is not None:
-        check_run_settings(cfg, read_manifest(resume_from), resume_from, world_size, hf)
-    reward_kwargs(resolve_reward_fn(cfg.reward.fn), cfg.reward.fn)
-    inputs = load_inputs(cfg, int(hf["vocab_size"]))
+    ckpt, hf, inputs, resume_from = _check_all(cfg, resume, world_size, ensure_checkpoint(cfg))
     if resume_from is not None:
         run_dir = Path(resume)
     else:
@@ -79,16 +72,62 @@ def preflight(cfg: MegaRLConfig, resume: str | Path | None, world_size: int) -> 
     return RunSetup(run_dir, ckpt, hf, inputs, resume_from)
 
 
+def _check_all(cfg: MegaRLConfig, resume: str | Path | None, world_size: int, ckpt: Path):
+    """Every check of a run before it writes anything (`megarl train` and `megarl train --check`)."""
+    resume_from = find_latest_checkpoint(resume) if resume is not None else None
+    hf = json.loads((ckpt / "config.json").read_text())
+    check_config(cfg, hf)
+    prepare_sandbox(cfg)  # no isolation for sandboxed code on this host: no run, unless explicitly opted out
+    if resume_from is not None:
+        check_run_settings(cfg, read_manifest(resume_from), resume_from, world_size, hf)
+    inputs = load_inputs(cfg, int(hf["vocab_size"]))
+    return ckpt, hf, inputs, resume_from
+
+
+def check_config(cfg: MegaRLConfig, hf: dict) -> None:
+    """The checks of the settings against the model's config.json fields alone: `megarl train`, `megarl plan` and
+    `megarl launch` (before any process starts) all make them."""
+    validate(cfg, hf)
+    refuse_unwired(cfg)
+    reward_kwargs(resolve_reward_fn(cfg.reward.fn), cfg.reward.fn)
+
+
+def check_only(cfg: MegaRLConfig) -> str:
+    """`megarl train --check`: every check :func:`preflight` makes, nothing written (a tiny checkpoint that
+    ``model.init_model`` would create goes to a temporary directory); returns a one-paragraph summary."""
+    resume = cfg.logging.resume or None
+    if resume is None and cfg.logging.output_dir:
+        _refuse_an_earlier_run(Path(cfg.logging.output_dir))
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(cfg.model.checkpoint)
+        checked = cfg
+        if cfg.model.checkpoint and not (ckpt / "config.json").is_file() and cfg.model.init_model:
+            checked = copy.deepcopy(cfg)  # the run would write this checkpoint: the check reads a temporary one
+            ckpt = write_tiny_checkpoint(cfg.model.init_model, Path(tmp) / "init_model", seed=cfg.model.init_seed)
+            checked.model.checkpoint = str(ckpt)
+        elif not (ckpt / "config.json").is_file():
+            ckpt = ensure_checkpoint(cfg)  # raises, naming what is missing
+        _, hf, inputs, resume_from = _check_all(checked, resume, cfg.placement.trainer_ranks, ckpt)
+    n_rows = len(inputs.dataset) if isinstance(inputs.dataset, PromptDataset) else "served"
+    return (f"megarl train --check: all checks passed (model {cfg.model.checkpoint}: {hf.get('model_type')}, "
+            f"{hf.get('num_hidden_layers')} layers; {n_rows} training rows; reward {cfg.reward.fn}; recovery "
+            f"{cfg.recovery.name}" + (f"; resumes from {resume_from}" if resume_from is not None else "") + ")")
+
+
 def make_run_dir(cfg: MegaRLConfig) -> Path:
     if cfg.logging.output_dir:
         run_dir = Path(cfg.logging.output_dir)
     else:
         run_dir = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    _refuse_an_earlier_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _refuse_an_earlier_run(run_dir: Path) -> None:
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
         raise ConfigError(f"{run_dir} holds the checkpoints of an earlier run; continue it with "
                           f"`megarl train --config ... --resume {run_dir}` or choose another --output-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def ensure_checkpoint(cfg: MegaRLConfig) -> Path:
@@ -154,7 +193,6 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                               f"loss.entropy_coef and stays within the two)")
     if not 0.0 <= cfg.reward.max_fail_frac <= 1.0:
         raise ConfigError(f"reward.max_fail_frac={cfg.reward.max_fail_frac} must be in [0, 1]")
-    prepare_sandbox(cfg)  # no isolation for sandboxed code here: no run, unless explicitly opted out
     _check_overlong(cfg)
     if cfg.rollout.filter_groups and cfg.rollout.group_size == 1:
         raise ConfigError("rollout.filter_groups=true with rollout.group_size=1: a group of one sample always has "

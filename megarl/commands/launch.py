@@ -76,6 +76,9 @@ def run(args) -> int:
     overrides = [o for path in overlays for o in overlay_overrides(path)] + list(args.overrides)
     cfg = load_run_config(args.config, overrides)
     hf, source = load_hf_config(cfg, overrides)
+    from megarl.preflight import check_config  # the data and model modules: only when the command runs
+
+    check_config(cfg, hf)  # the checks `megarl train` makes before it starts, before any process here
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None

@@ -50,6 +50,9 @@ def run(args) -> int:
     overrides = command_overrides(args.recovery, args.overlay, args.overrides)
     cfg = load_run_config(args.config, overrides)
     hf, source = load_hf_config(cfg, overrides)
+    from megarl.preflight import check_config  # the data and model modules: only when the command runs
+
+    check_config(cfg, hf)  # the checks `megarl train` makes before it starts, before any process here
     args.dry_run, args.launcher = True, None
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None

@@ -13,6 +13,7 @@ import socket
 from megarl import batch_invariant
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
+from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.roles import RoleEnv, current_role
 from megarl.rollout.base import engine_options, wants_routed_experts
 from megarl.rollout.engine_key import is_loopback
@@ -28,6 +29,10 @@ def register(sub) -> None:
                    help="continue the run in RUN_DIR from its newest valid checkpoint (same config; it keeps "
                         "writing to RUN_DIR)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--check", action="store_true",
+                   help="run every check a run makes before it starts (config, checkpoint, data, reward, agent), "
+                        "then exit without starting anything or writing a run directory")
+    add_overlay_flags(p)
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-3")
     p.set_defaults(func=run)
@@ -41,7 +46,7 @@ def run(args) -> int:
     if args.help_config:
         print("\n".join(describe_config()))
         return 0
-    overrides = list(args.overrides)
+    overrides = command_overrides(args.recovery, args.overlay, args.overrides)  # as `megarl launch` does
     if args.resume and args.output_dir:
         raise ConfigError("--resume RUN_DIR continues writing to RUN_DIR; drop --output-dir")
     if args.output_dir:
@@ -51,6 +56,11 @@ def run(args) -> int:
     cfg = load_run_config(args.config, overrides)
     if args.print_config:
         print(dump_yaml(cfg), end="")
+        return 0
+    if args.check:
+        from megarl.preflight import check_only
+
+        print(check_only(cfg))
         return 0
     role = current_role()
     take_all_secrets()  # held in memory from here on; /proc/<pid>/environ shows none (megarl/secret_env.py)
