@@ -354,7 +354,7 @@ def make_publisher(cfg, trainer, router, weights_dir: Path):
         host, port = socket.getfqdn(), cfg.placement.weight_sync_port or 29600
     return BroadcastPublisher(trainer, router, weights_dir, bucket_mb=cfg.rollout.bucket_mb, host=host, port=port,
                               backend=_backend(engines_elsewhere=bool(role.engine_addrs)),
-                              engine_dtype=cfg.engine_dtype)
+                              engine_dtype=cfg.engine_dtype, bind_host=cfg.placement.weight_sync_bind or None)
 
 
 def _backend(engines_elsewhere: bool) -> str:

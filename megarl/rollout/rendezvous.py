@@ -46,6 +46,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import os
 import socket
 import struct
@@ -56,6 +57,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megarl.errors import EngineError
+from megarl.rollout.engine_key import is_loopback
+
+log = logging.getLogger("megarl.publish")
 
 #: the key whose presence says the publish is over for everyone still receiving
 ABORT_KEY = "megarl/abort"
@@ -138,6 +142,10 @@ class RendezvousServer:
         self.store = dist.HashStore()
         self.store.set_timeout(timedelta(seconds=timeout_s))
         family, sockaddr = _addr(bind_host or host, port)
+        if not bind_host and not is_loopback(host) and is_loopback(sockaddr[0]):
+            log.warning("the weight broadcast host %r resolves to %s on this node, a loopback address engines on "
+                        "other nodes cannot reach; if they run elsewhere, set placement.weight_sync_bind to this "
+                        "node's cluster address (or 0.0.0.0 for every interface)", host, sockaddr[0])
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -254,7 +262,8 @@ class RendezvousStore(dist.Store):
             if "sock" in locals():
                 sock.close()
             raise EngineError(f"weight broadcast rendezvous {host}:{port} unreachable or refused this process's "
-                              f"secret ({type(e).__name__}: {e})") from e
+                              f"secret ({type(e).__name__}: {e}); it listens on the trainer's address for this host "
+                              "name unless placement.weight_sync_bind says otherwise") from e
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
             sock.close()
             raise EngineError(f"{host}:{port} is not this group's weight broadcast rendezvous (it does not hold "

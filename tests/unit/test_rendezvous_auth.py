@@ -10,6 +10,7 @@ the engine, intact.
 """
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,26 @@ def _try(fn) -> None:
         fn()
     except Exception:  # noqa: BLE001 - no engine joins: the connect times out, the test is elsewhere
         pass
+
+
+def test_every_interface_only_when_asked(tmp_path, monkeypatch):
+    """placement.weight_sync_bind=0.0.0.0 reaches the publisher's rendezvous, which then listens everywhere."""
+    import socket
+
+    from megarl.builder import load_run_config
+    from megarl.publish import make_publisher
+    from megarl.rollout.rendezvous import RendezvousServer, new_secret
+
+    for key in ("MEGARL_WEIGHT_SYNC_ADDR", "MEGARL_ENGINE_ADDRS"):
+        monkeypatch.delenv(key, raising=False)
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    cfg = load_run_config(tiny, ["rollout.weight_sync=broadcast"])
+    assert make_publisher(cfg, None, None, tmp_path).bind_host is None
+    cfg = load_run_config(tiny, ["rollout.weight_sync=broadcast", "placement.weight_sync_bind=0.0.0.0"])
+    assert make_publisher(cfg, None, None, tmp_path).bind_host == "0.0.0.0"
+    server = RendezvousServer("127.0.0.2", 0, new_secret(), bind_host="0.0.0.0")
+    try:
+        for addr in ("127.0.0.2", "127.0.0.1"):
+            socket.create_connection((addr, server.port), timeout=1).close()
+    finally:
+        server.close()
