@@ -1,12 +1,16 @@
 """Ending a run without losing it: a checkpoint before every way the loop can stop, and on a clock.
 
-* SIGTERM or SIGINT (a scheduler preempting the job, Ctrl-C): the train step in
-  flight finishes (it runs in a worker thread and cannot be abandoned half way),
-  a wait for a batch is abandoned, the step's publish is left to the resumed run,
-  the loop checkpoints the step reached and the run stops with :class:`RunStopped`,
-  whose exit code is :data:`EXIT_STOPPED` (75, "try again": a scheduler's job
-  script requeues on it, launch/slurm.sbatch). A second signal acts as without
-  this handler (SIGINT: KeyboardInterrupt; SIGTERM: the process ends at once).
+* A stop signal (SIGTERM, SIGUSR1 or SIGINT, megarl/stop_protocol.py: a scheduler
+  preempting the job, `megarl launch` passing a stop on, Ctrl-C) on rank 0, or on
+  any follower rank (rank 0 asks every rank at each step boundary,
+  ``DrivingTrainer.followers_stop_reason``): the train step in flight finishes (it
+  runs in a worker thread and cannot be abandoned half way), a wait for a batch is
+  abandoned, the step's publish is left to the resumed run, every rank checkpoints
+  the step reached, rank 0 writes the stop marker `megarl launch` named, and the run
+  stops with :class:`RunStopped`, whose exit code is :data:`EXIT_STOPPED` (75, "try
+  again": launch/slurm.sbatch requeues the job on it). A repeated signal changes
+  nothing. A checkpoint that cannot finish within ``logging.stop_grace_s`` is
+  reported in one line and the newest complete one stands; the run still exits 75.
 * An error from the train step (before its optimizer step happened), or the
   rollout loop's fatal error: checkpoint, then raise the error. The batch of a
   failed train step counts as a skipped step's (``ReplayBuffer.release``): its
@@ -32,19 +36,13 @@ from time import monotonic as _now  # a test drives the save clock
 from typing import Iterator
 
 from megarl.errors import TrainingError
+from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget, write_stop_marker
+from megarl.trainer.spmd import DrivingTrainer
 from megarl.types import Trajectory
 
 log = logging.getLogger("megarl.run_stop")
 
-#: exit code of a run stopped by SIGTERM/SIGINT after its checkpoint (sysexits' EX_TEMPFAIL): resume it
-EXIT_STOPPED = 75
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class RunStopped(TrainingError):
-    """The run was asked to stop (a signal) and checkpointed the step it reached; ``--resume`` continues it."""
-
-    exit_code = EXIT_STOPPED
+__all__ = ["EXIT_STOPPED", "RunStopped", "RunStops", "stop_on_signals"]
 
 
 class RunStops:
@@ -70,9 +68,19 @@ class RunStops:
         return self._stop_event
 
     async def _stop_now(self) -> None:
-        """Checkpoint the step reached and raise :class:`RunStopped`."""
-        await self._checkpoint()
-        raise RunStopped(f"stopped by {self._stop_reason} at step {self.step}, checkpointed; continue with "
+        """Checkpoint the step reached (every rank), write the stop marker and raise :class:`RunStopped`."""
+        stop_budget.start()  # a follower's signal, or one seen by the latch before the loop
+        if isinstance(self.trainer, DrivingTrainer):
+            self.trainer.stopped_by = self._stop_reason  # the followers exit with 75 too
+        try:
+            await self._checkpoint()
+            checkpointed = True
+        except Exception as e:  # noqa: BLE001 - the newest complete checkpoint stands; the stop goes on
+            stop_budget.unfinished(f"the checkpoint of step {self.step} ({type(e).__name__}: {e})")
+            checkpointed = False
+        write_stop_marker(self._stop_reason or "stop", self.step, checkpointed)
+        done = "checkpointed" if checkpointed else "not checkpointed (the newest checkpoint stands)"
+        raise RunStopped(f"stopped by {self._stop_reason} at step {self.step}, {done}; continue with "
                          f"`megarl train --resume RUN_DIR` (the same config)")
 
     async def _checkpoint_before_error(self, error: BaseException) -> None:
@@ -133,7 +141,12 @@ class RunStops:
             raise
 
     async def _after_step(self) -> None:
-        """At a step boundary: stop when asked to, else checkpoint when the step or time schedule says so."""
+        """At a step boundary: stop when asked to (here or on any rank), else checkpoint when the step or
+        time schedule says so."""
+        if not self.stop_requested and isinstance(self.trainer, DrivingTrainer):
+            reason = self.trainer.followers_stop_reason()
+            if reason is not None:
+                self.request_stop(reason)
         if self.stop_requested:
             await self._stop_now()
         every, every_s = self.cfg.logging.save_every, self.cfg.logging.save_every_s
@@ -146,19 +159,29 @@ class RunStops:
 
 @contextlib.contextmanager
 def stop_on_signals(controller: RunStops) -> Iterator[None]:
-    """While the loop runs, SIGTERM and SIGINT ask ``controller`` to stop (module doc); enter on the event loop."""
+    """While the loop runs, a stop signal asks ``controller`` to stop (module doc); enter on the event loop.
+
+    A signal the early latch already holds (megarl/stop_protocol.py) is a stop asked for at once; on exit the
+    handlers that were there before (the latch's) come back."""
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
+        stop_budget.start()
+        if controller.stop_requested:
+            log.warning("%s: already stopping", sig.name)
+            return
         log.warning("%s: checkpointing the step reached, then stopping (exit code %d)", sig.name, EXIT_STOPPED)
-        for s in _SIGNALS:  # a second signal acts as without this handler
-            loop.remove_signal_handler(s)
         controller.request_stop(sig.name)
 
-    for sig in _SIGNALS:
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    if early_stop.received is not None:
+        controller.request_stop(early_stop.received)
     try:
         yield
     finally:
-        for sig in _SIGNALS:
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+            if previous[sig] is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, previous[sig])

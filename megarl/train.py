@@ -8,28 +8,37 @@ replay its trainer and strategy calls (megarl/trainer/spmd.py).
 ``train(cfg, resume=RUN_DIR)`` continues a run from its newest valid checkpoint
 (megarl/resume.py): engines restart from the checkpoint's weights at its version,
 the trainer, strategy, replay buffer, dataset and RNG continue, and the run's logs
-are rewound to the checkpoint before new lines are appended. SIGTERM or SIGINT
-checkpoints the step reached and exits with code 75 (megarl/run_stop.py).
+are rewound to the checkpoint before new lines are appended.
+
+A stop signal (SIGTERM, SIGUSR1, SIGINT) on any trainer rank stops the run
+cleanly with exit code 75 (megarl/stop_protocol.py): in the loop every rank
+checkpoints the step reached (megarl/run_stop.py); before it (imports,
+preflight, engine start and model load, resume restore) the signal is latched
+and the run stops before its next phase, with nothing half written.
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import signal
-import sys
-from pathlib import Path
+from megarl.stop_protocol import RunStopped, early_stop, stop_budget, write_stop_marker
 
-from megarl.builder import StrategyWrapper, build_run, run_follower
-from megarl.cli import main as cli_main
-from megarl.config import MegaRLConfig
-from megarl.cpu_affinity import pin_process
-from megarl.errors import MegarlError
-from megarl.preflight import RunSetup, preflight
-from megarl.resume import ResumePoint, prepare_resume
-from megarl.rollout.engine_pool import PooledEngines
-from megarl.run_stop import stop_on_signals
-from megarl.trainer.parallel import init_ranks
-from megarl.trainer.spmd import receive_go, share_go
+if __name__ == "__main__":  # python -m megarl.train (the launchers): a stop during the imports below is latched
+    early_stop.install()
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from megarl.builder import Run, StrategyWrapper, build_run, run_follower  # noqa: E402
+from megarl.cli import main as cli_main  # noqa: E402
+from megarl.config import MegaRLConfig  # noqa: E402
+from megarl.cpu_affinity import pin_process  # noqa: E402
+from megarl.errors import MegarlError  # noqa: E402
+from megarl.preflight import RunSetup, preflight  # noqa: E402
+from megarl.resume import ResumePoint, prepare_resume  # noqa: E402
+from megarl.rollout.engine_pool import PooledEngines  # noqa: E402
+from megarl.run_stop import stop_on_signals  # noqa: E402
+from megarl.trainer.parallel import init_ranks  # noqa: E402
+from megarl.trainer.spmd import DrivingTrainer, receive_go, share_go  # noqa: E402
 
 
 def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
@@ -44,24 +53,30 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     Every input is checked before the run directory is made (or, resuming,
     before anything in it changes), so bad input leaves nothing half-written behind.
     """
-    rank, world = init_ranks()
-    if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
-        # rank 0 stops the run on SIGTERM/SIGINT and needs this rank for its checkpoint: it tells it when to exit
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        run_dir = Path(receive_go())
-        _pin_trainer(cfg)
-        run_follower(cfg, run_dir)
-        return run_dir
-    try:
-        setup = preflight(cfg, resume or cfg.logging.resume or None, world)
-    except MegarlError as e:
-        share_go(world, error=f"{type(e).__name__}: {e}")
-        raise
-    share_go(world, run_dir=str(setup.run_dir))
-    _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
-    point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
-    summary = asyncio.run(_train(cfg, setup, point, wrap_strategy, engine_pool))
+    stop_budget.configure(cfg.logging.stop_grace_s)
+    with early_stop.installed():  # a stop signal from here to the loop is latched (module doc)
+        rank, world = init_ranks()
+        if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
+            # its own stop signal reaches rank 0 at the next step boundary (megarl/trainer/spmd.py)
+            run_dir = Path(receive_go())
+            _pin_trainer(cfg)
+            run_follower(cfg, run_dir)
+            return run_dir
+        if early_stop.received is not None:  # during the imports: nothing written yet
+            share_go(world, stopped=early_stop.received)
+            raise _stopped_before("the imports", 0)
+        try:
+            setup = preflight(cfg, resume or cfg.logging.resume or None, world)
+        except MegarlError as e:
+            share_go(world, error=f"{type(e).__name__}: {e}")
+            raise
+        if early_stop.received is not None:  # the run directory holds its config at most: no checkpoint yet
+            share_go(world, stopped=early_stop.received)
+            raise _stopped_before("the preflight", 0)
+        share_go(world, run_dir=str(setup.run_dir))
+        _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
+        point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
+        summary = asyncio.run(_train(cfg, setup, point, wrap_strategy, engine_pool))
     (setup.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return setup.run_dir
 
@@ -69,12 +84,29 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
 async def _train(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None,
                  wrap_strategy: StrategyWrapper | None, engine_pool: PooledEngines | None = None) -> dict:
     async with await build_run(cfg, setup, resume, wrap_strategy, engine_pool) as run:
+        _stop_if_latched(run, "the engine start and model load")
         if resume is not None:
             run.restore(resume)
+            _stop_if_latched(run, "the resume restore")
         with stop_on_signals(run.controller):  # checkpoint, then exit with code 75 (megarl/run_stop.py)
             await run.controller.train(cfg.trainer.total_steps)
         run.save_final()
     return {"steps": run.controller.step, "version": run.trainer.version}
+
+
+def _stop_if_latched(run: Run, phase: str) -> None:
+    """A stop signal latched before the loop: stop now (the followers too), before anything new is written."""
+    if early_stop.received is None:
+        return
+    if isinstance(run.trainer, DrivingTrainer):
+        run.trainer.stopped_by = early_stop.received
+    raise _stopped_before(phase, run.controller.step)
+
+
+def _stopped_before(phase: str, step: int) -> RunStopped:
+    write_stop_marker(early_stop.received or "stop", step, checkpointed=False)
+    return RunStopped(f"stopped by {early_stop.received} after {phase}, before the loop (step {step}): nothing "
+                      f"new was written; run the same command again (a requeued job does)")
 
 
 def _pin_trainer(cfg: MegaRLConfig) -> None:

@@ -73,6 +73,7 @@ from safetensors.torch import load_file, save_file
 from megarl.errors import ScorerError
 from megarl.launch.roles import current_role
 from megarl.rollout.client import free_port
+from megarl.stop_protocol import stop_budget
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._dedicated_link import QueueLink, TcpLink, authkey_from_env
 from recovery._dedicated_scorer import (
@@ -291,7 +292,9 @@ class Dedicated(RecoveryStrategy):
         self._ensure_ready()
         self._state_reply = None
         self._link.put(("state", None))
-        self._wait_for(lambda: self._state_reply is not None, self.cfg.wait_timeout_s, "state_dict")
+        # a stopping run waits only for what is left of logging.stop_grace_s (megarl/stop_protocol.py)
+        self._wait_for(lambda: self._state_reply is not None, stop_budget.bound(self.cfg.wait_timeout_s),
+                       "state_dict")
         path = Path(self.ctx.run_dir) / "dedicated" / f"v{self._state_reply}"
         weights = {f.name: load_file(str(f)) for f in sorted(path.glob("*.safetensors"))}
         extra = {f.name: f.read_text() for f in sorted(path.glob("*.json"))}

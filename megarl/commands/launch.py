@@ -10,6 +10,10 @@ not fit ``placement.gpu_memory_gb`` is refused with exit code 1, before anything
 starts, naming the settings that would fit (a dry run prints the plan and
 commands, then refuses the same way); ``--skip-memory-check`` starts it anyway,
 and so does ``--bootstrap-check``, which loads no model.
+
+Stops: a stop signal to this command reaches the trainer ranks without any
+launcher killing one mid-checkpoint, and the command exits with 75 when the
+trainer stopped cleanly (megarl/launch/runner.py).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from megarl.launch import cluster, memory
 from megarl.launch.engine_key_env import ensure_run_keys
 from megarl.launch.overlays import overlay_overrides, recovery_overlay
 from megarl.launch.placement import load_hf_config, resolve_plan
-from megarl.launch.runner import run_commands
+from megarl.launch.role_commands import LaunchSettings, render
+from megarl.launch.runner import run_commands, stop_marker_for
 
 
 def register(sub) -> None:
@@ -80,7 +85,11 @@ def run(args) -> int:
 
     check_config(cfg, hf)  # the checks `megarl train` makes before it starts, before any process here
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
-    commands = plan.commands(launcher, python=sys.executable, bootstrap_check=args.bootstrap_check)
+    marker = stop_marker_for(cfg)
+    run_dir = cfg.logging.resume or cfg.logging.output_dir
+    settings = LaunchSettings(cfg.logging.stop_grace_s, tuple(cfg.placement.forward_env), str(marker),
+                              os.path.abspath(run_dir) if run_dir else "")
+    commands = render(plan, launcher, python=sys.executable, bootstrap_check=args.bootstrap_check, settings=settings)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
     if args.dry_run:
         if args.json:
@@ -108,7 +117,7 @@ def run(args) -> int:
                               f"{', '.join(hosts)}")
         commands = mine
     ensure_run_keys(plan, launcher)  # in the environment the commands inherit, not on their command lines
-    return run_commands(commands)
+    return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s)
 
 
 def _memory_refusal(mem, skip: bool) -> int:

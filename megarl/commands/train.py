@@ -3,12 +3,21 @@
 A process a launcher started for a server role of a plan (``MEGARL_ROLE=engine``
 or ``dedicated``, megarl/launch/roles.py) runs the same command with the same
 config and serves that role instead of training.
+
+A stop signal (megarl/stop_protocol.py) is a stop for these roles too, not a
+failure: an engine shuts down and exits with 75; the dedicated scorer keeps
+serving the trainer's checkpoint (the trainer ends it, exit 0) and exits with
+75 once ``logging.stop_grace_s`` passed without that. `megarl launch` counts
+either as the run stopping (megarl/launch/runner.py).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import signal
 import socket
+import threading
 
 from megarl import batch_invariant
 from megarl.config.loader import dump_yaml
@@ -19,6 +28,9 @@ from megarl.rollout.base import engine_options, wants_routed_experts
 from megarl.rollout.engine_key import is_loopback
 from megarl.rollout.server import serve
 from megarl.secret_env import take_all_secrets
+from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget
+
+log = logging.getLogger("megarl.serve_role")
 
 
 def register(sub) -> None:
@@ -39,6 +51,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    early_stop.install()  # a stop signal while the modules below load is latched (megarl/stop_protocol.py)
     # the loop's modules (torch, Megatron, the strategies) load only when the command runs, not for `megarl --help`
     from megarl.builder import describe_config, load_run_config
     from megarl.train import train
@@ -74,6 +87,10 @@ def run(args) -> int:
 
 def serve_role(cfg, role: RoleEnv) -> None:
     """A process launched for a server role of a plan: a rollout engine, or the dedicated old-logit scorer."""
+    stop_budget.configure(cfg.logging.stop_grace_s)
+    if early_stop.received is not None:
+        raise RunStopped(f"{role.role}: stopped by {early_stop.received} before it started serving")
+    _stop_role_on_signals(role.role, cfg.logging.stop_grace_s)
     if role.role == "engine":
         tp = {"tensor_parallel_size": role.server_tp} if role.server_tp > 1 else {}
         if tp and cfg.rollout.backend != "vllm":
@@ -102,3 +119,33 @@ def engine_host(role: RoleEnv) -> str:
     except OSError as e:
         raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e})") from None
     return "0.0.0.0" if is_loopback(addr) else addr
+
+
+def _stop_role_on_signals(role: str, grace_s: float) -> None:
+    """Stop signals end a server role with exit code 75 (module doc); main thread only (signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def engine_stop(signum, frame) -> None:
+        for s in STOP_SIGNALS:  # the shutdown below runs once
+            signal.signal(s, signal.SIG_IGN)
+        raise RunStopped(f"engine: stopped by {signal.Signals(signum).name}")
+
+    def scorer_stop(signum, frame) -> None:
+        if stop_budget.started:
+            return
+        stop_budget.start()
+        log.warning("%s: serving the trainer's checkpoint for at most %g s (logging.stop_grace_s)",
+                    signal.Signals(signum).name, grace_s)
+        timer = threading.Timer(grace_s, _exit_stopped, args=(signal.Signals(signum).name, grace_s))
+        timer.daemon = True
+        timer.start()
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, engine_stop if role == "engine" else scorer_stop)
+
+
+def _exit_stopped(name: str, grace_s: float) -> None:
+    stop_budget.unfinished(f"the dedicated scorer's wait for the trainer to end it after {name}")
+    logging.shutdown()
+    os._exit(EXIT_STOPPED)  # from a timer thread: the scorer has nothing of its own to save

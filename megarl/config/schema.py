@@ -280,6 +280,8 @@ class LoggingConfig:
     """Checkpoints kept (the newest ones; 0 = all)."""
     max_save_failures: int = 3
     """Periodic checkpoints (logging.save_every) that may fail in a row (disk full, I/O error) before the run stops; a failed one leaves nothing that looks valid, the previous one is kept and the next save tries again (>= 1; 1 = stop at the first failure)."""
+    stop_grace_s: float = 90.0
+    """Stop budget (> 0): from a stop signal (SIGTERM, SIGUSR1, SIGINT) on, the seconds the run may take to checkpoint and stop with exit code 75; every wait on that path (the dedicated scorer's state, an engine restart, engine shutdown) is cut to what is left of it, and what did not finish is reported in one line. Give the scheduler's warning at least this plus ~30 s (docs/guide.md, Preemption)."""
     resume: str = ""
     """Run directory to continue from its newest valid checkpoint (`megarl train --resume RUN_DIR` sets it; launch plans pass it to every rank); the run keeps writing there."""
 
@@ -333,6 +335,8 @@ class PlacementConfig:
     """Memory of one GPU in GB (gpu only): `megarl plan` refuses a layout whose trainer, engine or dedicated-scorer GPU would need more (H100: 80, H200: 141)."""
     model_config: str = ""
     """YAML of HF config.json fields that plans are validated against when model.checkpoint has no config.json on this machine (dry runs away from the cluster's disk)."""
+    forward_env: list[str] = field(default_factory=list)
+    """Names of environment variables mpirun passes on to remote ranks besides PATH, LD_LIBRARY_PATH and every NCCL_*, HF_*, CUDA_*, MEGARL_*, TORCH_*, OMP_*, VLLM_*, PYTHON* one (run secrets never travel this way), e.g. [WANDB_API_KEY, TMPDIR]."""
     cpu_affinity: CpuAffinityConfig = field(default_factory=CpuAffinityConfig)
     """Pin the trainer and the engines to CPU cores of their own, e.g. {trainer: [0], engines: [1]} (Linux)."""
 

@@ -13,23 +13,58 @@ TCP connection with ``MEGARL_DEDICATED_AUTHKEY``, a random key per run that no c
 engines with commands of their own take requests only with the run's
 ``MEGARL_ENGINE_KEY`` (megarl/launch/engine_key_env.py), and serve on their
 node's address in the plan (``MEGARL_SERVER_HOST``).
+
+Stops (megarl/stop_protocol.py): torchrun gets a ``--shutdown-timeout`` longer
+than ``logging.stop_grace_s`` and handles SIGUSR1 too, so a stop it passes on
+never ends in its SIGKILL mid-checkpoint. Slurm steps ask for GPUs with
+``--gpus-per-node``, the form launch/slurm.sbatch asks with (a step's
+``--gres=gpu:N`` beside the ``SLURM_GPUS_PER_NODE`` the batch environment
+passes on is refused by recent Slurm), and each step writes its own log.
+mpirun passes the user's environment on to remote ranks (:func:`forwarded_env`),
+never a run secret.
 """
 from __future__ import annotations
 
 import os
 import shlex
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megarl.errors import ConfigError
 from megarl.launch.cluster import compress_hosts
 from megarl.launch.engine_key_env import has_own_engines
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
 from megarl.secret_env import DEDICATED_AUTHKEY_ENV
+from megarl.stop_protocol import STOP_MARKER_ENV
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 CHECK_MODULE = "megarl.launch.rendezvous_check"
 AUTHKEY_ENV = DEDICATED_AUTHKEY_ENV
+#: run secrets: neither they nor the variables that say where to read one (NAME_FD, NAME_FILE) go into a
+#: forwarded list (each travels its own way, or not at all)
+SECRET_ENV = ("MEGARL_ENGINE_KEY", "MEGARL_DEDICATED_AUTHKEY", "MEGARL_AGENT_SERVICE_KEY")
+#: prefixes of the variables mpirun passes on to remote ranks (besides PATH, LD_LIBRARY_PATH, placement.forward_env)
+FORWARD_PREFIXES = ("NCCL_", "HF_", "CUDA_", "MEGARL_", "TORCH_", "PYTHON", "OMP_", "VLLM_")
+#: what torchrun waits for its workers after passing a stop on, beyond logging.stop_grace_s
+SHUTDOWN_MARGIN_S = 30
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What the commands take from the run config beyond the plan."""
+
+    stop_grace_s: float = 90.0
+    """logging.stop_grace_s: torchrun's shutdown timeout is this plus SHUTDOWN_MARGIN_S."""
+    forward_env: tuple[str, ...] = field(default=())
+    """placement.forward_env: more variable names mpirun passes on."""
+    stop_marker: str = ""
+    """The stop marker trainer rank 0 writes (MEGARL_STOP_MARKER; megarl/launch/runner.py); "" = none."""
+    log_dir: str = ""
+    """Where each Slurm step writes its log (the run directory when the config names it); "" = the working dir."""
+
+    def trainer_env(self) -> dict[str, str]:
+        return {STOP_MARKER_ENV: self.stop_marker} if self.stop_marker else {}
 
 
 @dataclass(frozen=True)
@@ -105,19 +140,25 @@ def _is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
+def _torchrun_stop(settings: LaunchSettings) -> list[str]:
+    """torchrun passes every stop signal on to its workers and waits for their checkpoint (module doc)."""
+    return [f"--shutdown-timeout={int(settings.stop_grace_s) + SHUTDOWN_MARGIN_S}",
+            f"--signals-to-handle={TORCHRUN_SIGNALS}"]
+
+
 # -- torchrun: one command per node, run on that node -----------------------------------------------
-def _torchrun(plan, python: str, check: bool) -> list[RoleCommand]:
+def _torchrun(plan, python: str, check: bool, settings: LaunchSettings) -> list[RoleCommand]:
     t = plan.trainer
     out = []
     for i, host in enumerate(t.hosts):
-        env = role_env(plan, "trainer", set_visible_devices=True)
+        env = {**role_env(plan, "trainer", set_visible_devices=True), **settings.trainer_env()}
         if len(t.hosts) == 1 and not plan.master_port_explicit:
             rdzv = ["--standalone", "--nnodes=1"]
         else:
             rdzv = [f"--nnodes={len(t.hosts)}", f"--node-rank={i}", f"--master-addr={plan.master_addr}",
                     f"--master-port={plan.master_port}"]
         argv = [*_env_prefix(env), python, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={t.ranks_per_node}",
-                *_entry(plan, python, check=check, module_flag=True)]
+                *_torchrun_stop(settings), *_entry(plan, python, check=check, module_flag=True)]
         name = "trainer" if len(t.hosts) == 1 else f"trainer.node{i}"
         out.append(RoleCommand(name, "trainer", host, tuple(argv), False))
     if check:
@@ -163,18 +204,24 @@ def _node_rank_script(hosts, argv_before: list[str], argv_after: list[str]) -> s
             f"{shlex.join(argv_after)}")
 
 
-def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
+def _slurm_step(plan, name: str, gpus: int, settings: LaunchSettings) -> list[str]:
+    """A step's GPUs in the batch's own form (--gpus-per-node, module doc) and its own log file."""
+    log = os.path.join(settings.log_dir, f"slurm-megarl-%j.{name}.out")
+    return [*([f"--gpus-per-node={gpus}"] if plan.device == "gpu" else []), *_slurm_cpus(plan, gpus),
+            *_slurm_mem(plan, gpus), "--exact", f"--job-name=megarl-{name}", f"--output={log}"]
+
+
+def _slurm(plan, python: str, check: bool, settings: LaunchSettings) -> list[RoleCommand]:
     t = plan.trainer
-    gpu = plan.device == "gpu"
-    env = role_env(plan, "trainer", set_visible_devices=False)
+    env = {**role_env(plan, "trainer", set_visible_devices=False), **settings.trainer_env()}
     srun = ["srun", f"--nodes={len(t.hosts)}", f"--ntasks={len(t.hosts)}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(t.hosts)}", *([f"--gres=gpu:{t.ranks_per_node}"] if gpu else []),
-            *_slurm_cpus(plan, t.ranks_per_node), *_slurm_mem(plan, t.ranks_per_node),
-            "--exact", "--kill-on-bad-exit=1", "--job-name=megarl-trainer"]
+            f"--nodelist={','.join(t.hosts)}", *_slurm_step(plan, "trainer", t.ranks_per_node, settings),
+            "--kill-on-bad-exit=1"]
     # static node ranks: rank 0 on the plan's first trainer host, where MASTER_ADDR and the engines point
     torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(t.hosts)}"]
     rest = [f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}",
-            f"--nproc-per-node={t.ranks_per_node}", *_entry(plan, python, check=check, module_flag=True)]
+            f"--nproc-per-node={t.ranks_per_node}", *_torchrun_stop(settings),
+            *_entry(plan, python, check=check, module_flag=True)]
     out = [RoleCommand("trainer", "trainer", "", tuple(srun + _env_prefix(env)
                                                        + ["bash", "-c", _node_rank_script(t.hosts, torchrun, rest)]),
                        False)]
@@ -183,9 +230,7 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
     for s in plan.servers:
         if s.spawned:
             continue
-        srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *([f"--gres=gpu:{s.tp}"] if gpu else []),
-                *_slurm_cpus(plan, s.tp), *_slurm_mem(plan, s.tp),
-                "--exact", f"--job-name=megarl-{s.name}"]
+        srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *_slurm_step(plan, s.name, s.tp, settings)]
         prog = _entry(plan, python, check=False)
         env = role_env(plan, s.role, s, set_visible_devices=False)
         out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(env) + prog), True))
@@ -193,8 +238,20 @@ def _slurm(plan, python: str, check: bool) -> list[RoleCommand]:
 
 
 # -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
-def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: bool = False,
-                 engine_key: bool = False) -> list[str]:
+def forwarded_env(names: tuple[str, ...] = (), env=None) -> list[str]:
+    """The variables mpirun passes on to remote ranks: PATH, LD_LIBRARY_PATH, those of this environment that
+    start with :data:`FORWARD_PREFIXES`, and ``names`` (placement.forward_env) where set; never a run secret."""
+    env = os.environ if env is None else env
+    secret = [n for n in names if n.startswith(SECRET_ENV)]
+    if secret:
+        raise ConfigError(f"placement.forward_env names {', '.join(secret)}: a run secret never travels by "
+                          f"environment forwarding; drop it from placement.forward_env")
+    wanted = ["PATH", "LD_LIBRARY_PATH", *sorted(k for k in env if k.startswith(FORWARD_PREFIXES)), *names]
+    return [k for k in dict.fromkeys(wanted) if k in env and not k.startswith(SECRET_ENV)]
+
+
+def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], settings: LaunchSettings, *,
+                 authkey: bool = False, engine_key: bool = False) -> list[str]:
     """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY (which `megarl launch` makes when that has none);
     ``engine_key``: it needs MEGARL_ENGINE_KEY (which `megarl launch` makes when that has none)."""
     argv = ["mpirun", "-n", str(n)]
@@ -202,8 +259,8 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: b
         argv.append("--allow-run-as-root")
     local = plan.allocation.source == "local" and all(h == socket.gethostname() for h, _ in hosts_slots)
     if not local:
-        argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node",
-                 "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
+        argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node"]
+        argv += [a for name in forwarded_env(settings.forward_env) for a in ("-x", name)]
         if authkey:
             argv += ["-x", AUTHKEY_ENV]
         if engine_key:
@@ -214,15 +271,15 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], *, authkey: b
     return argv
 
 
-def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
+def _mpirun(plan, python: str, check: bool, settings: LaunchSettings) -> list[RoleCommand]:
     t = plan.trainer
-    env = role_env(plan, "trainer", set_visible_devices=True)
+    env = {**role_env(plan, "trainer", set_visible_devices=True), **settings.trainer_env()}
     if plan.master_port_explicit or len(t.hosts) > 1:
         env["MASTER_PORT"] = str(plan.master_port)
     if plan.master_addr != t.hosts[0] or len(t.hosts) > 1:
         env["MASTER_ADDR"] = plan.master_addr
-    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts], authkey=_has_own_dedicated(plan),
-                        engine_key=has_own_engines(plan))
+    base = _mpirun_base(plan, t.world_size, [(h, t.ranks_per_node) for h in t.hosts], settings,
+                        authkey=_has_own_dedicated(plan), engine_key=has_own_engines(plan))
     entry = tuple(base + _env_prefix(env) + _entry(plan, python, check=check))
     out = [RoleCommand("trainer", "trainer", "", entry, False)]
     if check:
@@ -231,17 +288,20 @@ def _mpirun(plan, python: str, check: bool) -> list[RoleCommand]:
         if s.spawned:
             continue
         # one process each: vLLM starts its own TP workers, the scorer is one rank (the plan refuses tp > 1)
-        base = _mpirun_base(plan, 1, [(s.host, 1)], authkey=s.role == "dedicated", engine_key=s.role == "engine")
+        base = _mpirun_base(plan, 1, [(s.host, 1)], settings, authkey=s.role == "dedicated",
+                            engine_key=s.role == "engine")
         env = role_env(plan, s.role, s, set_visible_devices=True)
         entry = tuple(base + _env_prefix(env) + _entry(plan, python, check=False))
         out.append(RoleCommand(s.name, s.role, "", entry, True))
     return out
 
 
-def render(plan, launcher: str, *, python: str, bootstrap_check: bool = False) -> list[RoleCommand]:
+def render(plan, launcher: str, *, python: str, bootstrap_check: bool = False,
+           settings: LaunchSettings | None = None) -> list[RoleCommand]:
     if launcher not in LAUNCHERS:
         raise ConfigError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
-    return {"torchrun": _torchrun, "slurm": _slurm, "mpirun": _mpirun}[launcher](plan, python, bootstrap_check)
+    return {"torchrun": _torchrun, "slurm": _slurm, "mpirun": _mpirun}[launcher](
+        plan, python, bootstrap_check, settings or LaunchSettings())
 
 
 # -- the human table ---------------------------------------------------------------------------------

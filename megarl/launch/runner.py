@@ -6,16 +6,41 @@ server dies first the others are stopped and the run fails. The dedicated
 scorer is the exception when it exits with 0: it does that when the trainer
 tells it to stop, at the end of training, while the trainer is still finishing.
 
-SIGTERM (a scheduler's warning before preemption or the time limit) goes on to
-the trainer only: it checkpoints and exits with code 75 (megarl/run_stop.py),
-which is returned; the servers it still needs until then are stopped after it.
+Stops (megarl/stop_protocol.py). A stop signal (SIGTERM, SIGUSR1, SIGINT) to
+this command is passed on to the trainer as SIGUSR1, the one signal torchrun
+(rendered with it in ``--signals-to-handle`` and a shutdown timeout longer
+than ``logging.stop_grace_s``), srun (which turns SIGTERM into a kill of every
+task) and mpirun all pass on to the ranks without killing them. A server that
+exits with 75, or any server exit once the run is stopping, is part of the
+stop, not a failure: the trainer is left to finish its checkpoint (a server
+stopped by the same preemption as the trainer). Whatever the launcher itself
+reports, the command exits with 75 when trainer rank 0 wrote the stop marker
+(after its checkpoint), so a job script can requeue on it.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from megarl.launch.role_commands import SHUTDOWN_MARGIN_S
+from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, read_stop_marker
+
+#: the signal that carries a stop to the trainer's launcher process (module doc)
+FORWARD_SIGNAL = signal.SIGUSR1
+
+
+def stop_marker_for(cfg) -> Path:
+    """Where trainer rank 0 writes the stop marker: in the run directory when the config names it (shared by
+    every node of a job), else under runs/ with the job's id (or this process's)."""
+    base = cfg.logging.resume or cfg.logging.output_dir
+    if base:
+        return (Path(base) / "stop.json").absolute()
+    job = os.environ.get("SLURM_JOB_ID") or str(os.getpid())
+    return (Path("runs") / f".megarl-stop-{job}.json").absolute()
 
 
 def _stop(procs: list[tuple[object, subprocess.Popen]], grace_s: float = 30.0) -> None:
@@ -31,46 +56,96 @@ def _stop(procs: list[tuple[object, subprocess.Popen]], grace_s: float = 30.0) -
             p.wait()
 
 
-def run_commands(commands: list, *, poll_s: float = 0.5) -> int:
-    """Run RoleCommands (servers first); returns the trainer's exit code (or the first failure's)."""
+class _Stopping:
+    """The run's stop: when it began and the trainer processes it was passed on to."""
+
+    def __init__(self, trainers: list[subprocess.Popen]) -> None:
+        self.trainers = trainers
+        self.since: float | None = None
+
+    def begin(self, why: str) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            print(f"[megarl launch] {why}: passing the stop on to the trainer ranks ({FORWARD_SIGNAL.name}); they "
+                  f"checkpoint, then the run exits with {EXIT_STOPPED}", file=sys.stderr, flush=True)
+        for p in self.trainers:
+            if p.poll() is None:
+                p.send_signal(FORWARD_SIGNAL)
+
+
+def _stopped_cleanly(marker: Path | None) -> bool:
+    info = read_stop_marker(marker) if marker is not None else None
+    if info is None:
+        return False
+    kept = "checkpointed" if info.get("checkpointed") else "the newest earlier checkpoint stands"
+    print(f"[megarl launch] the trainer stopped on {info.get('signal')} at step {info.get('step')} ({kept}); "
+          f"exit code {EXIT_STOPPED}: resume the run", file=sys.stderr, flush=True)
+    marker.unlink(missing_ok=True)
+    return True
+
+
+def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | None = None,
+                 stop_grace_s: float = 90.0) -> int:
+    """Run RoleCommands (servers first); returns the trainer's exit code (or the first failure's), 75 for a
+    clean stop (module doc). ``stop_marker``: the file the trainer's commands name in MEGARL_STOP_MARKER."""
     ordered = sorted(commands, key=lambda c: not c.server)
     procs: list[tuple[object, subprocess.Popen]] = []
+    if stop_marker is not None:
+        stop_marker.unlink(missing_ok=True)  # a marker of an earlier launch says nothing about this one
+    trainer_procs: list[subprocess.Popen] = []
+    stopping = _Stopping(trainer_procs)
+    # the trainer's own stop path takes up to stop_grace_s, torchrun waits SHUTDOWN_MARGIN_S more for its workers
+    give_up_s = stop_grace_s + 2 * SHUTDOWN_MARGIN_S
 
-    def forward_term(signum, frame) -> None:
-        print("[megarl launch] SIGTERM: the trainer checkpoints and stops", file=sys.stderr, flush=True)
-        for c, p in procs:
-            if not c.server and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+    def on_signal(signum, frame) -> None:
+        stopping.begin(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, forward_term)
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
         for c in ordered:
             print(f"[megarl launch] starting {c.name}: {c.shell()}", file=sys.stderr, flush=True)
-            procs.append((c, subprocess.Popen(list(c.argv))))
-        trainers = [(c, p) for c, p in procs if not c.server]
+            p = subprocess.Popen(list(c.argv))
+            procs.append((c, p))
+            if not c.server:
+                trainer_procs.append(p)
+            if stopping.since is not None:  # a stop before everything started: start nothing more
+                break
+        reported: set[str] = set()
         while True:
+            trainers_running = any(p.poll() is None for p in trainer_procs)
             for c, p in procs:
                 rc = p.poll()
                 if rc is None:
                     continue
-                if c.server and trainers and not (c.role == "dedicated" and rc == 0):
+                if c.server and trainers_running and not (c.role == "dedicated" and rc == 0):
+                    if rc == EXIT_STOPPED or stopping.since is not None:
+                        if c.name not in reported:
+                            reported.add(c.name)
+                            stopping.begin(f"{c.name} stopped (exit code {rc})")
+                        continue
                     print(f"[megarl launch] {c.name} exited with {rc} before the trainer finished; stopping the run",
                           file=sys.stderr, flush=True)
                     _stop(procs)
                     return rc or 1
                 if not c.server and rc != 0:
+                    _stop(procs)
+                    if _stopped_cleanly(stop_marker):
+                        return EXIT_STOPPED
                     print(f"[megarl launch] {c.name} failed with exit code {rc}; stopping the run",
                           file=sys.stderr, flush=True)
-                    _stop(procs)
                     return rc
-            if trainers and all(p.poll() is not None for _, p in trainers):
+            if trainer_procs and not trainers_running:
                 _stop(procs)
-                return 0
-            if not trainers and all(p.poll() is not None for _, p in procs):
+                return EXIT_STOPPED if _stopped_cleanly(stop_marker) else 0
+            if not trainer_procs and all(p.poll() is not None for _, p in procs):
                 return max((p.returncode for _, p in procs), default=0)
+            if stopping.since is not None and time.monotonic() - stopping.since > give_up_s:
+                print(f"[megarl launch] the trainer did not stop within {give_up_s:g} s of the stop "
+                      f"(logging.stop_grace_s={stop_grace_s:g} + {2 * SHUTDOWN_MARGIN_S} s); killing the run",
+                      file=sys.stderr, flush=True)
+                _stop(procs, grace_s=5.0)
+                return EXIT_STOPPED if _stopped_cleanly(stop_marker) else 1
             time.sleep(poll_s)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

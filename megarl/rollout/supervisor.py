@@ -45,6 +45,7 @@ from megarl.rollout.base import slowest_phases
 from megarl.rollout.client import stop_engine_process
 from megarl.rollout.generate_deadline import DeadlineMissed, GenerateDeadlines
 from megarl.rollout.router import group_ranks
+from megarl.stop_protocol import stop_budget
 from megarl.types import GenerateRequest, GenerateResult
 
 log = logging.getLogger("megarl.supervisor")
@@ -135,8 +136,11 @@ class EngineSupervisor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for launch in list(self._launching):  # a restart still starting: stop what it brings up
-            try:
-                proc, client = await launch
+            try:  # while a run stops, for what is left of logging.stop_grace_s (megarl/stop_protocol.py)
+                proc, client = await asyncio.wait_for(asyncio.shield(launch), stop_budget.remaining())
+            except asyncio.TimeoutError:
+                stop_budget.unfinished("an engine restart still starting at close (it exits with this process)")
+                continue
             except Exception:  # noqa: BLE001 - it failed to start: nothing to stop
                 continue
             await client.close()
@@ -144,7 +148,7 @@ class EngineSupervisor:
                 await asyncio.to_thread(self.stop, proc, 30.0)
         await asyncio.gather(*(s.client.close() for s in self.slots), return_exceptions=True)
         procs = [s.proc for s in self.slots if s.proc is not None]
-        await asyncio.gather(*(asyncio.to_thread(self._stop_at_close, p, 30.0) for p in procs),
+        await asyncio.gather(*(asyncio.to_thread(self._stop_at_close, p, stop_budget.bound(30.0)) for p in procs),
                              return_exceptions=True)
 
     def _write_pid(self, slot: _Slot) -> None:
@@ -208,7 +212,9 @@ class EngineSupervisor:
         await old_client.close()
         if old_proc is not None:  # a silent engine must stop for good; also reaps its engine-core children
             await asyncio.to_thread(self.stop, old_proc, 5.0)
-        while self.launch is not None and slot.launches < self.max_restarts and not self._closed:
+        # no restart once the run stops: a stop signal may have reached the engine as well (the same preemption)
+        while (self.launch is not None and slot.launches < self.max_restarts and not self._closed
+               and not stop_budget.started):
             slot.launches += 1
             launch = asyncio.ensure_future(asyncio.to_thread(self.launch, slot.index))
             self._launching.add(launch)

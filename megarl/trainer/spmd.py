@@ -24,6 +24,11 @@ follower replays it on its own trainer and strategy, in the same order:
   consistently;
 * ``train_step``, ``save_hf_checkpoint`` and ``export_hf_weights``
   (``DrivingTrainer``; followers consume the export's gathers and drop the tensors);
+* stops (megarl/run_stop.py): at every step boundary rank 0 asks every rank
+  whether it caught a stop signal (``stop_poll``, an all-gather of each rank's
+  latch, megarl/stop_protocol.py), so a signal that reached only a follower stops
+  the run too; the final ``stop`` event says whether the run stopped on a signal,
+  and then every follower exits with 75 like rank 0;
 * checkpoints: ``save_state`` / ``load_state`` (``DrivingTrainer.save_rank_states`` /
   ``load_rank_states``). Rank 0 announces the checkpoint directory, then every
   rank writes (reads) its own ``trainer/rank{r}.pt`` and ``strategy/rank{r}.pt``
@@ -44,6 +49,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint import load_rank_state, save_rank_state
 from megarl.errors import CheckpointError, MegarlError
+from megarl.stop_protocol import RunStopped, early_stop
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 #: a trajectory's per-token lists; an append extends them one after the other
@@ -60,17 +66,21 @@ def frozen_copy(traj: Trajectory) -> Trajectory:
     return Trajectory.from_dict(d)
 
 
-def share_go(world: int, *, run_dir: str = "", error: str = "") -> None:
-    """Rank 0: tell the other trainer ranks that the run starts in ``run_dir``, or why it does not (``error``)."""
+def share_go(world: int, *, run_dir: str = "", error: str = "", stopped: str = "") -> None:
+    """Rank 0: tell the other trainer ranks that the run starts in ``run_dir``, or why it does not (``error``;
+    ``stopped``: a stop signal, before anything was written)."""
     if world > 1:
-        dist.broadcast_object_list([run_dir, error], src=0)
+        dist.broadcast_object_list([run_dir, error, stopped], src=0)
 
 
 def receive_go() -> str:
-    """A follower: rank 0's run directory once its checks passed; MegarlError with its reason when they failed."""
-    box: list[Any] = [None, None]
+    """A follower: rank 0's run directory once its checks passed; MegarlError with its reason when they failed,
+    RunStopped when rank 0 stopped on a signal first."""
+    box: list[Any] = [None, None, None]
     dist.broadcast_object_list(box, src=0)
-    run_dir, error = box
+    run_dir, error, stopped = box
+    if stopped:
+        raise RunStopped(f"rank 0 stopped by {stopped} before the run started")
     if error:
         raise MegarlError(f"rank 0 refused the run: {error}")
     return run_dir
@@ -209,6 +219,8 @@ class DrivingTrainer:
     def __init__(self, trainer, channel: ControlChannel) -> None:
         self.trainer = trainer
         self.channel = channel
+        #: the stop signal the run stopped on (set by megarl/run_stop.py); sent with the final ``stop``
+        self.stopped_by: str | None = None
 
     @property
     def version(self) -> int:
@@ -250,9 +262,21 @@ class DrivingTrainer:
             self.channel.send(("load_state", step_dir))
             _run_on_all(self.channel, lambda: load_rank_state(step_dir, self.trainer, strategy))
 
+    def followers_stop_reason(self) -> str | None:
+        """At a step boundary: the first stop signal a follower rank caught (``"SIGTERM on rank 1"``), or None."""
+        with self.channel.lock:
+            self.channel.send(("stop_poll",))
+            return _stop_votes(self.channel, None)
+
     def stop_followers(self) -> None:
         with self.channel.lock:
-            self.channel.send(("stop",))
+            self.channel.send(("stop", self.stopped_by))
+
+
+def _stop_votes(channel: ControlChannel, mine: str | None) -> str | None:
+    box: list[Any] = [None] * dist.get_world_size(channel.group)
+    dist.all_gather_object(box, mine, group=channel.group)
+    return next((f"{sig} on rank {r}" for r, sig in enumerate(box) if sig is not None), None)
 
 
 def _run_on_all(channel: ControlChannel, fn) -> None:
@@ -328,7 +352,11 @@ def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: Fo
             _run_on_all(channel, lambda path=event[1]: save_rank_state(path, trainer, strategy.state_dict()))
         elif kind == "load_state":
             _run_on_all(channel, lambda path=event[1]: load_rank_state(path, trainer, strategy))
+        elif kind == "stop_poll":
+            _stop_votes(channel, early_stop.received)
         elif kind == "stop":
+            if len(event) > 1 and event[1]:
+                raise RunStopped(f"rank 0 stopped the run ({event[1]}) after the checkpoint every rank wrote")
             return
         else:
             raise RuntimeError(f"unknown control event {kind!r}")

@@ -168,7 +168,8 @@ def test_cpu_plan_spawns_local_servers():
     (cmd,) = plan.commands("torchrun", python="py")
     assert cmd.argv[:8] == ("env", "MEGARL_ROLE=trainer", "py", "-m", "torch.distributed.run", "--standalone",
                             "--nnodes=1", "--nproc-per-node=2")
-    assert cmd.argv[8:] == ("-m", "megarl.train", "--config", str(CFG_TINY), "placement.trainer_ranks=2",
+    assert cmd.argv[8:10] == ("--shutdown-timeout=120", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    assert cmd.argv[10:] == ("-m", "megarl.train", "--config", str(CFG_TINY), "placement.trainer_ranks=2",
                             "recovery.name=dedicated")
 
 
@@ -178,11 +179,11 @@ def test_commands_per_launcher():
     slurm = render(plan, "slurm", python="py")
     assert [c.name for c in slurm] == ["trainer", "engine0", "engine1", "engine2", "engine3"]
     tr = slurm[0].shell()
-    for piece in ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=g1,g2 --gres=gpu:8 --cpus-per-task=96",
+    for piece in ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=g1,g2 --gpus-per-node=8 --cpus-per-task=96",
                   "MEGARL_ENGINE_ADDRS=g3:8100,g3:8101,g4:8100,g4:8101", "--master-addr=g1 --master-port=29500",
                   '--nnodes=2 --node-rank="$r"', "--nproc-per-node=8"):
         assert piece in tr
-    assert "--nodelist=g3 --gres=gpu:4 --cpus-per-task=48" in slurm[1].shell()
+    assert "--nodelist=g3 --gpus-per-node=4 --cpus-per-task=48" in slurm[1].shell()
     assert "MEGARL_WEIGHT_SYNC_RANK=5" in slurm[2].shell() and slurm[2].server
     torchrun = render(plan, "torchrun", python="py")
     assert [(c.name, c.host) for c in torchrun[:2]] == [("trainer.node0", "g1"), ("trainer.node1", "g2")]
@@ -214,8 +215,10 @@ def test_slurm_trainer_node_rank_follows_the_plan_not_sorted_host_names():
         out = subprocess.run(["bash", "-c", trainer.argv[bash + 2]], capture_output=True, text=True,
                              env={**os.environ, "SLURMD_NODENAME": node})
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split()[:8] == ["-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
-                                          "--master-addr=gpu-b", "--master-port=29500", "--nproc-per-node=8", "-m"]
+        assert out.stdout.split()[:10] == ["-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                                           "--master-addr=gpu-b", "--master-port=29500", "--nproc-per-node=8",
+                                           "--shutdown-timeout=120",
+                                           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m"]
     out = subprocess.run(["bash", "-c", trainer.argv[bash + 2]], capture_output=True, text=True,
                          env={**os.environ, "SLURMD_NODENAME": "gpu-c"})
     assert out.returncode == 1 and "node gpu-c is not a trainer host (gpu-b,gpu-a)" in out.stderr
@@ -230,9 +233,9 @@ def test_slurm_steps_take_a_share_of_the_node_memory():
     assert cluster._slurm_mem_mb({}, None, meminfo="/nonexistent") is None
     cmds = render(plan_for(CFG_30B, alloc=cluster.from_slurm({**env, "SLURM_MEM_PER_NODE": "1024000"})), "slurm",
                   python="py")
-    assert "--gres=gpu:8 --cpus-per-task=96 --mem=1024000M --exact" in cmds[0].shell()
+    assert "--gpus-per-node=8 --cpus-per-task=96 --mem=1024000M --exact" in cmds[0].shell()
     engines = [c for c in cmds if c.role == "engine"]
-    assert [c.shell().count("--nodelist=g3 --gres=gpu:4 --cpus-per-task=48 --mem=512000M --exact")
+    assert [c.shell().count("--nodelist=g3 --gpus-per-node=4 --cpus-per-task=48 --mem=512000M --exact")
             for c in engines] == [1, 1, 0, 0]
 
 
@@ -369,7 +372,8 @@ def test_runner_passes_sigterm_to_the_trainer_and_returns_its_exit_code(tmp_path
     def on_term(name, code):
         return (f"import signal, sys, time\n"
                 f"def bye(*_):\n    open({str(log)!r}, 'a').write('{name}\\n'); sys.exit({code})\n"
-                f"signal.signal(signal.SIGTERM, bye)\nopen({str(log)!r} + '.{name}', 'w').close()\n"
+                f"signal.signal(signal.SIGTERM, bye)\nsignal.signal(signal.SIGUSR1, bye)\n"
+                f"open({str(log)!r} + '.{name}', 'w').close()\n"
                 f"time.sleep(60)\n")
 
     driver = textwrap.dedent(f"""
