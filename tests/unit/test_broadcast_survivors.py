@@ -20,7 +20,9 @@ from test_publish import REPO, REQUEST, CheckpointExporter, engine_matches
 STEP_TIMEOUT_S = 20.0
 
 
-def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_path, monkeypatch):
+def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_path, monkeypatch, caplog, capfd):
+    """The module doc's run; besides, no group's secret reaches a log (this process's, the sender's output,
+    an engine's log file)."""
     from broadcast_faults import KILL_ENV, WatchdogBroadcaster
 
     import megarl.publish
@@ -42,6 +44,8 @@ def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_p
         return fakes[-1], store, device
 
     monkeypatch.setattr(weight_sync, "_make_group", nccl_like_receivers)
+    made, new_secret = [], weight_sync.new_secret
+    monkeypatch.setattr(weight_sync, "new_secret", lambda: made.append(new_secret()) or made[-1])
 
     def launch(i: int):
         return launch_engine_process(str(base), "hf", log_path=str(tmp_path / f"engine{i}.log"))
@@ -83,7 +87,11 @@ def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_p
             pub.close()
             await sup.close()
 
+    caplog.set_level("DEBUG")
     fallback_s, res1, res2 = asyncio.run(main())
+    out, err = capfd.readouterr()
+    logs = caplog.text + out + err + "".join(p.read_text() for p in tmp_path.glob("engine*.log"))
+    assert len(made) == 2 and not [s for s in made if s in logs], "a group's secret was printed"
     print(f"\nlost engine, NCCL receive semantics: the survivor on the disk copy after {fallback_s:.2f} s")
     assert fallback_s < STEP_TIMEOUT_S / 2, f"the survivor waited for the communicator's timeout ({fallback_s:.1f} s)"
     assert set(res1.versions) == {1} and engine_matches(Path(other), res1) < 1e-4
