@@ -60,19 +60,34 @@ def scrubbed_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[st
     return env
 
 
-def _wipe_initial_value(name: str) -> None:
-    """Overwrite ``name``'s value in the C environment (the exec-time block /proc/<pid>/environ reads)."""
+def _initial_env_block() -> tuple[int, int] | None:
+    """Where this process's exec-time environment lies in its memory (/proc/self/stat: env_start, env_end)."""
     try:
-        environ = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
-    except (OSError, ValueError, AttributeError):
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # fields 50 and 51 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
+    return (start, end) if 0 < start < end else None
+
+
+def _wipe_initial_value(name: str) -> None:
+    """Overwrite ``name``'s value in the exec-time environment block, which /proc/<pid>/environ reads. Found by
+    address, not through the C ``environ`` array: code that rebuilds the environment (``os.environ.clear()``
+    then ``update``) leaves the block in place but no longer points to it."""
+    block = _initial_env_block()
+    if block is None:
         return
+    start, end = block
+    raw = ctypes.string_at(start, end - start)
     prefix = (name + "=").encode()
-    i = 0
-    while environ[i]:
-        entry = ctypes.string_at(environ[i])
-        if entry.startswith(prefix):
-            ctypes.memset(environ[i] + len(prefix), ord("x"), len(entry) - len(prefix))
-        i += 1
+    at = 0
+    while (hit := raw.find(prefix, at)) != -1:
+        if hit == 0 or raw[hit - 1] == 0:  # the start of an entry, not the middle of another's value
+            value_end = raw.find(b"\0", hit)
+            value_end = len(raw) if value_end == -1 else value_end
+            ctypes.memset(start + hit + len(prefix), ord("x"), value_end - hit - len(prefix))
+        at = hit + len(prefix)
 
 
 def _read_fd(name: str, text: str) -> str:

@@ -148,6 +148,8 @@ def test_strategy_over_tcp_is_exact_and_the_role_exits_on_stop(ckpt, tmp_path, m
         batch, trajs, params = drive_history(strat, trainer, loop, extra_step=True)
         assert isinstance(strat._link, link.TcpLink)  # not a spawned child
         anchor = strat.anchor(batch, trajs)
+        # the role (serving, so past its start) took its key: /proc/<pid>/environ shows it to no other process
+        assert b"unit-test-key" not in Path(f"/proc/{role.pid}/environ").read_bytes()
         report = verifier.compare(anchor.logp_anchor, verifier.true_logp_old(batch, params, trainer), batch)
         assert anchor.exact and report["n_tokens"] == 21 and report["max_abs_err"] <= 1e-6, report
         assert not any(math.isnan(x) for t in trajs for x in t.logp_old)
