@@ -6,6 +6,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
+bash scripts/install_slurm.sh  # the real Slurm of tests/e2e/test_preempt_slurm.py (fails in CI when it cannot)
 .venv/bin/ruff check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 exec .venv/bin/python -m pytest -q -rs --durations=20 "${@:-tests}"

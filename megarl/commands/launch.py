@@ -117,6 +117,8 @@ def run(args) -> int:
                               f"{', '.join(hosts)}")
         commands = mine
     ensure_run_keys(plan, launcher)  # in the environment the commands inherit, not on their command lines
+    if settings.log_dir:  # the Slurm steps' logs go there from their first line, before the preflight makes it
+        os.makedirs(settings.log_dir, exist_ok=True)
     return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s)
 
 

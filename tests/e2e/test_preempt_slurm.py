@@ -1,0 +1,85 @@
+"""launch/slurm.sbatch on a real single-node Slurm (tests/e2e/slurm_local.py), preempted and requeued.
+
+`sbatch launch/slurm.sbatch` runs the tiny CPU config (HF engine) through `megarl launch --launcher slurm`
+(the trainer is an srun step running torchrun). `scancel --signal=TERM --batch` reaches the batch shell alone,
+as --signal=B:... does before the time limit; the run must checkpoint the step it reached, exit 75 and requeue
+the job (Restarts=1); started again at once (StartTime=now), the job resumes from the checkpoint and trains to
+the end with every step once and no trajectory trained twice. Each srun step writes its own log.
+
+Slurm comes from scripts/install_slurm.sh (scripts/test.sh runs it); without it the test is skipped, except in
+CI (CI=true), where a missing Slurm fails it.
+"""
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from slurm_local import LocalSlurm, missing_tools
+from test_resume import jsonl
+
+TOTAL = 6
+RUN_ARGS = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.batch_size=32",
+            "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false", "eval.path=",
+            "logging.save_every=0", f"trainer.total_steps={TOTAL}"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = missing_tools()
+    if missing:
+        message = f"Slurm is not installed ({', '.join(missing)} missing): run bash scripts/install_slurm.sh"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_until(cond, what: str, cluster: LocalSlurm, log: Path, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            text = log.read_text()[-3000:] if log.exists() else "(no batch log)"
+            raise AssertionError(f"timed out waiting for {what}:\n{text}\n{cluster.logs()}")
+        time.sleep(0.5)
+
+
+def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt, tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "batch.out"
+    env = {**slurm.env, "OMP_NUM_THREADS": "1", "MEGARL_RUN_DIR": str(run), "MEGARL_ROOT": str(ROOT)}
+    # the node has no GPU: --gpus-per-node=0 overrides the script's #SBATCH --gpus-per-node=8
+    submit = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--open-mode=append",
+                             f"--output={log}", "launch/slurm.sbatch", *RUN_ARGS, f"model.checkpoint={ckpt}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    job = submit.stdout.strip().split(";")[0]
+    try:
+        wait_until(lambda: len(jsonl(run / "metrics.jsonl")) >= 2, "two trained steps", slurm, log)
+        subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=env, check=True)
+        wait_until(lambda: slurm.job(job).get("Restarts") == "1" and slurm.job(job).get("JobState") == "PENDING",
+                   "the requeue", slurm, log, timeout=180)
+        text = log.read_text()
+        k = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))[-1]
+        assert f"the trainer stopped on SIGUSR1 at step {k} (checkpointed); exit code 75" in text, text[-3000:]
+        assert f"requeueing job {job}" in text and "forcing job termination" not in text
+        assert k == len(jsonl(run / "metrics.jsonl"))
+        slurm.scontrol("update", f"jobid={job}", "StartTime=now")
+        wait_until(lambda: slurm.job(job).get("JobState") == "COMPLETED", "the resumed job", slurm, log, timeout=300)
+    finally:
+        subprocess.run(["scancel", job], env=env)
+    info = slurm.job(job)
+    assert (info["Restarts"], info["ExitCode"]) == ("1", "0:0"), info
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(1, TOTAL + 1))
+    assert [r["version"] for r in metrics] == list(range(1, TOTAL + 1))
+    trained = [i for r in jsonl(run / "trained_ids.jsonl") for i in r["traj_ids"]]
+    assert len(trained) == len(set(trained)) == TOTAL * 32, "a trajectory was trained twice"
+    assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
+    assert sorted(p.name for p in run.glob("slurm-megarl-*.out")) == [f"slurm-megarl-{job}.trainer.out"]
+    assert "logging.resume=" in log.read_text()  # the requeued run resumed, it did not start over
