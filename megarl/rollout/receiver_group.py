@@ -34,6 +34,9 @@ from megarl.errors import EngineError
 
 #: seconds between two looks at the rendezvous while a receive is pending
 POLL_S = 0.5
+#: the longest sleep between two completion checks: what a completed collective may wait to be seen (a bucket
+#: is three collectives; ``is_completed`` is what tells NCCL work done on the host, whose ``wait`` does not block)
+MAX_PAUSE_S = 1e-3
 
 
 class BroadcastLeft(EngineError):
@@ -94,5 +97,5 @@ class _BoundedWork:
             if now - start >= group.timeout_s:
                 group.leave(f"no data from the trainer for {group.timeout_s:g} s (the group's step deadline)")
             time.sleep(pause)
-            pause = min(2 * pause, 0.01)
+            pause = min(2 * pause, MAX_PAUSE_S)
         return work.wait()

@@ -1,0 +1,64 @@
+"""An engine's receive is bounded: it leaves at the publisher's abort mark, or after the step deadline.
+
+Rank 0 (this process, a thread) forms the group and then sends nothing: a
+trainer alive but silent, its rendezvous up. The gloo communicator's own
+timeout is 2 * timeout_s + 30 s (receiver_group.communicator_timeout), so
+what ends each wait here is the receiver's own bound.
+"""
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.rollout.client import free_port
+from megarl.rollout.receiver_group import POLL_S, BroadcastLeft
+from megarl.rollout.weight_sync import WeightBroadcaster, join_weight_group
+
+
+def _joined(timeout_s: float):
+    """(rank 0's broadcaster, rank 1's group): the group formed, nothing sent."""
+    sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=timeout_s)
+    th = threading.Thread(target=sender.connect)
+    th.start()
+    group, _store, _device = join_weight_group(sender.group_info(rank=1))
+    th.join(timeout=30)
+    return sender, group
+
+
+def test_a_receiver_leaves_at_the_abort_mark_within_one_poll():
+    sender, group = _joined(timeout_s=60)
+    try:
+        threading.Timer(0.3, sender.abort, args=("version 7: broadcast failed",)).start()
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastLeft, match="version 7: broadcast failed"):
+            group.broadcast(torch.empty(2, dtype=torch.int64), 0).wait()
+        left_s = time.monotonic() - t0
+        assert left_s < 0.3 + POLL_S + 0.5, left_s
+        with pytest.raises(BroadcastLeft, match="left before"):  # a left group is not used again
+            group.broadcast(torch.empty(2, dtype=torch.int64), 0)
+    finally:
+        sender.close()
+
+
+def test_a_receiver_leaves_a_silent_trainer_after_the_step_deadline():
+    sender, group = _joined(timeout_s=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastLeft, match="no data from the trainer for 2 s"):
+            group.broadcast(torch.empty(2, dtype=torch.int64), 0).wait()
+        assert 2 <= time.monotonic() - t0 < 4
+    finally:
+        sender.close()
+
+
+def test_a_receiver_leaves_when_the_rendezvous_is_gone():
+    sender, group = _joined(timeout_s=60)
+    try:
+        threading.Timer(0.3, sender.rendezvous.close).start()
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastLeft, match="the rendezvous is gone"):
+            group.broadcast(torch.empty(2, dtype=torch.int64), 0).wait()
+        assert time.monotonic() - t0 < 0.3 + POLL_S + 0.5
+    finally:
+        sender.close()
