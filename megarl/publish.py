@@ -140,7 +140,12 @@ class BroadcastPublisher:
     If the broadcast fails for an engine that is still alive, the live
     engines load the disk copy instead, so the version still lands everywhere.
     ``timeout_s`` bounds each step of the group (joining, one bucket): an
-    engine lost before it joined holds that publish up to this long.
+    engine lost before it joined holds that publish up to this long. When the
+    sender fails or misses a step's deadline, the publisher sets the abort mark
+    of the group's rendezvous at once (megarl/rollout/rendezvous.py, served from
+    this process): the engines still receiving leave the broadcast within a
+    poll, under NCCL too, where they would not notice the sender's end, and
+    their lock is free for the disk copy (megarl/rollout/receiver_group.py).
 
     The sending itself runs in a process of its own (megarl/rollout/broadcast_sender.py),
     which holds the group's communicator: under NCCL a lost engine aborts that process, not
