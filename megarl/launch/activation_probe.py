@@ -10,7 +10,10 @@ each storage once, parameters excluded). The two-layer minus the one-layer
 count is one layer's; two sequence lengths separate the part linear in the
 tokens from the attention score matrices of the local spec (quadratic in the
 row length; TransformerEngine's fused attention keeps none). A run with two
-vocabulary sizes gives the bytes the loss keeps per token and vocabulary entry.
+vocabulary sizes gives the bytes the loss keeps per token and vocabulary entry
+(and, returning the entropy, what the entropy bonus's path keeps on top),
+and the one-layer slice less its layer and its loss what the model keeps
+outside its layers (embedding output, final norm, output-layer input).
 
 MoE slices have :data:`PROBE_EXPERTS` experts (with the real top-k and expert
 width: what a token keeps goes through top-k experts whatever their number;
@@ -66,10 +69,34 @@ def build(hf: dict, recompute: str):
     return Float16Module(config, build_gpt_model(hf, config))
 
 
+def slice_bytes(hf: dict, mode: str, tokens: torch.Tensor) -> tuple[int, int]:
+    """Bytes the one-layer and the two-layer slice keep for ``tokens``."""
+    one, two = (saved_bytes(build(dict(hf, num_hidden_layers=n), mode), tokens) for n in (1, 2))
+    return one, two
+
+
 def layer_bytes(hf: dict, mode: str, tokens: torch.Tensor) -> int:
     """Bytes one layer keeps for ``tokens``: the two-layer slice's count minus the one-layer slice's."""
-    one, two = (saved_bytes(build(dict(hf, num_hidden_layers=n), mode), tokens) for n in (1, 2))
+    one, two = slice_bytes(hf, mode, tokens)
     return two - one
+
+
+def one_layer_hf(hf: dict) -> dict:
+    return dict(hf, num_hidden_layers=1)
+
+
+def entropy_bytes_per_vocab(hf: dict, tokens: torch.Tensor, v1: int, v2: int) -> float:
+    """Bytes the entropy bonus's path (megarl/models/entropy.py: an fp32 copy of the logits and its graph) keeps
+    per token and vocabulary entry: with the entropy returned less without, at two vocabulary sizes."""
+    from megarl.models import entropy
+
+    extra = []
+    for v in (v1, v2):
+        plain = saved_bytes(build(dict(hf, vocab_size=v), "none"), tokens)
+        model = build(dict(hf, vocab_size=v), "none")  # build_gpt_model installs the entropy path
+        with entropy.returning_entropy([model]):
+            extra.append(saved_bytes(model, tokens) - plain)
+    return (extra[1] - extra[0]) / (tokens.shape[1] - 1) / (v2 - v1)
 
 
 def measure(hf: dict, seqs: tuple[int, int] = (128, 256)) -> dict[str, Any]:
@@ -99,12 +126,19 @@ def measure(hf: dict, seqs: tuple[int, int] = (128, 256)) -> dict[str, Any]:
         out[mode] = {"bytes_per_token": round(b1 / s1 - quadratic * s1 + extra, 1),
                      "bytes_per_token_squared": round(max(quadratic, 0.0), 3)}
     s = seqs[0]
-    one = dict(small, num_hidden_layers=1)
+    one = one_layer_hf(small)
     v1, v2 = SMALL_VOCAB, 4 * SMALL_VOCAB
     toks = torch.randint(1, v1, (1, s + 1))
     b_small = saved_bytes(build(dict(one, vocab_size=v1), "none"), toks)
     b_large = saved_bytes(build(dict(one, vocab_size=v2), "none"), toks)
-    out["loss_bytes_per_token_per_vocab"] = round((b_large - b_small) / s / (v2 - v1), 3)
+    loss_per_vocab = (b_large - b_small) / s / (v2 - v1)
+    out["loss_bytes_per_token_per_vocab"] = round(loss_per_vocab, 3)
+    out["entropy_bytes_per_token_per_vocab"] = round(entropy_bytes_per_vocab(one_layer_hf(small), toks, v1, v2), 3)
+    # outside the layers: the embedding's output, the final norm and the output layer's input (a one-layer
+    # slice less its layer and its loss), kept once per micro-batch whatever the depth
+    one, two = slice_bytes(small, "none", tokens[s])
+    outside = (2 * one - two) / s - SMALL_VOCAB * loss_per_vocab
+    out["outside_layers_bytes_per_token"] = round(max(outside, 0.0), 1)
     return out
 
 

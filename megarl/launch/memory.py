@@ -12,10 +12,12 @@ Trainer GPU (bf16 or fp32 parameters, Megatron DDP, Adam):
   (megarl/launch/activation_probe.py) under ``trainer.recompute``, times the layers of a pipeline stage,
   the micro-batches in flight on the first stage (pp under 1F1B) and the tokens of one micro-batch (at
   least the longest row: prompt + response), split over tp by sequence parallelism; full recompute keeps
-  each layer's input plus one layer's activations rebuilt in the backward; the local spec
+  each layer's input plus one layer's activations rebuilt in the backward; what the model keeps outside its
+  layers (embedding output, final norm, output-layer input: measured, once per micro-batch); the local spec
   (``model.allow_local_spec``) adds its attention score matrices (quadratic in the row length);
 - logits: what the loss keeps per token and vocabulary entry (measured) plus the bf16 logits and their
-  fp32 copy alive while it runs (:data:`LOGITS_TRANSIENT`).
+  fp32 copy alive while it runs (:data:`LOGITS_TRANSIENT`); with the entropy bonus (``loss.entropy_coef``
+  or ``loss.entropy_target``) also what its path keeps (measured: an fp32 copy of the logits and its graph).
 - runtime: CUDA context, NCCL buffers and allocator slack (:data:`RUNTIME_RESERVE`, assumed).
 Engine GPU: vLLM takes :data:`VLLM_UTILIZATION` of the device: its weight shard, the KV cache the rest.
 Dedicated scorer GPU: forward-only weights (no gradients, no optimizer), one layer's activations and the
@@ -37,6 +39,11 @@ TABLE = Path(__file__).with_name("activation_table.yaml")
 GB = 1e9
 #: bytes per logit alive beside what the loss keeps while it runs: the bf16 logits and their fp32 copy
 LOGITS_TRANSIENT = 2 + 4
+#: bytes per token and vocabulary entry the entropy bonus keeps when the table has no measurement of its own
+#: (an fp32 copy of the logits and exp of it: 8 B; measured values come from megarl/launch/activation_probe.py)
+ENTROPY_BYTES_PER_ENTRY = 8.0
+#: bytes per logit alive for a moment while the entropy is computed (x - max, then exp(.) * x: fp32, one at a time)
+ENTROPY_TRANSIENT = 4
 #: vLLM's default gpu_memory_utilization: the share of the device an engine takes (weights + KV cache)
 VLLM_UTILIZATION = 0.9
 #: CUDA context, NCCL communicators and allocator fragmentation on a trainer or scorer GPU (assumed, bytes)
@@ -94,8 +101,9 @@ def _shards(hf: dict, t) -> tuple[float, float]:
 
 
 def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batch_tokens: int | None = None,
-                   table: dict[str, Any] | None = None) -> GpuMemory:
-    """Peak of one trainer GPU (module doc); ``recompute`` / ``micro_batch_tokens`` override the config's."""
+                   table: dict[str, Any] | None = None, entropy: bool | None = None) -> GpuMemory:
+    """Peak of one trainer GPU (module doc); ``recompute`` / ``micro_batch_tokens`` / ``entropy`` (the entropy
+    bonus's path) override the config's."""
     table = table or load_table()
     recompute = recompute or cfg.trainer.recompute
     row = longest_row(cfg, hf)
@@ -113,16 +121,24 @@ def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batc
         acts += entry["none"]["bytes_per_token"] * scale * TE_FACTOR * tokens / split
     notes = [f"{recompute} recompute, {tokens} tokens per micro-batch"
              + (f", activations scaled x{scale:.2f} from {name}" if name and abs(scale - 1) > 1e-9 else "")]
+    # the embedding's output, the final norm and the output layer's input: once per micro-batch in flight
+    acts += in_flight * entry.get("outside_layers_bytes_per_token", 0.0) * scale * TE_FACTOR * tokens / split
     if getattr(cfg.model, "allow_local_spec", False) and recompute == "none":
         # the local spec's attention keeps [heads, s, s] per row: rows of the longest length fill a micro-batch
         acts += layers * in_flight * entry["none"]["bytes_per_token_squared"] * tokens * row / split
     vocab = int(hf["vocab_size"]) / t.tp
+    per_entry = table["models"][name]["loss_bytes_per_token_per_vocab"] + LOGITS_TRANSIENT
+    # the entropy bonus (megarl/models/entropy.py): an fp32 copy of the logits and its graph, kept for backward
+    if entropy_bonus(cfg) if entropy is None else entropy:
+        per_entry += (table["models"][name].get("entropy_bytes_per_token_per_vocab", ENTROPY_BYTES_PER_ENTRY)
+                      + ENTROPY_TRANSIENT)
+        notes.append("entropy bonus on (loss.entropy_coef / loss.entropy_target): its logits path counted")
     return GpuMemory("trainer GPU", {
         "weights": (dense + experts) * (2 if bf16 else 4),
         "gradients": (dense + experts) * 4,
         "optimizer": opt_bytes * (dense / (t.dp if dist else 1) + experts / (t.expert_dp if dist else 1)),
         "activations": acts,
-        "logits": tokens * vocab * (table["models"][name]["loss_bytes_per_token_per_vocab"] + LOGITS_TRANSIENT),
+        "logits": tokens * vocab * per_entry,
         "runtime": RUNTIME_RESERVE,
     }, notes)
 
@@ -182,6 +198,10 @@ def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float) -> list[str]:
         if peak <= gpu_bytes and not (fixes and mode and tokens):  # a pair only when no single change fits
             said = [f"trainer.recompute={mode}"] * bool(mode) + [f"trainer.micro_batch_tokens={tokens}"] * bool(tokens)
             fixes.append(f"{' with '.join(said)} ({peak / GB:.1f} GB)")
+    if entropy_bonus(cfg):
+        peak = trainer_memory(cfg, hf, t, entropy=False).peak
+        if peak <= gpu_bytes:
+            fixes.append(f"loss.entropy_coef=0 with loss.entropy_target=null (no entropy bonus: {peak / GB:.1f} GB)")
     fixes.append("more GPUs per model copy (parallel.tp with sequence_parallel, parallel.pp, parallel.ep)")
     return fixes
 
@@ -215,3 +235,8 @@ def memory_plan(cfg, hf: dict, plan) -> MemoryPlan:
 def as_dict(mp: MemoryPlan) -> dict[str, Any]:
     return {"gpu_memory_gb": mp.gpu_bytes / GB, "problems": mp.problems,
             "gpus": [{**dataclasses.asdict(g), "peak": g.peak} for g in mp.gpus]}
+
+
+def entropy_bonus(cfg) -> bool:
+    """The loss runs the entropy path (a fixed bonus or an entropy target)."""
+    return cfg.loss.entropy_coef > 0 or cfg.loss.entropy_target is not None

@@ -102,3 +102,43 @@ def test_dedicated_scorer_is_weights_only():
     assert p.returncode == 1 and "the dedicated scorer needs" in p.stderr
     assert plan("--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "dedicated",
                 "placement.gpu_memory_gb=141").returncode == 0
+
+
+def test_outside_layers_and_the_entropy_path_by_hand():
+    table = {**TABLE, "models": {"toy": {**TABLE["models"]["toy"], "outside_layers_bytes_per_token": 300.0,
+                                         "entropy_bytes_per_token_per_vocab": 8.0}}}
+    m = memory.trainer_memory(config(), HF, layout(), table=table)
+    assert m.parts["activations"] == 4 * 1000.0 * 1000 + 300.0 * 1000  # the layers, then once outside them
+    assert m.parts["logits"] == 1000 * 1000 * (4 + 6)  # no entropy bonus: as before
+    cfg = config()
+    cfg.loss.entropy_coef = 0.001
+    on = memory.trainer_memory(cfg, HF, layout(), table=table)
+    # kept by the entropy path (8) and alive while it runs (4), per token and vocabulary entry
+    assert on.parts["logits"] == 1000 * 1000 * (4 + 6 + 8 + memory.ENTROPY_TRANSIENT)
+    cfg.loss.entropy_coef, cfg.loss.entropy_target = 0.0, 0.5  # an entropy target runs the same path
+    assert memory.trainer_memory(cfg, HF, layout(), table=table).parts["logits"] == on.parts["logits"]
+    assert memory.trainer_memory(cfg, HF, layout(), table=table, entropy=False).parts["logits"] == 1000 * 1000 * 10
+
+
+def test_the_30b_plan_with_the_entropy_bonus_is_refused_naming_the_key():
+    base = plan("--config", "configs/qwen3_30b_a3b_h100.yaml")
+    on = plan("--config", "configs/qwen3_30b_a3b_h100.yaml", "loss.entropy_coef=0.001")
+    grown = _part(on.stdout, "logits") - _part(base.stdout, "logits")
+    # 9216 tokens x 151,936 vocabulary entries x (8 kept + 4 transient) bytes
+    assert grown == pytest.approx(9216 * 151936 * 12 / GB, abs=0.06)
+    assert base.returncode == 0 and on.returncode == 1
+    assert "loss.entropy_coef=0 with loss.entropy_target=null" in on.stderr
+
+
+def _part(out: str, name: str) -> float:
+    return float(re.search(rf"trainer GPU: peak [\d.]+ GB \(.*?{name} ([\d.]+)", out).group(1))
+
+
+def test_the_readme_quotes_the_plans_peaks():
+    """README's "Qwen3-4B trainer GPU peak N GB ... Qwen3-30B-A3B M GB" are the plan's, rounded."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    quoted = re.search(r"Qwen3-4B trainer GPU peak (\d+) GB.*?Qwen3-30B-A3B (\d+) GB", text)
+    assert quoted, "README no longer quotes the two trainer peaks"
+    for config_file, gb in zip(("configs/qwen3_4b_h100.yaml", "configs/qwen3_30b_a3b_h100.yaml"), quoted.groups()):
+        peak = float(re.search(r"trainer GPU: peak ([\d.]+) GB", plan("--config", config_file).stdout).group(1))
+        assert round(peak) == int(gb), (config_file, peak, gb)
