@@ -78,6 +78,7 @@ def _check_all(cfg: MegaRLConfig, resume: str | Path | None, world_size: int, ck
     hf = json.loads((ckpt / "config.json").read_text())
     check_config(cfg, hf)
     prepare_sandbox(cfg)  # no isolation for sandboxed code on this host: no run, unless explicitly opted out
+    batch_invariant.check_host(cfg)
     if resume_from is not None:
         check_run_settings(cfg, read_manifest(resume_from), resume_from, world_size, hf)
     inputs = load_inputs(cfg, int(hf["vocab_size"]))
@@ -233,7 +234,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
                           f"trainer cannot reproduce from full logits, so r_d is biased; set rollout.top_p=1 and "
                           f"rollout.top_k=-1, or loss.allow_truncated_sampling=true to train anyway")
     check_routing_replay(cfg, hf)
-    batch_invariant.check(cfg)
+    batch_invariant.check(cfg, hf=hf)
 
 
 def check_routing_replay(cfg: MegaRLConfig, hf: dict) -> None:

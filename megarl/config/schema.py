@@ -152,7 +152,7 @@ class RolloutConfig:
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
     batch_invariant: bool = False
-    """"True on-policy" mode (GPU only, vllm engines): the trainer runs megatron-core's batch_invariant_mode and every engine vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a token's log-prob does not depend on its batch and behav's anchor can equal logp_old bitwise; slower on both sides; refused on CPU (megarl/batch_invariant.py)."""
+    """Batch-invariant kernels (GPU only, vllm engines, dense models): the trainer runs megatron-core's batch_invariant_mode (needs flash_attn) and every engine vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so neither side's log-prob of a token depends on its batch; engine and trainer still run different kernels (r_d stays measured); slower on both sides; refused on CPU and for MoE models (megarl/batch_invariant.py)."""
     publish_timeout_s: float = 600.0
     """Seconds each engine has to load a published version (disk or broadcast), and to return the requests a publish aborted; an engine that has not by then is taken for wedged, restarted (it loads that version; its requests are sent again) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
     generate_timeout_s: float | Literal["auto"] = "auto"

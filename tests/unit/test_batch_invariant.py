@@ -79,3 +79,27 @@ def test_launched_engine_roles_get_it_in_their_environment(monkeypatch):
     role = current_role({"MEGARL_ROLE": "engine", "MEGARL_SERVER_PORT": "8100"})
     train.serve_role(load_run_config(TINY, ["rollout.batch_invariant=true"]), role)
     assert seen == ["1"]
+
+
+def test_moe_models_and_hosts_without_cuda_or_flash_attn_are_refused(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    on = load_run_config(TINY, ["rollout.batch_invariant=true"])
+    with pytest.raises(ConfigError, match="grouped GEMM"):
+        batch_invariant.check(on, cuda=True, hf={"num_experts": 8})
+    batch_invariant.check(on, cuda=True, hf={"num_experts": 0})
+    with pytest.raises(ConfigError, match="this trainer host has no CUDA device"):
+        batch_invariant.check_host(on)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs the flash_attn package"):
+        batch_invariant.check_host(on)
+    batch_invariant.check_host(load_run_config(TINY))  # off: nothing to check
+
+
+def test_gpu_placement_is_what_the_settings_check_reads():
+    gpu = load_run_config(TINY, ["rollout.batch_invariant=true", "placement.device=gpu"])
+    batch_invariant.check(gpu)  # on a host without CUDA (plan, launch from a login node): the placement decides
