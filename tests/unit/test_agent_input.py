@@ -130,3 +130,35 @@ def test_a_body_that_stops_arriving_ends_at_agent_timeout_s_and_the_session_clos
     assert closed_after < timeout_s + 1.0
     assert status_line.startswith(b"HTTP/1.1 408"), status_line
     assert session.error is None and model.contexts == []
+
+
+def test_closing_waits_for_a_running_completion_at_most_agent_timeout_s(text_tokenizer):
+    from test_agent_http import BlockingModel
+    from test_agents import SAMPLING
+
+    from megarl.agents.client import AgentClient, AgentLimits
+    from megarl.types import Trajectory
+
+    model = BlockingModel(text_tokenizer, ["a"])
+    traj = Trajectory("g0-0", "g0", [1], meta={"row": {}}, logp_old=[])
+    client = AgentClient(traj, model, text_tokenizer, None, AgentLimits(SAMPLING, max_turns=8, max_tokens=1024))
+
+    async def main(server):
+        model.started, model.release = asyncio.Event(), asyncio.Event()
+        session = server.open_session(client, timeout_s=0.3)
+        async with api(server, session.key) as oa:
+            running = asyncio.create_task(oa.chat.completions.create(model="tiny", messages=USER))
+            await model.started.wait()
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(server.close_session(session), 5)
+                closed_after = time.monotonic() - t0
+            finally:
+                model.release.set()  # the engine finishes later: the completion is still recorded whole
+            reply = await running
+        return closed_after, session, reply
+
+    closed_after, session, reply = asyncio.run(serving(main))
+    assert 0.25 < closed_after < 1.5
+    assert "still running agent.timeout_s=0.3s after the episode ended" in session.error
+    assert reply.choices[0].message.content == "a" and len(client.records) == 1
