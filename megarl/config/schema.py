@@ -277,7 +277,7 @@ class LoggingConfig:
     save_every_s: float = 1800.0
     """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
     keep_last: int = 2
-    """Checkpoints kept (the newest ones; 0 = all)."""
+    """Checkpoints kept (the newest ones; 0 = all); a damaged_step_N directory a resume set aside is deleted once the oldest one kept is of step N or later."""
     max_save_failures: int = 3
     """Periodic checkpoints (logging.save_every) that may fail in a row (disk full, I/O error) before the run stops; a failed one leaves nothing that looks valid, the previous one is kept and the next save tries again (>= 1; 1 = stop at the first failure)."""
     stop_grace_s: float = 90.0
