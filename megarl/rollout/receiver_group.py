@@ -34,9 +34,10 @@ from megarl.errors import EngineError
 
 #: seconds between two looks at the rendezvous while a receive is pending
 POLL_S = 0.5
-#: the longest sleep between two completion checks: what a completed collective may wait to be seen (a bucket
-#: is three collectives; ``is_completed`` is what tells NCCL work done on the host, whose ``wait`` does not block)
-MAX_PAUSE_S = 1e-3
+#: NCCL: the longest sleep between two completion checks, what a completed collective may wait to be seen (a
+#: bucket is three collectives; ``is_completed`` is what tells NCCL work done on the host, whose ``wait`` does
+#: not block); gloo blocks in ``wait(timeout)`` instead
+MAX_PAUSE_S = 2e-4
 
 
 class BroadcastLeft(EngineError):
@@ -84,18 +85,39 @@ class _BoundedWork:
         self.group, self.work = group, work
 
     def wait(self) -> bool:
-        group, work = self.group, self.work
         start = time.monotonic()
-        next_poll, pause = start + POLL_S, 1e-4
+        if self.group.backend == "gloo":
+            return self._wait_blocking(start)
+        return self._wait_polling(start)
+
+    def _wait_blocking(self, start: float) -> bool:
+        """gloo: ``wait(timeout)`` blocks until done, or raises once the timeout passed with the work still on."""
+        work = self.work
+        while True:
+            try:
+                return work.wait(timedelta(seconds=POLL_S))
+            except RuntimeError:
+                if work.is_completed():  # a real failure (or done just now): wait() says which
+                    return work.wait()
+            self._check(start, time.monotonic())
+
+    def _wait_polling(self, start: float) -> bool:
+        """NCCL: ``wait()`` returns on the host before the data is there; ``is_completed()`` tells."""
+        work = self.work
+        next_poll, pause = start + POLL_S, 1e-5
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_poll:
-                reason = group.publish_over()
-                if reason is not None:
-                    group.leave(reason)
+                self._check(start, now)
                 next_poll = now + POLL_S
-            if now - start >= group.timeout_s:
-                group.leave(f"no data from the trainer for {group.timeout_s:g} s (the group's step deadline)")
             time.sleep(pause)
             pause = min(2 * pause, MAX_PAUSE_S)
         return work.wait()
+
+    def _check(self, start: float, now: float) -> None:
+        group = self.group
+        reason = group.publish_over()
+        if reason is not None:
+            group.leave(reason)
+        if now - start >= group.timeout_s:
+            group.leave(f"no data from the trainer for {group.timeout_s:g} s (the group's step deadline)")

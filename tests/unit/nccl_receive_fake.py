@@ -52,12 +52,16 @@ class _Work:
             self.group.n_lost += 1
             return False
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
+        """Blocks while the collective is pending; with ``timeout``, raises once it passed (as gloo's timed wait)."""
+        until = None if timeout is None else time.monotonic() + timeout.total_seconds()
         while not self.is_completed():
             if self.group.aborted.is_set():
                 raise RuntimeError("NCCL communicator aborted")
             if time.monotonic() - self.start >= self.group.comm_timeout_s:
                 raise NcclWatchdogTimeout(f"collective past the {self.group.comm_timeout_s:g} s communicator "
                                           "timeout (NCCL's watchdog would end this process)")
+            if until is not None and time.monotonic() >= until:
+                raise RuntimeError("Operation timed out!")
             time.sleep(0.01)
         return True

@@ -3,7 +3,10 @@
 Rank 0 (this process, a thread) forms the group and then sends nothing: a
 trainer alive but silent, its rendezvous up. The gloo communicator's own
 timeout is 2 * timeout_s + 30 s (receiver_group.communicator_timeout), so
-what ends each wait here is the receiver's own bound.
+what ends each wait here is the receiver's own bound. Each test runs both
+waits: gloo's (a blocking ``wait(timeout)``) and the polling one NCCL takes
+(``is_completed()``; leaving calls ``ProcessGroup.abort``), the latter over
+the same gloo group, as NCCL cannot run here.
 """
 import threading
 import time
@@ -12,22 +15,25 @@ import pytest
 import torch
 
 from megarl.rollout.client import free_port
-from megarl.rollout.receiver_group import POLL_S, BroadcastLeft
+from megarl.rollout.receiver_group import POLL_S, BroadcastLeft, ReceiverGroup
 from megarl.rollout.weight_sync import WeightBroadcaster, join_weight_group
 
+WAITS = pytest.mark.parametrize("wait", ["gloo", "nccl"], ids=["blocking-gloo", "polling-as-nccl"])
 
-def _joined(timeout_s: float):
-    """(rank 0's broadcaster, rank 1's group): the group formed, nothing sent."""
+
+def _joined(timeout_s: float, wait: str):
+    """(rank 0's broadcaster, rank 1's group waiting as ``wait`` does): the group formed, nothing sent."""
     sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=timeout_s)
     th = threading.Thread(target=sender.connect)
     th.start()
     group, _store, _device = join_weight_group(sender.group_info(rank=1))
     th.join(timeout=30)
-    return sender, group
+    return sender, ReceiverGroup(group.pg, group.store, wait, group.timeout_s)
 
 
-def test_a_receiver_leaves_at_the_abort_mark_within_one_poll():
-    sender, group = _joined(timeout_s=60)
+@WAITS
+def test_a_receiver_leaves_at_the_abort_mark_within_one_poll(wait):
+    sender, group = _joined(60, wait)
     try:
         threading.Timer(0.3, sender.abort, args=("version 7: broadcast failed",)).start()
         t0 = time.monotonic()
@@ -41,8 +47,9 @@ def test_a_receiver_leaves_at_the_abort_mark_within_one_poll():
         sender.close()
 
 
-def test_a_receiver_leaves_a_silent_trainer_after_the_step_deadline():
-    sender, group = _joined(timeout_s=2)
+@WAITS
+def test_a_receiver_leaves_a_silent_trainer_after_the_step_deadline(wait):
+    sender, group = _joined(2, wait)
     try:
         t0 = time.monotonic()
         with pytest.raises(BroadcastLeft, match="no data from the trainer for 2 s"):
@@ -52,8 +59,9 @@ def test_a_receiver_leaves_a_silent_trainer_after_the_step_deadline():
         sender.close()
 
 
-def test_a_receiver_leaves_when_the_rendezvous_is_gone():
-    sender, group = _joined(timeout_s=60)
+@WAITS
+def test_a_receiver_leaves_when_the_rendezvous_is_gone(wait):
+    sender, group = _joined(60, wait)
     try:
         threading.Timer(0.3, sender.rendezvous.close).start()
         t0 = time.monotonic()
