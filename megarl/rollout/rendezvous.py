@@ -14,9 +14,10 @@ write a key the group reads (pose as a rank, point a rank at his own address
 and receive the weights, or send it poisoned ones), read the ranks'
 addresses, or pass himself off as the store to an engine. Out of scope: an
 eavesdropper on the network (the engine key travels as a bearer token in the
-clear as well) and the data plane of gloo/NCCL itself, which authenticates
-nothing anywhere in torch.distributed; the store is what tells the ranks
-where that data plane is.
+clear as well), a stranger who only keeps the port busy (denial of service:
+each refused connection costs a thread for at most the 10 s handshake), and
+the data plane of gloo/NCCL itself, which authenticates nothing anywhere in
+torch.distributed; the store is what tells the ranks where that data plane is.
 
 So the store is megarl's own: a :class:`RendezvousServer` in the trainer
 process that listens on one address (the one the engines are told to
