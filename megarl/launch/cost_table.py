@@ -23,7 +23,7 @@ BEGIN, END = "<!-- cost-table:begin (python -m megarl.launch.cost_table) -->", "
 
 
 def config_costs(config: str) -> tuple[dict, dict, float, float, int]:
-    """(costs per strategy, layout, baseline step s, disk copy s per publish, trainer nodes) of ``config``
+    """(costs per strategy, layout, baseline step s, disk copy s per publish, nodes used) of ``config``
     with the cost model's default assumptions, on the allocation its placement asks for."""
     from megarl.builder import load_run_config  # the strategies' config classes (torch)
     from megarl.launch import cluster
@@ -40,7 +40,7 @@ def config_costs(config: str) -> tuple[dict, dict, float, float, int]:
     rate = lay["trainer_gpus"] * a.peak_tflops * 1e12 * a.mfu
     baseline = 3 * 2.0 * lay["active_params"] * cost.step_tokens(cfg, a) / rate
     disk = lay["params"] * lay["dtype_bytes"] / (a.disk_gb_s * 1e9)
-    return costs, lay, baseline, disk, lay["trainer_nodes"]
+    return costs, lay, baseline, disk, len(plan.hosts_used)
 
 
 def critical_s(c: dict) -> float:
@@ -63,8 +63,9 @@ def cell(c: dict, baseline: float) -> str:
 
 def render() -> str:
     cols = [(config, *config_costs(config)) for config in CONFIGS]
-    head = " | ".join(f"`{config}`: baseline step {base:.1f} s on {lay['trainer_gpus']} trainer GPUs, disk copy "
-                      f"{disk:.0f} s / publish (background)" for config, _, lay, base, disk, _ in cols)
+    head = " | ".join(f"`{config}`, {lay['trainer_gpus']} trainer + {lay['engine_workers']} engine H100 on "
+                      f"{nodes} nodes: baseline step {base:.1f} s, "
+                      f"disk copy {disk:.0f} s / publish (background)" for config, _, lay, base, disk, nodes in cols)
     lines = [f"| strategy | {head} |", "|---|" + "---|" * len(cols)]
     for name in cost.STRATEGIES:
         lines.append(f"| {name} | " + " | ".join(cell(costs[name], base) for _, costs, _, base, _, _ in cols) + " |")
