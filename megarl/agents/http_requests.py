@@ -126,9 +126,9 @@ def _messages(messages: Any, tool_names: set[str]) -> list[dict]:
         if not isinstance(m.get("tool_calls", []), list):
             raise RequestError(f"messages[{i}].tool_calls must be a list of tool calls, got "
                                f"{m['tool_calls']!r:.200}", "invalid_messages")
-        if not isinstance(m.get("tool_call_id", ""), str):
-            raise RequestError(f"messages[{i}].tool_call_id must be text, got {m['tool_call_id']!r:.200}",
-                               "invalid_messages")
+        for key in ("tool_call_id", "name"):
+            if not isinstance(m.get(key, ""), str):
+                raise RequestError(f"messages[{i}].{key} must be text, got {m[key]!r:.200}", "invalid_messages")
         for j, call in enumerate(m.get("tool_calls") or ()):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \

@@ -30,6 +30,7 @@ def test_malformed_fields_get_a_4xx_use_no_turn_and_leave_the_episode_going(text
             400, "invalid_messages"),
         "tool_call_id not text": ({"messages": [*USER, {"role": "tool", "tool_call_id": {"a": 1}, "content": "3"}]},
                                   400, "invalid_messages"),
+        "name not text": ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "invalid_messages"),
         "n true": ({"messages": USER, "n": True}, 400, "invalid_n"),
         "n zero": ({"messages": USER, "n": 0}, 400, "invalid_n"),
         "n two": ({"messages": USER, "n": 2}, 400, "invalid_n"),
