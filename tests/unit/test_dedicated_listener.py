@@ -52,8 +52,8 @@ def test_an_idle_connection_does_not_delay_the_run_client(scorer_port):
     good = link.TcpLink(f"127.0.0.1:{port}", KEY, connect_timeout_s=30, retry_s=0.1)
     try:
         good.put(("state", None))
-        took = _wait(lambda: not got.empty(), 5.0)
-        assert took < 2.0, took  # not after the squatters' 6 s handshake deadline
+        took = _wait(lambda: not got.empty(), 10.0)
+        assert took < 4.0, took  # not after the squatters' 6 s handshake deadline
         recv = listening.reader(got.get())
         assert recv() == ("state", None) and good.alive()
         # the squatters are dropped at their deadline, unread
@@ -99,7 +99,7 @@ def test_a_connection_without_the_key_gets_nothing_and_writes_nothing(scorer_por
 
 def test_the_trainer_gives_up_on_a_port_that_never_answers():
     """A squatter holding the scorer's port and never answering: the trainer's link fails by its connect
-    deadline (plus the check's second of slack), not after it."""
+    deadline (plus a second of slack; the bound leaves room for a loaded machine), where it used to stay alive."""
     squat = socket.socket()
     squat.bind(("127.0.0.1", 0))
     squat.listen(8)
@@ -107,8 +107,8 @@ def test_the_trainer_gives_up_on_a_port_that_never_answers():
     t0 = time.monotonic()
     client = link.TcpLink(f"127.0.0.1:{port}", KEY, connect_timeout_s=2.0, retry_s=0.1)
     try:
-        took = _wait(lambda: not client.alive(), 6.0)
-        assert took < 3.5, took
+        took = _wait(lambda: not client.alive(), 10.0)
+        assert took < 5.0, took
         assert "dedicated scorer at" in str(client.failure()) and time.monotonic() - t0 >= 2.0
     finally:
         client.close(stop=False)
@@ -124,7 +124,7 @@ def test_the_scorer_reads_end_when_the_trainer_vanishes_and_heartbeats_keep_it(s
         recv = listening.reader(got.get(timeout=10), peer_timeout_s=1.0)
         t0 = time.monotonic()
         assert recv() == ("closed", None)
-        assert 0.9 <= time.monotonic() - t0 < 3.0
+        assert 0.9 <= time.monotonic() - t0 < 5.0
     finally:
         silent.close()
     # an idle trainer that is still there: its heartbeats keep the scorer's reads going past the deadline

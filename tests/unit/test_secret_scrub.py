@@ -133,7 +133,7 @@ def _holder(secrets: list[str]) -> subprocess.Popen:
 
 async def _two_episodes(words: list[str], limits: CommandLimits) -> list[list[str]]:
     argv = [sys.executable, "-c", _SCAN]
-    outs = await asyncio.gather(*(run_command(argv + ["1.0", json.dumps(words)], {}, {"OPENAI_API_KEY": f"episode-{i}"},
+    outs = await asyncio.gather(*(run_command(argv + ["2.5", json.dumps(words)], {}, {"OPENAI_API_KEY": f"episode-{i}"},
                                               30.0, limits) for i in range(2)))
     return [json.loads(o) for o in outs]
 
