@@ -6,11 +6,13 @@ GPUs), forward FLOPs per step and the trainer seconds they take, host<->GPU
 bytes per trainer GPU per step, bytes over the network per publish, and the
 engine stall per publish. It models what megarl's strategies do (recovery/*.py):
 
-- every kept copy of parameters is an fp32 CPU copy of a trainer rank's shard
-  (``trainer.get_params``): snapshot keeps the versions a batch spans (eta+1 at most), ewma its phi,
-  interrupt_sync one version; a scoring forward under other parameters swaps
-  them in and back (``trainer.use_params``: one more fp32 copy in host memory,
-  3 shard copies over PCIe, and the largest tensor once in fp32 on the GPU);
+- every kept copy of parameters is a CPU copy of a trainer rank's shard in the
+  forward's dtype (``trainer.get_params``: bf16 on bf16 runs, exact): snapshot keeps the versions a
+  batch spans (eta+1 at most), interrupt_sync one version; ewma keeps its phi in fp32 (bf16 would
+  swallow its small increments); a scoring forward under other parameters swaps them in and back
+  (``trainer.use_params``: one more copy in host memory, 3 shard copies over PCIe, ewma's phi
+  crossing in fp32, and the largest tensor once in fp32 on the GPU); the copies run synchronously,
+  on the critical path;
 - recompute, ewma and interrupt_sync run one forward over the batch per step,
   snapshot one per distinct version over the rows holding it (a row spliced
   over two versions is scored twice), dedicated one on its own GPUs, and
@@ -106,6 +108,8 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     ``table``: the activation table of the scorer's memory (megarl/launch/memory.py; default the measured one)."""
     lay = layout(cfg, hf, plan)
     eta, every = cfg.rollout.eta, cfg.trainer.publish_every
+    # a kept version is a copy in the forward's dtype (trainer.get_params); ewma's phi accumulates in fp32
+    shard_b = lay["shard_params"] * lay["dtype_bytes"]
     shard32 = lay["shard_params"] * FP32
     tokens = step_tokens(cfg, a)
     fwd = 2.0 * lay["active_params"] * tokens
@@ -118,18 +122,19 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     in_flight = min(cfg.rollout.max_concurrency, (eta + 1) * cfg.trainer.batch_size)
     live_tokens = in_flight * (a.prompt_frac * cfg.data.max_prompt_len + a.response_frac
                                * cfg.rollout.max_new_tokens / 2)  # half-way through their answers
-    swap = 3 * shard32  # save the current shard, load the other one, restore (host <-> GPU)
+    swap = 3 * shard_b  # save the current shard, load the other one, restore (host <-> GPU)
+    swap_phi = 2 * shard_b + shard32  # ewma loads its fp32 phi
     per = {
-        # name: (held fp32 copies, forward FLOPs on the trainer, FLOPs on dedicated GPUs, swaps per step,
+        # name: (held copies, forward FLOPs on the trainer, FLOPs on dedicated GPUs, swaps per step,
         #        shard copies to host per step, extra stall s per publish, extra bytes per publish)
         "behav": (0, 0.0, 0.0, 0, 0, 0.0, 0),
         "loglinear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "linear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "recompute": (0, fwd, 0.0, 0, 0, 0.0, 0),
         "ewma": (1, fwd, 0.0, 1, 1, 0.0, 0),
-        "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, shard32 / pcie, 0),
+        "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, shard_b / pcie, 0),
         "interrupt_sync": (1, fwd, 0.0, 2, 1 / every,
-                           shard32 / pcie + swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
+                           shard_b / pcie + swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
         # its checkpoint is written inside the publish (on_weights_published) and read by the scorer after
         "dedicated": (0, 0.0, fwd, 0, 0, weights / disk, 2 * weights),
     }
@@ -143,7 +148,8 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
         ded = name == "dedicated"
         out[name] = {
             "gpu_bytes_per_trainer_gpu": lay["largest_tensor"] * FP32 if name in SWAPPING else 0.0,
-            "host_bytes_per_trainer_node": (held + transient) * shard32 * lay["ranks_per_node"],
+            "host_bytes_per_trainer_node": (held * (shard32 if name == "ewma" else shard_b)
+                                            + transient * shard_b) * lay["ranks_per_node"],
             "held_copies": held,
             "dedicated_gpus": lay["dedicated_gpus"] if name == "dedicated" else 0,
             "dedicated_gpu_bytes": scorer.peak if ded else 0.0,
@@ -154,8 +160,8 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
             "dedicated_forward_s_per_step": ded_s,
             "dedicated_load_s_per_publish": load_s if ded else 0.0,
             "dedicated_critical_s_per_step": max(ded_s + load_s / every - train_s, 0.0) if ded else 0.0,
-            "pcie_bytes_per_gpu_per_step": swaps * swap + to_host * shard32,
-            "pcie_s_per_step": (swaps * swap + to_host * shard32) / pcie,
+            "pcie_bytes_per_gpu_per_step": swaps * (swap_phi if name == "ewma" else swap) + to_host * shard_b,
+            "pcie_s_per_step": (swaps * (swap_phi if name == "ewma" else swap) + to_host * shard_b) / pcie,
             "network_bytes_per_publish": publish_bytes + extra_bytes,
             "stall_s_per_publish": base_stall + stall_extra,
         }

@@ -253,3 +253,19 @@ def test_bf16_state_round_trip_is_bitwise(ckpts, tmp_path):
     fp32 = trainer_for(ckpts["x1"], lr=1e-2)
     with pytest.raises(CheckpointError, match="written by a bfloat16 trainer; this trainer is float32"):
         fp32.load_state(str(tmp_path / "state"))
+
+
+def test_bf16_copies_of_a_version_are_bf16_and_exact(ckpts):
+    """A kept version (snapshot, interrupt_sync) is the weights the forward uses: bf16 on a bf16 trainer, half an
+    fp32 copy, and scoring with it after the weights moved on gives that version's log-probs bitwise."""
+    from recovery._scoring import params_nbytes
+
+    trainer = trainer_for(ckpts["x1"], dtype="bfloat16", lr=1e-2)
+    batch = make_batch()
+    kept, before = trainer.get_params(), trainer.logprobs(batch)
+    assert {t.dtype for t in kept.values()} == {torch.bfloat16}
+    assert params_nbytes(kept) == sum(p.numel() for p in trainer._module().parameters()) * 2
+    trainer.train_step(batch, nll)
+    assert not torch.equal(trainer.logprobs(batch), before)  # the weights moved on
+    with trainer.use_params(kept):
+        assert torch.equal(trainer.logprobs(batch), before)

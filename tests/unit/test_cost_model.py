@@ -56,23 +56,25 @@ def test_costs_hand_computed(setup):
     cfg, plan = setup
     c = cost.strategy_costs(cfg, HF, plan, SLOW)
     # weights 220 x 2 B = 440 B to each of 2 engines; stall 0.5 + 440 / 1000; rate 2 GPUs x 500 FLOP/s;
-    # a forward over the batch: 2 x 220 x 80 = 35200 FLOPs; a rank's fp32 shard 880 B; a swap 3 x 880 B
+    # a forward over the batch: 2 x 220 x 80 = 35200 FLOPs; a rank's bf16 shard 440 B (fp32: 880 B); a swap
+    # 3 x 440 B (ewma's: 2 x 440 + 880 B, its phi in fp32)
     for name in cost.STRATEGIES:
         assert c[name]["network_bytes_per_publish"] == (1760 if name == "dedicated" else 880)
     assert c["behav"] == {**c["behav"], "forward_flops_per_step": 0.0, "host_bytes_per_trainer_node": 0.0,
                           "pcie_bytes_per_gpu_per_step": 0.0, "stall_s_per_publish": approx(0.94)}
     assert c["loglinear"]["forward_flops_per_step"] == 0.0  # the default loss needs no anchor forward
     assert c["recompute"]["trainer_forward_s_per_step"] == approx(35.2)
-    ewma = c["ewma"]  # phi + the swap's saved copy, per rank, 2 ranks: 2 x 880 x 2
-    assert ewma["host_bytes_per_trainer_node"] == 3520 and ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4
-    assert ewma["pcie_bytes_per_gpu_per_step"] == 2640 + 880 and ewma["pcie_s_per_step"] == approx(3.52)
-    snap = c["snapshot"]  # eta + 1 = 3 versions held + 1 swap copy; 2 stale versions swapped in; spliced rows twice
-    assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 4 * 880 * 2
+    ewma = c["ewma"]  # fp32 phi + the swap's saved bf16 copy, per rank, 2 ranks: (880 + 440) x 2
+    assert ewma["host_bytes_per_trainer_node"] == 2640 and ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4
+    # one swap (1760 B) and theta's bf16 copy to host for phi's update (440 B)
+    assert ewma["pcie_bytes_per_gpu_per_step"] == 1760 + 440 and ewma["pcie_s_per_step"] == approx(2.2)
+    snap = c["snapshot"]  # eta + 1 = 3 bf16 versions held + 1 swap copy; 2 stale versions swapped in; spliced twice
+    assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 4 * 440 * 2
     assert snap["forward_flops_per_step"] == approx(35200 * 1.4)
-    assert snap["pcie_bytes_per_gpu_per_step"] == 2 * 2640 + 880
-    assert snap["stall_s_per_publish"] == approx(0.94 + 0.88)  # the new version copied to host in the publish
+    assert snap["pcie_bytes_per_gpu_per_step"] == 2 * 1320 + 440
+    assert snap["stall_s_per_publish"] == approx(0.94 + 0.44)  # the new version copied to host in the publish
     # interrupt_sync: copy + swap in the publish, and a forward over 8 in-flight requests x (5 + 15 / 2) tokens
-    assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 0.88 + 2.64 + 2 * 220 * 100 / 1000)
+    assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 0.44 + 1.32 + 2 * 220 * 100 / 1000)
     ded = c["dedicated"]  # its forward on its own GPU; its checkpoint (440 B) written inside the publish
     assert ded["dedicated_gpus"] == 1 and ded["dedicated_weights_bytes"] == 440
     assert ded["trainer_forward_s_per_step"] == 0 and ded["dedicated_forward_s_per_step"] == approx(70.4)
