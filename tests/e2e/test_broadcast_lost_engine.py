@@ -5,7 +5,9 @@ the same version and serve it (its log-probs those of the new weights); the
 supervisor restarts the lost engine from the disk copy, and the next publish
 reaches both by broadcast. The sender ends as NCCL ends it (WatchdogBroadcaster).
 tests/unit/test_broadcast_survivors.py gives the survivor NCCL's receive
-semantics (on HF engines); here the group is gloo, as on every CPU run.
+semantics (on HF engines); here the group is gloo, as on every CPU run. The
+vLLM engines' logs (a failed broadcast in a worker included) hold no group's
+secret.
 """
 import asyncio
 import sys
@@ -34,6 +36,10 @@ def test_a_lost_vllm_engine_costs_only_itself(tmp_path, monkeypatch):
         return launch_engine_process(str(base), "vllm", log_path=str(tmp_path / f"engine{i}.log"),
                                      startup_timeout_s=240)
 
+    import megarl.rollout.weight_sync as weight_sync
+
+    made, new_secret = [], weight_sync.new_secret
+    monkeypatch.setattr(weight_sync, "new_secret", lambda: made.append(new_secret()) or made[-1])
     engines = [launch(0), launch(1)]
     monkeypatch.setenv(KILL_ENV, f"{engines[0][0].pid}:{tmp_path / 'killed'}")
     monkeypatch.setattr(megarl.publish, "WeightBroadcaster", GroupKillBroadcaster)
@@ -69,6 +75,9 @@ def test_a_lost_vllm_engine_costs_only_itself(tmp_path, monkeypatch):
             await sup.close()
 
     fallback_s, survivor, both = asyncio.run(main())
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("engine*.log"))
+    assert "left the weight broadcast" in logs or "Connection closed" in logs, "the survivor's failure is logged"
+    assert len(made) == 2 and not [s for s in made if s in logs], "a group's secret reached an engine's log"
     print(f"\nvLLM engine lost mid-broadcast: the survivor on the disk copy after {fallback_s:.2f} s")
     assert fallback_s < 30, f"the survivor waited {fallback_s:.1f} s"
     assert set(survivor.versions) == {1} and engine_matches(Path(other), survivor) < 1e-4
