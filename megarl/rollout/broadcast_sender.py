@@ -11,10 +11,13 @@ for each step's acknowledgement (joining the group, then each bucket, then
 the end marker) with a deadline of ``timeout_s``. On CUDA a bucket is
 acknowledged only once it has left the GPU (megarl/rollout/weight_sync.py).
 
-A sender that misses a deadline, fails, or dies (an NCCL abort) is killed.
-Its sockets close with it, so engines still receiving fail at once, the
-publisher falls back to the disk copy, and the next publish starts a fresh
-sender. The trainer process itself is never touched by a lost engine.
+A sender that misses a deadline, fails, or dies (an NCCL abort) is killed,
+and the publisher sets the abort mark of the group's rendezvous, which the
+trainer process serves (megarl/rollout/rendezvous.py): engines still
+receiving leave at once (under gloo the sender's sockets closing tells them
+as well; under NCCL only the mark does, megarl/rollout/receiver_group.py),
+the publisher falls back to the disk copy, and the next publish starts a
+fresh sender. The trainer process itself is never touched by a lost engine.
 """
 from __future__ import annotations
 
