@@ -101,7 +101,8 @@ def serve_role(cfg, role: RoleEnv) -> None:
         os.environ.update(batch_invariant.engine_env(cfg))  # read by vLLM in this process and its engine core
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=engine_host(role), port=role.server_port,
                           dtype=cfg.engine_dtype, **resources, **tp, **routes))
-        return
+        # serve() returns only once SIGTERM/SIGINT (or SIGUSR1, passed on as SIGTERM) shut it down cleanly
+        raise RunStopped("engine: stopped by a stop signal, shut down cleanly")
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 
     serve_dedicated_role(cfg, role.server_port, server_host=role.server_host)
@@ -127,9 +128,12 @@ def _stop_role_on_signals(role: str, grace_s: float) -> None:
         return
 
     def engine_stop(signum, frame) -> None:
-        for s in STOP_SIGNALS:  # the shutdown below runs once
+        if signum == signal.SIGUSR1:  # serving, SIGTERM is serve()'s clean shutdown; before, the branch below
+            signal.raise_signal(signal.SIGTERM)
+            return
+        for s in STOP_SIGNALS:  # still loading: stop once, now
             signal.signal(s, signal.SIG_IGN)
-        raise RunStopped(f"engine: stopped by {signal.Signals(signum).name}")
+        raise RunStopped(f"engine: stopped by {signal.Signals(signum).name} before it served")
 
     def scorer_stop(signum, frame) -> None:
         if stop_budget.started:

@@ -124,3 +124,29 @@ def test_a_stop_before_the_loop_exits_75_with_nothing_checkpointed(ckpt, tmp_pat
     p = start(args, log)
     assert finish(p, log, timeout=300) == 0, log.read_text()[-3000:]
     assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_launched_engine_stops_with_75_on_a_stop_signal(ckpt, tmp_path):
+    """An engine role (its own command in a plan) shuts down on SIGTERM or SIGUSR1 and exits 75, which
+    `megarl launch` counts as the run stopping, not as a failure; before, it exited 0 or was killed."""
+    import urllib.request
+
+    from megarl.rollout.client import free_port
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        port = free_port()
+        log = tmp_path / f"engine_{sig.name}.log"
+        env = {**ENV, "MEGARL_ROLE": "engine", "MEGARL_SERVER_PORT": str(port), "MEGARL_SERVER_HOST": "127.0.0.1"}
+        p = subprocess.Popen([MEGARL[0], "-m", "megarl.train", *SMALL, f"model.checkpoint={ckpt}"], cwd=ROOT,
+                             env=env, start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+        def healthy(port: int = port) -> bool:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                return True
+            except OSError as e:
+                return getattr(e, "code", None) == 401  # serving (a request without the run's key)
+
+        wait_for(healthy, p, log, timeout=120)
+        p.send_signal(sig)
+        assert finish(p, log, timeout=60) == 75, log.read_text()[-2000:]

@@ -215,3 +215,44 @@ def test_torchrun_waits_longer_than_the_stop_budget_and_passes_sigusr1_on():
         cmd = render(_plan(), launcher, python="py", settings=LaunchSettings(stop_grace_s=200))[i]
         text = " ".join(cmd.argv)
         assert "--shutdown-timeout=230" in text and "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text
+
+
+# -- a stop whose checkpoint cannot finish -------------------------------------------------------------
+def test_a_stop_whose_checkpoint_fails_in_the_budget_still_exits_75_and_says_so(tmp_path, monkeypatch):
+    """The dedicated scorer's state wait cut short by the budget fails the stop's checkpoint: reported in one
+    line, the marker says not checkpointed (the newest earlier one stands), and the run stops with 75."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from loop_fixtures import CapturingCheckpointer, make_controller
+
+    from megarl.errors import ScorerError
+    from megarl.stop_protocol import RunStopped
+
+    class CutShort(CapturingCheckpointer):
+        async def save(self, controller):
+            if controller.stop_requested:
+                raise ScorerError("dedicated scoring process: state_dict did not finish within 0.5 s")
+            await super().save(controller)
+
+    monkeypatch.setenv(STOP_MARKER_ENV, str(tmp_path / "stop.json"))
+    c, trainer, ck, _ = make_controller(3, checkpointer=CutShort())
+    inner = trainer.train_step
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def train_step(batch, loss_fn):
+            if trainer.version == 4:
+                loop.call_soon_threadsafe(c.request_stop, "SIGTERM")
+            return inner(batch, loss_fn)
+
+        trainer.train_step = train_step
+        await c.train(40)
+
+    with pytest.raises(RunStopped, match="at step 5, not checkpointed"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert sorted(ck.saved) == [3]  # the periodic one stands
+    marker = json.loads((tmp_path / "stop.json").read_text())
+    assert (marker["step"], marker["checkpointed"]) == (5, False)
+    assert stop_budget.cut_short and "state_dict did not finish" in stop_budget.cut_short[0]
