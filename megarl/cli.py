@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "engine": "engine",
     "verify-recovery": "verify_recovery",
     "bench": "bench",
+    "advise": "advise",
     "launch": "launch",
     "plan": "plan",
     "prepare-data": "prepare_data",
