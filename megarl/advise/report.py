@@ -38,15 +38,19 @@ def _cost_cell(m: dict[str, Any], name: str) -> str:
     return cell + (f"; stall {stall:.3f} s / publish" if stall is not None else "")
 
 
+def _size(gb: float) -> str:
+    return f"{gb:.1f} GB" if gb >= 0.1 else f"{gb * 1e3:.1f} MB"
+
+
 def _memory_cell(m: dict[str, Any], name: str) -> str:
     mem = m["memory"]["strategies"].get(name)
     if mem is None:
         return "-"
-    parts = [f"host +{mem['host_gb_per_node']:.2f} GB / node"]
+    parts = [f"host +{_size(mem['host_gb_per_node'])} / node"]
     if mem["trainer_gpu_gb"] is not None:
-        parts.append(f"trainer GPU {mem['trainer_gpu_gb']:.1f} GB")
+        parts.append(f"trainer GPU {_size(mem['trainer_gpu_gb'])}")
     if mem["dedicated_gpus"] and m["memory"]["device"] == "gpu":
-        parts.append(f"+{mem['dedicated_gpus']} GPU {mem['dedicated_gpu_gb']:.1f} GB")
+        parts.append(f"+{mem['dedicated_gpus']} GPU {_size(mem['dedicated_gpu_gb'])}")
     return ("fits: " if mem["fits"] else "DOES NOT FIT: " + "; ".join(mem["problems"]) + "; ") + ", ".join(parts)
 
 
