@@ -99,7 +99,7 @@ def build_trainer(cfg: MegaRLConfig, ckpt: Path) -> MegatronTrainer:
                            sequence_parallel=cfg.parallel.sequence_parallel,
                            temperature=logprob_temperature(cfg.rollout.temperature),
                            batch_invariant=cfg.rollout.batch_invariant, recompute=cfg.trainer.recompute,
-                           allow_local_spec=cfg.model.allow_local_spec)
+                           allow_local_spec=cfg.model.allow_local_spec, packing=cfg.trainer.packing)
 
 
 def _workflow(cfg: MegaRLConfig, tokenizer: RunTokenizer):

@@ -207,7 +207,8 @@ def live_routes(trainer, batch) -> torch.Tensor:
     B, L = batch.tokens.shape
     k = store[found[0][0]][0].shape[-1]
     out = torch.full((B, L - 1, max(store) + 1, k), NO_ROUTE, dtype=torch.int16)
-    for i, mb in enumerate(plan_microbatches(batch, 0, 1, trainer.micro_batch_tokens)):
+    for i, mb in enumerate(plan_microbatches(batch, 0, 1, trainer.micro_batch_tokens, layout=trainer.packing,
+                                             linear_weight=trainer.linear_weight)):  # the plan logprobs ran
         b, n = mb.tokens.shape[0], mb.tokens.shape[1] - 1
         for layer, recorded in store.items():
             out[mb.rows, :n, layer] = recorded[i].reshape(n, b, k).transpose(0, 1).to(torch.int16)

@@ -4,12 +4,8 @@ Importing this module initializes nothing; constructing a trainer does
 (torch.distributed, megatron parallel_state, model, weights). Every rank of
 the job constructs one and calls the same methods with the same TrainBatch.
 
-Work split. Rows of a batch are dealt to data-parallel ranks (row i goes to
-DP rank i % dp), each rank packs its rows greedily into micro-batches of at
-most ``micro_batch_tokens`` tokens (rows * longest row, at least one row) and
-runs megatron's forward-backward schedule over them. DP ranks run the same
-number of micro-batches (padded with weight-0 dummies) because MoE expert
-parallelism exchanges tokens inside every layer.
+Work split. Every rank plans the batch's micro-batches alike (megarl/trainer/packing.py: the same count
+on every DP rank, balanced on a compute estimate) and runs megatron's schedule over its share.
 
 Loss semantics of :meth:`train_step`: the gradient is exactly the gradient of
 the SUM of the losses ``loss_fn`` returns over all micro-batches of all DP
@@ -51,11 +47,12 @@ from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
 from megarl.models import entropy, routing_replay
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
-from megarl.models.build import grouped_gemm
+from megarl.models.build import grouped_gemm, use_transformer_engine
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
 from megarl.trainer.chunks import build_chunks
 from megarl.trainer.metrics import reduce_metrics
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
+from megarl.trainer.packing import linear_weight_from_hf, resolve_layout
 from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
 from megarl.trainer.state import load_trainer_state, save_trainer_state
 
@@ -84,7 +81,8 @@ class MegatronTrainer:
                  use_distributed_optimizer: bool = False, lr_warmup_steps: int = 0, lr_decay: str = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0, dtype: str = "float32",
                  sequence_parallel: bool = False, temperature: float = 1.0, recompute: str = "none",
-                 forward_only: bool = False, allow_local_spec: bool = False, batch_invariant: bool = False):
+                 forward_only: bool = False, allow_local_spec: bool = False, batch_invariant: bool = False,
+                 packing: str = "auto"):
         if lr_decay not in LR_DECAY_STYLES:
             raise ConfigError(f"lr_decay {lr_decay!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if lr_decay in ("linear", "cosine") and not total_steps:
@@ -117,6 +115,8 @@ class MegatronTrainer:
         if batch_invariant:  # before the model is built
             enable_in_trainer(self.config)
         self.micro_batch_tokens = int(micro_batch_tokens)
+        self.packing = resolve_layout(packing, use_transformer_engine())
+        self.linear_weight = linear_weight_from_hf(self.hf_config)
         self.grad_clip = float(grad_clip)
         self._opt_args = dict(lr=lr, betas=betas, weight_decay=weight_decay, adam_eps=adam_eps, min_lr=min_lr,
                               use_distributed_optimizer=use_distributed_optimizer, warmup=lr_warmup_steps,
@@ -181,7 +181,7 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = plan_microbatches(batch, self.parallel.dp_rank, self.parallel.dp, self.micro_batch_tokens,
-                                device=comm_device())
+                                device=comm_device(), layout=self.packing, linear_weight=self.linear_weight)
 
         # sequence parallelism splits the sequence over TP ranks: inputs are padded to a multiple of tp at
         # the end (causal attention: real positions never see the padding) and outputs cut back
