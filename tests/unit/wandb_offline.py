@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 _HEADER = 7
@@ -44,15 +45,30 @@ def records(path: Path) -> list[bytes]:
     return out
 
 
-def history(run_dir: Path) -> list[dict]:
-    """Every history row of the one offline run under ``run_dir/wandb``: {key: value}, W&B's own keys left out."""
+def history(run_dir: Path, timeout_s: float = 60.0) -> list[dict]:
+    """Every history row of the one offline run under ``run_dir/wandb``: {key: value}, W&B's own keys left out.
+
+    ``run.finish()`` returns before W&B's service has written the file (seen: a 7-byte file, then the whole run a
+    moment later), so this waits for the run's ``exit`` record, the last one W&B writes."""
     from wandb.proto import wandb_internal_pb2 as pb  # optional package, present in the test environment
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        recs = []
+        try:
+            for raw in records(path):
+                rec = pb.Record()
+                rec.ParseFromString(raw)
+                recs.append(rec)
+        except Exception:  # a record W&B is still writing: read again
+            recs = []
+        if any(r.WhichOneof("record_type") == "exit" for r in recs):
+            break
+        assert time.monotonic() < deadline, f"W&B wrote no exit record to {path} within {timeout_s} s"
+        time.sleep(0.1)
     rows = []
-    for raw in records(path):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
+    for rec in recs:
         if rec.WhichOneof("record_type") == "history":
             row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
             rows.append({k: v for k, v in row.items() if not k.startswith("_")})
