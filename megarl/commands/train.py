@@ -87,7 +87,6 @@ def run(args) -> int:
 
 def serve_role(cfg, role: RoleEnv) -> None:
     """A process launched for a server role of a plan: a rollout engine, or the dedicated old-logit scorer."""
-    stop_budget.configure(cfg.logging.stop_grace_s)
     if early_stop.received is not None:
         raise RunStopped(f"{role.role}: stopped by {early_stop.received} before it started serving")
     _stop_role_on_signals(role.role, cfg.logging.stop_grace_s)
@@ -126,6 +125,7 @@ def _stop_role_on_signals(role: str, grace_s: float) -> None:
     """Stop signals end a server role with exit code 75 (module doc); main thread only (signal handlers)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    stop_budget.configure(grace_s)
 
     def engine_stop(signum, frame) -> None:
         if signum == signal.SIGUSR1:  # serving, SIGTERM is serve()'s clean shutdown; before, the branch below

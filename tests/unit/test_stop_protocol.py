@@ -256,3 +256,20 @@ def test_a_stop_whose_checkpoint_fails_in_the_budget_still_exits_75_and_says_so(
     marker = json.loads((tmp_path / "stop.json").read_text())
     assert (marker["step"], marker["checkpointed"]) == (5, False)
     assert stop_budget.cut_short and "state_dict did not finish" in stop_budget.cut_short[0]
+
+
+def test_a_launched_scorer_serves_the_stopping_trainer_then_exits_75_after_the_budget():
+    """The dedicated scorer outlives a stop signal (the trainer's checkpoint still needs its state) for at most
+    logging.stop_grace_s, then exits 75; a second signal changes nothing."""
+    import subprocess
+
+    code = ("import os, signal, time\nfrom megarl.commands.train import _stop_role_on_signals\n"
+            "_stop_role_on_signals('dedicated', 1.0)\nos.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.3)\nprint('still serving', flush=True)\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+            "time.sleep(30)\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == EXIT_STOPPED, p.stderr[-2000:]
+    assert "still serving" in p.stdout and "did not finish within logging.stop_grace_s=1 s" in p.stderr
+    assert took < 20
