@@ -283,7 +283,7 @@ class LoggingConfig:
     max_save_failures: int = 3
     """Periodic checkpoints (logging.save_every) that may fail in a row (disk full, I/O error) before the run stops; a failed one leaves nothing that looks valid, the previous one is kept and the next save tries again (>= 1; 1 = stop at the first failure)."""
     stop_grace_s: float = 90.0
-    """Stop budget (> 0): from a stop signal (SIGTERM, SIGUSR1, SIGINT) on, the seconds the run may take to checkpoint and stop with exit code 75; every wait on that path (the dedicated scorer's state, an engine restart, engine shutdown) is cut to what is left of it, and what did not finish is reported in one line. Give the scheduler's warning at least this plus ~30 s (docs/guide.md, Preemption)."""
+    """Stop budget (> 0): from a stop signal (SIGTERM, SIGUSR1, SIGINT) on, the seconds the run may take to checkpoint and stop with exit code 75; every wait on that path (the dedicated scorer's state, an engine restart, engine shutdown) is cut to what is left of it, and what did not finish is reported in one line. Give the scheduler's warning (launch/slurm.sbatch's --signal=B:USR1@150, a partition's GraceTime) at least this plus 60 s (docs/guide.md, Preemption and stop signals)."""
     resume: str = ""
     """Run directory to continue from its newest valid checkpoint (`megarl train --resume RUN_DIR` sets it; launch plans pass it to every rank); the run keeps writing there."""
 
