@@ -100,7 +100,7 @@ def advise(config: str, overrides: list[str], output: str, *, steps: int = DEFAU
                  if cost_steps else {"steps": 0, "runs": {}, "skipped": {s: "--cost-steps 0" for s in asked}})
     m: dict[str, Any] = {"config": {"path": config, "overrides": overrides, **facts}, "notes": notes,
                          "calibration": calibration, "cost": timed,
-                         "memory": costs.planned_memory(base, host_memory_gb)}
+                         "memory": costs.planned_memory(base, overrides, host_memory_gb)}
     m["recommendation"] = recommend(m)
     paths = {"json": str(out / "advise.json"), "markdown": str(out / "advise.md"), "picture": str(out / "advise.png")}
     m["paths"] = paths

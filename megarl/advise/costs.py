@@ -89,13 +89,14 @@ def time_strategies(config: str, overrides: list[str], strategies: list[str], st
     return {"steps": steps, "runs": runs, "skipped": skipped}
 
 
-def planned_memory(cfg: Any, host_memory_gb: float | None = None) -> dict[str, Any]:
-    """Per strategy of the cost model: planned extra memory and whether it fits (module doc)."""
+def planned_memory(cfg: Any, overrides: list[str], host_memory_gb: float | None = None) -> dict[str, Any]:
+    """Per strategy of the cost model: planned extra memory and whether it fits (module doc); ``overrides``: the
+    command line's, which tell the model fields where model.checkpoint was pointed elsewhere."""
     from megarl.launch import cluster, cost, memory
     from megarl.launch.placement import load_hf_config, resolve_plan
     from megarl.losses.policy import normalizer_needs_anchor
 
-    hf, _ = load_hf_config(cfg)
+    hf, _ = load_hf_config(cfg, overrides)
     p = cfg.placement
     plan = resolve_plan(cfg, hf, cluster.simulated(p.trainer_nodes + p.engine_nodes, p.gpus_per_node))
     costs = cost.strategy_costs(cfg, hf, plan, cost.Assumptions(),
