@@ -7,7 +7,9 @@ megarl/bench/quality.py). The sweep and the quality grid print their estimated r
 time before they start (``--estimate-only`` stops there). ``--quality --from-runs
 runs.jsonl`` reruns nothing: it prints the quality tables re-derived from a grid's
 per-run summary (megarl/bench/quality_runs.py). With ``rollout.routing_replay=true`` the
-bench also reports what replay costs (megarl/bench/replay_cost.py).
+bench also reports what replay costs (megarl/bench/replay_cost.py). ``--packing`` compares
+the trainer's packing plan with the round-robin deal it replaced and times both on 2 CPU
+ranks (megarl/bench/packing.py); it needs no config.
 """
 from __future__ import annotations
 
@@ -61,6 +63,12 @@ def register(sub) -> None:
     p.add_argument("--estimate-only", action="store_true", help="--sweep / --quality: print the estimate and stop")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the comparison with the true logp_old (max_abs_err_vs_exact becomes null)")
+    p.add_argument("--packing", action="store_true",
+                   help="packing plan vs round-robin deal: padding, DP balance, micro-batches at dp 1, 2, 8, 64, "
+                        "and the CPU trainer step at dp 2 (--steps: timed steps per plan, default 5; 0 skips it)")
+    p.add_argument("--packing-rows", type=int, default=256, help="--packing: rows per batch (default 256)")
+    p.add_argument("--packing-budget", type=int, default=32768,
+                   help="--packing: micro_batch_tokens of the table (default 32768)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides for every run")
     p.set_defaults(func=run)
 
@@ -108,6 +116,14 @@ def _from_runs(args) -> int:
 def run(args) -> int:
     if args.from_runs is not None:
         return _from_runs(args)
+    if args.packing:
+        from megarl.bench.packing import run_packing
+
+        if args.packing_rows < 1 or args.packing_budget < 1 or (args.steps or 0) < 0:
+            raise ConfigError("--packing needs --packing-rows >= 1, --packing-budget >= 1 and --steps >= 0")
+        print(run_packing(args.output, args.packing_rows, args.packing_budget, 5 if args.steps is None else args.steps),
+              end="")
+        return 0
     if args.output is None:
         raise ConfigError("--output is required (except with --quality --from-runs)")
     # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
