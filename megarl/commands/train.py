@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 
 from megarl import batch_invariant
@@ -78,18 +79,19 @@ def run(args) -> int:
     role = current_role()
     take_all_secrets()  # held in memory from here on; /proc/<pid>/environ shows none (megarl/secret_env.py)
     if role.role != "trainer":
-        serve_role(cfg, role)
-        return 0
+        if early_stop.received is not None:
+            raise RunStopped(f"{role.role}: stopped by {early_stop.received} before it started serving")
+        _stop_role_on_signals(role.role, cfg.logging.stop_grace_s)
+        return serve_role(cfg, role)
     run_dir = train(cfg)
     print(f"run finished: {run_dir}")
     return 0
 
 
-def serve_role(cfg, role: RoleEnv) -> None:
-    """A process launched for a server role of a plan: a rollout engine, or the dedicated old-logit scorer."""
-    if early_stop.received is not None:
-        raise RunStopped(f"{role.role}: stopped by {early_stop.received} before it started serving")
-    _stop_role_on_signals(role.role, cfg.logging.stop_grace_s)
+def serve_role(cfg, role: RoleEnv) -> int:
+    """A process launched for a server role of a plan: a rollout engine, or the dedicated old-logit scorer.
+    Returns the exit code: an engine serves until a stop signal shuts it down (75), the scorer until the
+    trainer ends it (0)."""
     if role.role == "engine":
         tp = {"tensor_parallel_size": role.server_tp} if role.server_tp > 1 else {}
         if tp and cfg.rollout.backend != "vllm":
@@ -101,10 +103,12 @@ def serve_role(cfg, role: RoleEnv) -> None:
         asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=engine_host(role), port=role.server_port,
                           dtype=cfg.engine_dtype, **resources, **tp, **routes))
         # serve() returns only once SIGTERM/SIGINT (or SIGUSR1, passed on as SIGTERM) shut it down cleanly
-        raise RunStopped("engine: stopped by a stop signal, shut down cleanly")
+        print(f"megarl engine: stopped by a stop signal, shut down (exit code {EXIT_STOPPED})", file=sys.stderr)
+        return EXIT_STOPPED
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 
     serve_dedicated_role(cfg, role.server_port, server_host=role.server_host)
+    return 0
 
 
 def engine_host(role: RoleEnv) -> str:
