@@ -52,7 +52,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    early_stop.install()  # a stop signal while the modules below load is latched (megarl/stop_protocol.py)
+    with early_stop.installed():  # a stop signal from here on is latched (megarl/stop_protocol.py); put back after
+        return _run(args)
+
+
+def _run(args) -> int:
     # the loop's modules (torch, Megatron, the strategies) load only when the command runs, not for `megarl --help`
     from megarl.builder import describe_config, load_run_config
     from megarl.train import train
