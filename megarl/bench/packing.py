@@ -3,11 +3,12 @@
 Two measurements. The table compares, on batches of row lengths drawn from distributions shaped
 like RL runs, the plan megarl used before (row i on DP rank i % dp, rectangles, dummies up to the
 largest count: megarl/trainer/packing.py ``round_robin_plan``) with the current one
-(``plan_packing``) at several data-parallel sizes: padding share; the slowest DP rank's workload
-(the estimate the plan balances, padding included) over the mean rank's, and over the
-padding-free mean (the same denominator for both plans); micro-batches per rank; dummies.
-``bound`` is the slowest/padding-free mean no plan can beat: the heaviest single row's workload
-over that mean. The step time runs the real trainer on 2 CPU ranks (torchrun, gloo;
+(``plan_packing``) in the padded layout, at several data-parallel sizes: padding share; the
+slowest DP rank's workload (the estimate the plan balances, padding included) over the mean
+rank's, and over the padding-free mean (the same denominator for both plans); micro-batches per
+rank; dummies. ``bound`` is the slowest/padding-free mean no plan can beat: the heaviest single
+row's workload over that mean. The last column is the same plan for the THD layout (no padding at
+tp 1). The step time runs the real trainer on 2 CPU ranks (torchrun, gloo;
 megarl/bench/packing_step.py) with both plans alternately in one run and reports the ratio.
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ def table(n_rows: int = 256, n_batches: int = 8, budget: int = 32768, dp_sizes=D
             for lens in batches(dist, n_rows, n_batches):
                 work = [row_workload(n, DEFAULT_LINEAR_WEIGHT) for n in lens]
                 ideal = sum(work) / dp
-                plans = {"before": round_robin_plan(lens, dp, budget), "after": plan_packing(lens, dp, budget)}
+                plans = {"before": round_robin_plan(lens, dp, budget), "after": plan_packing(lens, dp, budget),
+                         "thd": plan_packing(lens, dp, budget, layout="thd")}
                 for tag, plan in plans.items():
                     for k, v in _stats(plan, lens, ideal).items():
                         acc[f"{tag}_{k}"] = acc.get(f"{tag}_{k}", 0.0) + v / n_batches
@@ -75,13 +77,16 @@ def render(rows: list[dict], n_rows: int, budget: int, n_batches: int = 8) -> st
     lines = [f"{n_rows} rows per batch, micro_batch_tokens={budget}, means over {n_batches} batches; "
              f"workload {DEFAULT_LINEAR_WEIGHT} L + L^2 per row (before -> after)", "",
              "| distribution | dp | padding | slowest/mean rank | slowest/padding-free mean | bound "
-             "| micro-batches per rank | dummies |", "|---|---|---|---|---|---|---|---|"]
+             "| micro-batches per rank | dummies | thd: slowest/mean rank, /padding-free mean, micro-batches |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['distribution']} | {r['dp']} | {r['before_padding']:.1%} -> {r['after_padding']:.1%} | "
                      f"{r['before_slowest_over_rank_mean']:.3f} -> {r['after_slowest_over_rank_mean']:.3f} | "
                      f"{r['before_slowest_over_mean']:.3f} -> {r['after_slowest_over_mean']:.3f} | {r['bound']:.3f} | "
                      f"{r['before_mbs_per_rank']:.1f} -> {r['after_mbs_per_rank']:.1f} | "
-                     f"{r['before_dummies']:.1f} -> {r['after_dummies']:.1f} |")
+                     f"{r['before_dummies']:.1f} -> {r['after_dummies']:.1f} | "
+                     f"{r['thd_slowest_over_rank_mean']:.3f}, {r['thd_slowest_over_mean']:.3f}, "
+                     f"{r['thd_mbs_per_rank']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

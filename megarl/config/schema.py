@@ -80,7 +80,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     """Token budget of one micro-batch: rows x longest row in the padded layout (a row longer than the budget runs alone). Every rank plans the same micro-batches (first-fit-decreasing, the count a multiple of the data-parallel size, Karmarkar-Karp over data-parallel ranks on a compute estimate; megarl/trainer/packing.py)."""
     packing: Literal["auto", "thd", "padded"] = "auto"
-    """Micro-batch layout: padded runs each micro-batch as a rectangle trimmed to its longest row; thd (rows concatenated with cu_seqlens, TransformerEngine attention only) is not built yet and is refused; auto picks padded."""
+    """Micro-batch layout (megarl/trainer/layouts.py): padded runs each micro-batch as a rectangle trimmed to its longest row; thd concatenates its rows into one packed sequence (cu_seqlens, no padding but each row's to a multiple of parallel.tp), TransformerEngine attention only (refused on the local layers, e.g. on CPU); auto is thd exactly when the TransformerEngine layers are in use, padded otherwise."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in the backward: none keeps every layer's activations; selective recomputes the core attention (its score matrices, large without TransformerEngine's fused attention); full keeps only each layer's input and reruns the layer (~1/3 more trainer compute, the least memory). Same loss and gradients in all three; `megarl plan` prints what each leaves per GPU. With rollout.routing_replay the rerun layers replay the same routes as their forward."""
     total_steps: int = 100

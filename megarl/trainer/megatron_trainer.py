@@ -50,6 +50,7 @@ from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_con
 from megarl.models.build import grouped_gemm, use_transformer_engine
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
 from megarl.trainer.chunks import build_chunks
+from megarl.trainer.layouts import model_inputs, row_lengths, schedule_shape
 from megarl.trainer.metrics import reduce_metrics
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
 from megarl.trainer.packing import linear_weight_from_hf, resolve_layout
@@ -192,27 +193,22 @@ class MegatronTrainer:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
-            tokens = mb.tokens
-            n = tokens.shape[1] - 1
-            pad = -n % multiple
-            if pad:
-                tokens = torch.nn.functional.pad(tokens, (0, pad))
-            positions = torch.arange(n + pad, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], n + pad)
-            routes = routing_replay.forward_routes(None if mb.batch is None else mb.batch.routes, n, pad,
-                                                   self.n_moe_layers, split)
+            # the padded rectangle or THD packed rows (megarl/trainer/layouts.py)
+            inp = model_inputs(self.packing, mb.tokens, row_lengths(mb), None if mb.batch is None else mb.batch.routes,
+                               multiple)
+            routes = routing_replay.forward_routes(inp.routes, inp.n, inp.pad, self.n_moe_layers, split)
             # labels make the last stage return per-token cross entropy (vocab-parallel under TP) = -logp
             with routing_replay.replaying([model], routes, n_layers=int(self.hf_config["num_hidden_layers"]),
                                           recompute=recompute):
-                out = model(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=None,
-                            labels=tokens[:, 1:])
-            return out, lambda output: loss_func_for(mb, output[:, :n])
+                out = model(**inp.kwargs)
+            return out, lambda output: loss_func_for(mb, inp.unpack(output))
 
         fb = get_forward_backward_func()
+        seq_length, micro_batch_size = schedule_shape(self.packing, mbs, multiple)
         with routing_replay.fresh(self.model), entropy.returning_entropy(self.model, on=with_entropy):
             return fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-                      num_microbatches=len(mbs),
-                      seq_length=max(-(-(mb.tokens.shape[1] - 1) // multiple) * multiple for mb in mbs),
-                      micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
+                      num_microbatches=len(mbs), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                      forward_only=forward_only)
 
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:

@@ -9,10 +9,14 @@ functions, no collective) and keeps its own share. Three steps:
    sum of their lengths. A row longer than the budget gets a micro-batch of its own.
 2. The count is rounded up to a multiple of ``dp`` (every DP rank runs the same number of
    micro-batches: expert parallelism exchanges tokens inside every layer) by splitting the
-   heaviest micro-batches in two. Only when the batch has fewer rows than that count are
-   weight-0 dummies added.
+   heaviest micro-batches in two. Two more packings compete with that one: rows dealt longest
+   first into as many micro-batches, and into dp more, each row to the micro-batch it loads least
+   (``balanced_bins``); the plan whose heaviest DP rank is lightest wins. Only when the batch has
+   fewer rows than the count are weight-0 dummies added.
 3. Equal-count Karmarkar-Karp (the largest differencing method with sets of equal size) deals the
    micro-batches over DP ranks on a compute estimate, ``workload``.
+
+One plan serves both layouts; megarl/trainer/layouts.py builds each micro-batch's tensors.
 
 Workload estimate. A row of L tokens costs ``c_lin * L`` for its projections and MLP plus
 ``c_quad * L^2`` for its attention scores; megarl uses ``linear_weight * L + L^2``, i.e. the ratio
@@ -276,11 +280,16 @@ def round_robin_plan(seq_lens: list[int], dp: int, budget: int) -> PackingPlan:
 
 
 def resolve_layout(packing: str, transformer_engine: bool) -> str:
-    """The layout ``trainer.packing`` asks for: ``auto`` and ``padded`` run rectangles; ``thd`` is refused."""
-    if packing in ("auto", "padded"):
+    """The layout ``trainer.packing`` asks for (megarl/trainer/layouts.py): ``auto`` is ``thd`` exactly
+    when the TransformerEngine spec is in use, ``padded`` otherwise; ``thd`` needs TransformerEngine."""
+    if packing == "auto":
+        return "thd" if transformer_engine else "padded"
+    if packing == "padded":
         return "padded"
     if packing == "thd":
-        where = "TransformerEngine attention" if transformer_engine else "the local spec (no TransformerEngine)"
-        raise ConfigError(f"trainer.packing=thd is not available on {where}: megarl runs packed rows as padded "
-                          f"rectangles only; set trainer.packing=auto or padded")
+        if not transformer_engine:
+            raise ConfigError("trainer.packing=thd needs TransformerEngine attention (a CUDA device with "
+                              "transformer_engine installed): megatron-core's local layers refuse packed "
+                              "sequences; set trainer.packing=auto or padded")
+        return "thd"
     raise ConfigError(f"trainer.packing {packing!r} is not one of auto, thd, padded")

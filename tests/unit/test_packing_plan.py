@@ -125,9 +125,13 @@ def test_bad_input_is_refused_by_name():
         karmarkar_karp([1, 2, 3], 2)
     with pytest.raises(ValueError, match="layout 'ragged'"):
         plan_packing([3], 1, 10, layout="ragged")
-    with pytest.raises(ConfigError, match="trainer.packing=thd is not available on the local spec"):
+    with pytest.raises(ConfigError, match="trainer.packing=thd needs TransformerEngine attention"):
         resolve_layout("thd", transformer_engine=False)
+    with pytest.raises(ConfigError, match="'ragged' is not one of auto, thd, padded"):
+        resolve_layout("ragged", transformer_engine=True)
     assert resolve_layout("auto", transformer_engine=False) == "padded"
+    assert resolve_layout("auto", transformer_engine=True) == resolve_layout("thd", transformer_engine=True) == "thd"
+    assert resolve_layout("padded", transformer_engine=True) == "padded"
 
 
 def test_the_balanced_packing_wins_where_splitting_leaves_a_rank_idle():
