@@ -12,6 +12,7 @@ A stop before the loop (during the imports, during the engine start and model lo
 checkpointed, and the same command then runs.
 """
 import os
+import re
 import signal
 import subprocess
 import time
@@ -69,8 +70,9 @@ def test_torchrun_two_ranks_stop_on_signals_and_resume_losing_nothing(ckpt, tmp_
     assert k1 == len(jsonl(run / "metrics.jsonl")) >= 2  # the step reached, checkpointed
     assert not (run / "stop.json").exists()
     text = log1.read_text()
-    assert "rank 0 stopped the run (SIGUSR1)" in text  # the follower stopped with it, not killed
-    assert "SIGKILL" not in text and f"the trainer stopped on SIGUSR1 at step {k1} (checkpointed)" in text
+    # the follower stopped with rank 0, not killed; either rank's copy of the signal may be the one agreed on
+    assert "rank 0 stopped the run (SIGUSR1" in text and "SIGKILL" not in text
+    assert re.search(rf"the trainer stopped on SIGUSR1( on rank 1)? at step {k1} \(checkpointed\)", text), text[-2000:]
 
     # attempt 2: a signal that reaches only trainer rank 1
     log2 = tmp_path / "attempt2.log"
