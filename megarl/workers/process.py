@@ -83,8 +83,11 @@ HANDLERS: dict[str, Callable[[Any], Callable[[Any], Any]]] = {"reward": _reward_
 
 def main(fd: int) -> None:
     """Serve requests on the socket ``fd`` until told to stop or the parent goes."""
-    # Ctrl-C reaches the whole process group; the service decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C and a run's stop signals (megarl/stop_protocol.py: a Slurm step's or a process group's SIGUSR1 /
+    # SIGTERM) reach every process of the run; the service decides when workers stop (it kills them with
+    # SIGKILL, and PR_SET_PDEATHSIG ends them with it), so a call in flight is not failed by the stop.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     conn = Connection(fd)
     try:
