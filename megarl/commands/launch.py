@@ -25,7 +25,7 @@ import sys
 from megarl.errors import ConfigError
 from megarl.launch import cluster, memory
 from megarl.launch.engine_key_env import ensure_run_keys
-from megarl.launch.overlays import overlay_overrides, recovery_overlay
+from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
 from megarl.launch.runner import run_commands, stop_marker_for
@@ -39,9 +39,7 @@ def register(sub) -> None:
                    help="how ranks are started (default: slurm inside a Slurm job, else torchrun)")
     p.add_argument("--nodes", type=int, help="simulate an allocation of this many nodes (with --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node of the simulated allocation")
-    p.add_argument("--recovery", metavar="NAME", help="apply the overlay configs/recovery/NAME.yaml")
-    p.add_argument("--overlay", action="append", default=[], metavar="FILE",
-                   help="apply an overlay YAML as overrides (repeatable; before the key=value overrides)")
+    add_overlay_flags(p)
     p.add_argument("--bootstrap-check", action="store_true",
                    help="start only the trainer ranks and run the rendezvous check instead of training")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
@@ -77,8 +75,7 @@ def run(args) -> int:
     from megarl.builder import load_run_config  # the strategies' config classes (torch): not for `megarl --help`
 
     launcher = args.launcher or ("slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun")
-    overlays = ([recovery_overlay(args.recovery)] if args.recovery else []) + list(args.overlay)
-    overrides = [o for path in overlays for o in overlay_overrides(path)] + list(args.overrides)
+    overrides = command_overrides(args.recovery, args.overlay, args.overrides)
     cfg = load_run_config(args.config, overrides)
     hf, source = load_hf_config(cfg, overrides)
     from megarl.preflight import check_config  # the data and model modules: only when the command runs
