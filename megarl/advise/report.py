@@ -21,7 +21,7 @@ STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "
 
 #: what megarl's quality grids measured for each approximate anchor (docs/results.md, "Does exactness pay?")
 GRID_EFFECT = {
-    "behav": "the baseline of every grid",
+    "behav": "anchor = logp_behav, the exact one within the gap; no forward, no copy; the grids' baseline",
     "recompute": "anchored at this step's weights: no gain on the grids, most tokens down-weighted at eta 8",
     "loglinear": "follows the policy; fast early, then stalled on the agent grid and ended below behav on the MoE grid",
     "linear": "follows the policy; reached the threshold in half behav's steps at eta 8 (dense grid)",

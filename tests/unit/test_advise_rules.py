@@ -96,3 +96,17 @@ def test_the_table_names_the_choice_and_says_what_was_not_measured():
     assert "| ewma (chosen) | +0.100 s of 1.100 s |" in text
     assert "not measured: time budget: 0 s left" in text and text.rstrip().endswith(".")
     assert "Recommended: ewma." in text
+
+
+def test_bad_arguments_get_one_error_naming_the_flag_and_what_works():
+    import pytest
+
+    from megarl.advise.calibrate import check_args
+    from megarl.errors import ConfigError
+
+    for args, said in (((1, 4, 60.0), "--steps 1: the calibration needs at least 2 steps"),
+                       ((20, 1, 60.0), "--cost-steps 1: give 0 (no cost runs) or at least 2"),
+                       ((20, 4, 0.0), "--time-budget-s 0.0: give a positive number of seconds")):
+        with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            check_args(*args)
+    check_args(2, 0, 1.0)  # the smallest calibration, no cost runs
