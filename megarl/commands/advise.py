@@ -19,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--cost-steps", type=int, default=calibrate.DEFAULT_COST_STEPS,
                    help=f"steps of each strategy's timing run (default {calibrate.DEFAULT_COST_STEPS}; 0: none)")
     p.add_argument("--strategies", default=",".join(costs.ORDER),
-                   help="strategies to time, in order (default all; behav is the baseline of the added step time)")
+                   help="strategies to time, in this order, while the budget lasts (default all, cheapest first)")
     p.add_argument("--time-budget-s", type=float, default=calibrate.DEFAULT_TIME_BUDGET_S,
                    help=f"seconds for the whole command (default {calibrate.DEFAULT_TIME_BUDGET_S:g}): the "
                         f"calibration first, then timing runs while they fit; the skipped ones are named")
