@@ -4,6 +4,8 @@ causal attention over the packed rows (masked by the padded cumulative lengths, 
 is) against the same attention over the padded rectangle."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from megarl.trainer.layouts import (
@@ -97,3 +99,17 @@ def test_the_rectangle_and_the_schedule_shapes():
     assert schedule_shape("padded", [mb, dummy], 3) == (6, 3)
     # without a batch a micro-batch's rows count as full width: 3 rows of 5 tokens, 4 positions each
     assert schedule_shape("thd", [mb, dummy], 2) == (12, 1)
+
+
+def test_the_trainer_refuses_thd_on_the_local_layers(tmp_path):
+    import pytest
+
+    from megarl.errors import ConfigError
+    from megarl.models.tiny import write_tiny_checkpoint
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    repo = Path(__file__).resolve().parents[2]
+    ckpt = write_tiny_checkpoint(repo / "configs/models/tiny_qwen3.yaml", tmp_path / "ckpt", seed=1)
+    with pytest.raises(ConfigError, match="trainer.packing=thd needs TransformerEngine attention"):
+        MegatronTrainer(str(ckpt), packing="thd")
+    assert MegatronTrainer(str(ckpt), packing="auto").packing == "padded"
