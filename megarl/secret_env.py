@@ -21,12 +21,19 @@ Each of the three variables is then removed from the environment, and the
 value of ``<NAME>`` is overwritten in the process's initial environment block
 first: ``/proc/<pid>/environ`` shows that block as it was at exec, whatever
 ``unsetenv`` does, and other processes of the same user can read it.
+
+A file is read by exactly one process: `megarl launch` writes one per consumer
+(:func:`write_secret_file`: trainer rank 0, each engine, the scorer), and the
+trainer's followers, which talk to no engine, scorer or agent service, drop
+the carriers without reading (:func:`take_all_secrets`), so they can never
+take rank 0's file first. A missing file is an error on its one reader.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import stat
+import tempfile
 import threading
 from typing import Mapping
 
@@ -106,6 +113,11 @@ def _read_fd(name: str, text: str) -> str:
 def _read_file(name: str, path: str) -> str:
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{name}{FILE_SUFFIX}={path!r}: the secret file does not exist. A secret file is read "
+                          f"once and deleted by the one process it was written for, and `megarl launch` removes "
+                          f"its files when the run ends: start each process with a file of its own, or pass the "
+                          f"secret another way") from None
     except OSError as e:
         raise ConfigError(f"{name}{FILE_SUFFIX}={path!r}: cannot read the secret file ({e})") from None
     if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.geteuid():
@@ -163,7 +175,41 @@ def pass_by_pipe(name: str, value: str, env: dict[str, str]) -> int:
     return r
 
 
+def write_secret_file(directory: str, name: str, value: str) -> str:
+    """Write ``value`` to a new file of mode 0600 in ``directory`` for one reader (its ``<name>_FILE``), which
+    :func:`take_secret` deletes on read; returns its path. Never replaces a file that exists."""
+    if name not in SECRET_ENV_VARS:
+        raise ValueError(f"{name} is not one of megarl's secrets {SECRET_ENV_VARS}")
+    fd, path = tempfile.mkstemp(prefix=name.lower() + "-", dir=directory)  # O_EXCL, mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+    return path
+
+
+def trainer_follower(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a trainer rank other than 0 (RANK, or the MPI rank before the bootstrap sets it)."""
+    env = os.environ if env is None else env
+    if env.get("MEGARL_ROLE", "trainer") != "trainer":
+        return False
+    rank = next((env[v] for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if env.get(v)), "0")
+    return rank.strip() != "0"
+
+
+def drop_secrets() -> None:
+    """Remove every secret's carriers from this process's environment without reading them (a file stays for
+    its reader); the plain values are wiped from the exec-time block too."""
+    with _lock:
+        for name in SECRET_ENV_VARS:
+            _wipe_initial_value(name)
+            for var in secret_carriers(name):
+                os.environ.pop(var, None)
+
+
 def take_all_secrets() -> None:
-    """At a process's start: take every secret it was given, so none stays in its environment (module docstring)."""
+    """At a process's start: take every secret it was given, so none stays in its environment (module docstring).
+    A trainer follower needs none and reads none: it drops them (:func:`drop_secrets`)."""
+    if trainer_follower():
+        drop_secrets()
+        return
     for name in SECRET_ENV_VARS:
         take_secret(name)

@@ -25,6 +25,7 @@ import sys
 from megarl.errors import ConfigError
 from megarl.launch import cluster, memory
 from megarl.launch.engine_key_env import ensure_run_keys
+from megarl.launch.key_files import KeyFiles, key_dir_base
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
@@ -113,10 +114,10 @@ def run(args) -> int:
             raise ConfigError(f"this host ({me}) has no role in the plan; run launch/torchrun.sh on each of: "
                               f"{', '.join(hosts)}")
         commands = mine
-    ensure_run_keys(plan, launcher)  # in the environment the commands inherit, not on their command lines
+    keys = KeyFiles(ensure_run_keys(plan, launcher), key_dir_base(cfg))  # in memory, then one file per command
     if settings.log_dir:  # the Slurm steps' logs go there from their first line, before the preflight makes it
         os.makedirs(settings.log_dir, exist_ok=True)
-    return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s)
+    return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s, key_files=keys)
 
 
 def _memory_refusal(mem, skip: bool) -> int:

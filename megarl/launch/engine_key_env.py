@@ -1,27 +1,26 @@
 """The secrets of a launched plan: the engine key (megarl/rollout/engine_key.py) and the dedicated scorer's link key.
 
 Neither is ever put on a command line (``ps`` shows command lines to every
-user of a node), derived from the plan or printed. Engines with commands of
-their own and the trainer read ``MEGARL_ENGINE_KEY``, a dedicated scorer with
-its own command and the trainer ``MEGARL_DEDICATED_AUTHKEY``, from the
-environment they inherit, and each takes it at start and removes it from its
-environment (megarl/secret_env.py). When the launching environment has none,
-``megarl launch`` makes a fresh random secret (``secrets.token_hex``) and
-puts it in its own environment before starting the commands: the runner's
-subprocesses and srun (``--export=ALL``, its default) inherit it, and mpirun
-forwards it (``-x NAME``, megarl/launch/role_commands.py). torchrun across
-several nodes is the exception: each node runs its own ``megarl launch``, so
-the key must be exported on every node by hand.
+user of a node), derived from the plan or printed, nor put in an environment
+(``/proc/<pid>/environ`` shows a process's for its whole life). Engines with
+commands of their own and the trainer read ``MEGARL_ENGINE_KEY``, a dedicated
+scorer with its own command and the trainer ``MEGARL_DEDICATED_AUTHKEY``.
+:func:`ensure_run_keys` returns the run's keys in memory: those the launching
+shell exported (taken, so `megarl launch` itself no longer shows them) and,
+where the launching environment has none, a fresh random secret
+(``secrets.token_hex``). megarl/launch/key_files.py hands them to each command
+in a file of its own. torchrun across several nodes is the exception: each
+node runs its own ``megarl launch``, so the key must be exported on every
+node by hand (each launch takes it from its environment at once).
 """
 from __future__ import annotations
 
-import os
 import secrets
 from typing import MutableMapping
 
 from megarl.errors import ConfigError
 from megarl.rollout.engine_key import engine_key_from_env, new_engine_key
-from megarl.secret_env import DEDICATED_AUTHKEY_ENV, ENGINE_KEY_ENV
+from megarl.secret_env import DEDICATED_AUTHKEY_ENV, ENGINE_KEY_ENV, SECRET_ENV_VARS, take_secret
 
 
 def has_own_engines(plan) -> bool:
@@ -44,11 +43,14 @@ def _ensure(name: str, make, plan, launcher: str, env: MutableMapping[str, str])
     env[name] = make()
 
 
-def ensure_run_keys(plan, launcher: str, env: MutableMapping[str, str] | None = None) -> None:
-    """Put fresh keys in ``env`` (default: this process's environment) for the plan's processes that need them:
-    the engine key when engines have commands of their own, the link key when the dedicated scorer has one."""
-    env = os.environ if env is None else env
+def ensure_run_keys(plan, launcher: str, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """The run's keys: fresh ones put in ``env`` for the plan's processes that need them (the engine key when
+    engines have commands of their own, the link key when the dedicated scorer has one). ``env`` None: a dict
+    in memory that starts with the keys this process was given (taken from its environment, which keeps none)."""
+    if env is None:
+        env = {name: value for name in SECRET_ENV_VARS if (value := take_secret(name))}
     if has_own_engines(plan) and not engine_key_from_env(env):
         _ensure(ENGINE_KEY_ENV, new_engine_key, plan, launcher, env)
     if has_own_dedicated(plan):
         _ensure(DEDICATED_AUTHKEY_ENV, lambda: secrets.token_hex(16), plan, launcher, env)
+    return dict(env)

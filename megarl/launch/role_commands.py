@@ -21,7 +21,8 @@ never ends in its SIGKILL mid-checkpoint. Slurm steps ask for GPUs with
 ``--gres=gpu:N`` beside the ``SLURM_GPUS_PER_NODE`` the batch environment
 passes on is refused by recent Slurm), and each step writes its own log.
 mpirun passes the user's environment on to remote ranks (:func:`forwarded_env`),
-never a run secret.
+never a run secret: a command that needs one gets the path of its own key
+file (``-x NAME_FILE``, megarl/launch/key_files.py).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from megarl.errors import ConfigError
 from megarl.launch.cluster import compress_hosts
 from megarl.launch.engine_key_env import has_own_engines
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
-from megarl.secret_env import DEDICATED_AUTHKEY_ENV
+from megarl.secret_env import DEDICATED_AUTHKEY_ENV, FILE_SUFFIX
 from megarl.stop_protocol import STOP_MARKER_ENV
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
@@ -252,8 +253,8 @@ def forwarded_env(names: tuple[str, ...] = (), env=None) -> list[str]:
 
 def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], settings: LaunchSettings, *,
                  authkey: bool = False, engine_key: bool = False) -> list[str]:
-    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY (which `megarl launch` makes when that has none);
-    ``engine_key``: it needs MEGARL_ENGINE_KEY (which `megarl launch` makes when that has none)."""
+    """``authkey``: the command needs MEGARL_DEDICATED_AUTHKEY, ``engine_key``: MEGARL_ENGINE_KEY (which `megarl
+    launch` makes when the launching environment has none); each is passed on as its key file's path."""
     argv = ["mpirun", "-n", str(n)]
     if _is_root():
         argv.append("--allow-run-as-root")
@@ -261,10 +262,10 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], settings: Lau
     if not local:
         argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node"]
         argv += [a for name in forwarded_env(settings.forward_env) for a in ("-x", name)]
-        if authkey:
-            argv += ["-x", AUTHKEY_ENV]
+        if authkey:  # the path of the command's own key file (megarl/launch/key_files.py), never the key
+            argv += ["-x", AUTHKEY_ENV + FILE_SUFFIX]
         if engine_key:
-            argv += ["-x", ENGINE_KEY_ENV]
+            argv += ["-x", ENGINE_KEY_ENV + FILE_SUFFIX]
     if plan.device == "cpu":
         argv.append("--oversubscribe")  # ranks are processes, not cores
     argv += ["--bind-to", "none"]

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.launch.key_files import KeyFiles, child_env
 from megarl.launch.role_commands import SHUTDOWN_MARGIN_S
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, read_stop_marker
 
@@ -85,9 +86,11 @@ def _stopped_cleanly(marker: Path | None) -> bool:
 
 
 def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | None = None,
-                 stop_grace_s: float = 90.0) -> int:
+                 stop_grace_s: float = 90.0, key_files: KeyFiles | None = None) -> int:
     """Run RoleCommands (servers first); returns the trainer's exit code (or the first failure's), 75 for a
-    clean stop (module doc). ``stop_marker``: the file the trainer's commands name in MEGARL_STOP_MARKER."""
+    clean stop (module doc). ``stop_marker``: the file the trainer's commands name in MEGARL_STOP_MARKER.
+    ``key_files``: the run's keys, written for each command just before it starts (megarl/launch/key_files.py);
+    whatever no reader took is removed when this returns."""
     ordered = sorted(commands, key=lambda c: not c.server)
     procs: list[tuple[object, subprocess.Popen]] = []
     if stop_marker is not None:
@@ -104,7 +107,7 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
     try:
         for c in ordered:
             print(f"[megarl launch] starting {c.name}: {c.shell()}", file=sys.stderr, flush=True)
-            p = subprocess.Popen(list(c.argv))
+            p = subprocess.Popen(list(c.argv), env=child_env(c.role, key_files))
             procs.append((c, p))
             if not c.server:
                 trainer_procs.append(p)
@@ -149,3 +152,5 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if key_files is not None:
+            key_files.close()

@@ -13,6 +13,7 @@ checkpointed, and the same command then runs.
 """
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -27,9 +28,27 @@ SMALL = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.bat
 TOTAL = 8
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([*MEGARL, *args], cwd=ROOT, env=ENV, start_new_session=True, stdout=open(log, "w"),
+def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([*MEGARL, *args], cwd=ROOT, env=env or ENV, start_new_session=True, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
+
+
+def keys_in_environ(launch: subprocess.Popen, keys: dict[str, str]) -> dict[str, list[str]]:
+    """What /proc/<pid>/environ of `megarl launch` and of every process under it shows of ``keys``: by process,
+    the names whose value, or a plain ``NAME=`` entry not wiped to x's, it holds (a ``NAME_FILE`` path is no
+    secret; a process started with a key, as `megarl launch` is by the test's shell, overwrites its value)."""
+    found = {}
+    for p in [psutil.Process(launch.pid), *psutil.Process(launch.pid).children(recursive=True)]:
+        try:
+            raw = Path(f"/proc/{p.pid}/environ").read_bytes()
+            name = " ".join(p.cmdline())[:80]
+        except (OSError, psutil.Error):
+            continue
+        hits = [k for k, v in keys.items()
+                if v.encode() in raw or re.search(rb"(^|\0)%s=(?!x*(\0|$))" % k.encode(), raw)]
+        if hits:
+            found[f"{p.pid} {name}"] = hits
+    return found
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> int:
@@ -83,9 +102,18 @@ def test_torchrun_two_ranks_stop_on_signals_and_resume_losing_nothing(ckpt, tmp_
     k2 = checkpoints(run)[-1]
     assert k2 > k1 and "SIGUSR1 on rank 1" in log2.read_text()
 
+    # attempt 3, with keys the launching shell exports: no process of the run keeps one in its environment
     log3 = tmp_path / "attempt3.log"
-    third = start([*common, f"logging.resume={run}"], log3)
+    keys = {"MEGARL_ENGINE_KEY": secrets.token_hex(24), "MEGARL_AGENT_SERVICE_KEY": secrets.token_hex(16)}
+    third = start([*common, f"logging.resume={run}"], log3, env={**ENV, **keys})
+    wait_for(lambda: len(jsonl(run / "metrics.jsonl")) >= k2 + 1, third, log3)
+    tree = [" ".join(p.cmdline()) for p in psutil.Process(third.pid).children(recursive=True)]
+    assert sum("torch.distributed.run" in c for c in tree) == 1 and sum("megarl.cli engine" in c for c in tree) == 1
+    assert sum("-m megarl.train" in c and "torch.distributed.run" not in c for c in tree) == 2, tree  # the ranks
+    assert keys_in_environ(third, keys) == {}
+    assert [f for d in run.glob(".megarl-keys-*") for f in d.iterdir()] == [], "rank 0 deletes its key file"
     assert finish(third, log3, timeout=300) == 0, log3.read_text()[-3000:]
+    assert list(run.glob(".megarl-keys-*")) == [], "the launch leaves no key directory"
     print(f"\ntorchrun x2: SIGTERM -> exit 75 in {stop1_s:.1f} s at step {k1}; rank-1 SIGUSR1 stop at step {k2}")
 
     metrics = jsonl(run / "metrics.jsonl")
