@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -90,6 +91,9 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
 def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
                 dtype: str = "float32", temperature: float = 1.0, allow_local_spec: bool = False,
                 batch_invariant: bool = False) -> None:
+    # a stop signal sent to trainer rank 0's process group (torchrun passes its stop on with killpg) is the
+    # trainer's to handle: it still needs this process to checkpoint the strategy's state, then closes it
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     _own_world(env)
     try:
         if num_threads > 0:
