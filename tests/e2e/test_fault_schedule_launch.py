@@ -1,0 +1,157 @@
+"""The run's defences together, through `megarl launch --launcher torchrun` with 2 trainer ranks, the dedicated
+scorer, the HF engine and an agent command in another process (rollout.workflow=agent_http) that tries to steal
+the run's keys (tests/e2e/key_snoop_agent.py: its environment and every /proc/<pid>/environ it can open).
+
+The launching environment exports the run's two keys (MEGARL_ENGINE_KEY, MEGARL_DEDICATED_AUTHKEY) with values the
+test knows, so that a key the agent command can read is recognised wherever it is found: `megarl launch` and
+torchrun keep them in the environment block they were started with.
+
+* attempt 1: after step 1 the engine is SIGSTOPped: it answers neither /health nor /generate. The health timeout is
+  set far above the stop, so the /generate deadline (rollout.generate_timeout_s,
+  megarl/rollout/generate_deadline.py) takes it for wedged: it is restarted (the stopped process is gone) and
+  its requests are sent again. Two steps later, SIGTERM to `megarl launch`: exit 75 with a checkpoint of the
+  step reached, rank 1 stopped with rank 0;
+* attempt 2 (resumed): SIGUSR1 to trainer rank 1 alone: the ranks agree at the step boundary, exit 75 again;
+* attempt 3 (resumed): to trainer.total_steps, exit 0.
+
+Checked: every attempt ends within its timeout (no hang), metrics hold steps and versions 1..N, no trajectory is
+trained twice, every trajectory accepted before the checkpoint an attempt stopped at is trained exactly once, the
+engine restart is counted (n_engine_restarts, n_engine_resubmits), and no agent command found a key: each ran in a
+PID namespace of its own and saw its own environment scrubbed.
+
+The dedicated scorer that a local launch starts is the trainer's child on queues (no port); the squatter on a
+launched scorer's port is tests/unit/test_dedicated_listener.py's.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ENV, ROOT
+from test_preempt_torchrun import checkpoints, finish, trainer_rank
+from test_resume import jsonl, process_gone, wait_for
+
+TOTAL = 6
+BATCH = 16  # configs/tiny_agent_cpu.yaml
+KEYS = {"MEGARL_ENGINE_KEY": "5e1f0e7a11c3d2b4a69807f6e5d4c3b2", "MEGARL_DEDICATED_AUTHKEY": "d7c6b5a49382716050f4e3d2"}
+#: the /generate deadline: far above what a request of this config takes on a loaded 2-core machine (a few
+#: seconds), below the /health probe's own 60 s read limit, so that the deadline is what sees the stopped engine
+GENERATE_TIMEOUT_S = 30
+#: far above the engine's stop
+HEALTH_TIMEOUT_S = 900
+#: how long attempt 1 may wait for the stopped engine's replacement: its deadline, the restart and a model load
+RESTART_WITHIN_S = 150
+
+
+def start(args, log, env):
+    return subprocess.Popen([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def assert_no_key_found(snoops) -> None:
+    """No snooping agent command saw a key, in its environment or in any /proc/<pid>/environ it could read."""
+    reports = [json.loads(p.read_text()) for p in snoops.glob("snoop_*.json")]
+    assert reports, "no agent command ran"
+    for r in reports:
+        seen = "\n".join([*(f"{k}={v}" for k, v in r["own_env"].items()), *r["readable"].values()])
+        stolen = [name for name, value in KEYS.items() if value in seen]
+        assert not stolen, f"an agent command read {stolen} (its pid namespace shows {sorted(r['readable'])})"
+
+
+def accepted_total(run, step: int) -> int:
+    """How many trajectories the run had accepted at step ``step``'s checkpoint (read before keep_last prunes it)."""
+    return json.loads((run / "checkpoints" / f"step_{step}" / "manifest.json").read_text())["accepted_total"]
+
+
+def assert_trained_once(journals, run) -> None:
+    """Every trajectory accepted before the checkpoint each attempt stopped at is trained exactly once or waits in the
+    final buffer; none is trained twice."""
+    trained = [i for r in jsonl(run / "trained_ids.jsonl") for i in r["traj_ids"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    assert len(trained) >= TOTAL * BATCH  # an agent episode's turns may be trajectories of their own (ID.tN)
+    accepted = [i for r in jsonl(run / "accepted.jsonl") for i in r["traj_ids"]]
+    # the journal names an episode by its first trajectory's id, the later ones are ID.tN
+    assert len(accepted) == len(set(accepted)) and {re.sub(r"\.t\d+$", "", i) for i in trained} <= set(accepted)
+    from megarl.checkpoint import load_file
+
+    buffer = load_file(run / "checkpoints" / f"step_{TOTAL}" / "controller.pt")["buffer"]
+    waiting = [t["traj_id"] for g in buffer["ready"] for t in g["trajectories"]]  # accepted, left for a next step
+    for journal, step, total in journals:
+        before = [i for r in journal if r["accepted_total"] <= total for i in r["traj_ids"]]
+        assert before, f"nothing accepted before step {step}'s checkpoint"
+        twice = [i for i in before if trained.count(i) + waiting.count(i) != 1]
+        assert not twice, f"accepted before step {step}'s checkpoint, not trained (or left waiting) exactly " \
+                          f"once: {twice[:5]}"
+
+
+def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(text_ckpt, tmp_path):
+    run, snoops = tmp_path / "run", tmp_path / "snoops"
+    snoops.mkdir()
+    env = {**ENV, **KEYS}
+    common = ["launch", "--launcher", "torchrun", "--config", "configs/tiny_agent_cpu.yaml", "rollout.backend=hf",
+              "rollout.workflow=agent_http", "agent.tools=[]", "eval.path=", "logging.progress=none",
+              "logging.tensorboard=false", "logging.save_every=0", "placement.trainer_ranks=2",
+              "recovery.name=dedicated", f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
+              "rollout.health_interval_s=1", f"rollout.health_timeout_s={HEALTH_TIMEOUT_S}",
+              f"rollout.generate_timeout_s={GENERATE_TIMEOUT_S}",
+              f"agent.command={sys.executable} tests/e2e/key_snoop_agent.py {snoops}"]
+
+    # -- attempt 1: the engine stops answering after step 1, then SIGTERM to megarl launch
+    log1 = tmp_path / "attempt1.log"
+    first = start([*common, f"logging.output_dir={run}"], log1, env)
+    wait_for(lambda: (run / "engine0.pid").is_file() and len(jsonl(run / "metrics.jsonl")) >= 1, first, log1)
+    stopped = int((run / "engine0.pid").read_text())
+    restarts_before = jsonl(run / "metrics.jsonl")[-1]["n_engine_restarts"]
+    t_stop = time.monotonic()
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        wait_for(lambda: int((run / "engine0.pid").read_text() or stopped) != stopped, first, log1,
+                 timeout=RESTART_WITHIN_S)
+    finally:
+        if not process_gone(stopped, timeout=0.1):
+            os.kill(stopped, signal.SIGCONT)
+    restart_s = time.monotonic() - t_stop
+    assert process_gone(stopped), "the wedged engine was left running beside its replacement"
+    at = len(jsonl(run / "metrics.jsonl"))
+    wait_for(lambda: len(jsonl(run / "metrics.jsonl")) >= at + 2, first, log1)
+    first.send_signal(signal.SIGTERM)
+    assert finish(first, log1) == 75, log1.read_text()[-3000:]
+    text = log1.read_text()
+    assert "no answer to /generate within" in text, text[-3000:]
+    metrics1 = jsonl(run / "metrics.jsonl")
+    assert metrics1[-1]["n_engine_restarts"] >= restarts_before + 1, text[-3000:]
+    assert sum(r["n_engine_resubmits"] for r in metrics1) > 0, "the wedged engine's requests were not sent again"
+    k1 = checkpoints(run)[-1]
+    assert k1 == len(metrics1) and not (run / "stop.json").exists()
+    assert "rank 0 stopped the run (SIGUSR1" in text and "SIGKILL" not in text
+    assert re.search(rf"the trainer stopped on SIGUSR1( on rank 1)? at step {k1} \(checkpointed\)", text), text[-2000:]
+    journals = [(jsonl(run / "accepted.jsonl"), k1, accepted_total(run, k1))]
+
+    # -- attempt 2: a signal that reaches only trainer rank 1
+    log2 = tmp_path / "attempt2.log"
+    second = start([*common, f"logging.resume={run}"], log2, env)
+    wait_for(lambda: (run / "resumes.jsonl").exists() and len(jsonl(run / "metrics.jsonl")) >= k1 + 1, second, log2)
+    trainer_rank(second, 1).send_signal(signal.SIGUSR1)
+    assert finish(second, log2) == 75, log2.read_text()[-3000:]
+    k2 = checkpoints(run)[-1]
+    assert k2 > k1 and "SIGUSR1 on rank 1" in log2.read_text()
+    journals.append((jsonl(run / "accepted.jsonl"), k2, accepted_total(run, k2)))
+
+    # -- attempt 3: to the end
+    log3 = tmp_path / "attempt3.log"
+    third = start([*common, f"logging.resume={run}"], log3, env)
+    assert finish(third, log3, timeout=300) == 0, log3.read_text()[-3000:]
+    print(f"\nlaunch x2 ranks: engine SIGSTOPped after step 1 replaced in {restart_s:.1f} s; SIGTERM at step {k1}; "
+          f"rank-1 SIGUSR1 at step {k2}; {len(list(snoops.glob('snoop_*.json')))} snooping agent commands")
+
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(1, TOTAL + 1))
+    assert [r["version"] for r in metrics] == list(range(1, TOTAL + 1)), "versions continue without a gap"
+    assert [r["step"] for r in jsonl(run / "trained_ids.jsonl")] == list(range(1, TOTAL + 1))
+    assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k1, k2]
+    assert_trained_once(journals, run)
+    assert_no_key_found(snoops)
+    assert (run / "final" / "model.safetensors").is_file()
