@@ -75,6 +75,14 @@ class LocalSlurm:
             time.sleep(1)
         raise RuntimeError(f"the local Slurm node did not become idle within {timeout_s} s:\n{self.logs()}")
 
+    def node_idle(self) -> bool:
+        """The node runs nothing and cleans up nothing: sinfo says idle (not completing) and no slurmstepd is left."""
+        import psutil
+
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True).stdout
+        return out.strip() == "idle" and not any(p.info["name"] == "slurmstepd"
+                                                 for p in psutil.process_iter(["name"]))
+
     def logs(self) -> str:
         return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.root.glob("*.log")))
 

@@ -69,6 +69,9 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
         assert f"the trainer stopped on SIGUSR1 at step {k} (checkpointed); exit code 75" in text, text[-3000:]
         assert f"requeueing job {job}" in text and "forcing job termination" not in text
         assert k == len(jsonl(run / "metrics.jsonl"))
+        # a requeued job started while the node still cleans up its first run is killed at once ("Job credential
+        # revoked", exit 1: seen in a loaded suite run); Slurm's own requeue delay leaves that time, StartTime=now not
+        wait_until(slurm.node_idle, "the node to finish the stopped run", slurm, log, timeout=120)
         slurm.scontrol("update", f"jobid={job}", "StartTime=now")
         wait_until(lambda: slurm.job(job).get("JobState") == "COMPLETED", "the resumed job", slurm, log, timeout=300)
     finally:

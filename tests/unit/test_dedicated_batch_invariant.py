@@ -90,10 +90,10 @@ def test_the_scorer_role_gets_the_runs_mode(monkeypatch, tmp_path):
     monkeypatch.setattr(scorer_side, "_own_world", lambda env: None)  # keep this process's environment
     monkeypatch.setattr(scorer_side, "_build_scorer", lambda *a: built.append(a) or "scorer")
     monkeypatch.setattr(scorer_side, "_serve", lambda scorer, recv, send: None)
-    monkeypatch.setattr(scorer_side.link, "listen", lambda port, key, host: SimpleNamespace(close=lambda: None))
-    monkeypatch.setattr(scorer_side.link, "accept_in_background",
-                        lambda listener, warn: SimpleNamespace(get=lambda: conn))
-    monkeypatch.setattr(scorer_side.link, "reader", lambda c: None)
+    monkeypatch.setattr(scorer_side.listening, "listen", lambda port, host: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(scorer_side.listening, "accept_in_background",
+                        lambda listener, key, warn, *a, **kw: SimpleNamespace(get=lambda: conn))
+    monkeypatch.setattr(scorer_side.listening, "reader", lambda c, *a: None)
     monkeypatch.setattr(scorer_side.link, "hang_up", lambda c: None)
     run_cfg = SimpleNamespace(recovery=SimpleNamespace(name="dedicated", options={}),
                               model=SimpleNamespace(checkpoint=str(tmp_path), dtype="bfloat16", allow_local_spec=False),

@@ -93,7 +93,9 @@ def test_a_key_comes_by_pipe_or_by_a_private_file(tmp_path):
 def what_a_worker_sees() -> str:
     """A tool run in a worker process: the run's keys it finds in its environment and its /proc entry."""
     raw = open("/proc/self/environ", "rb").read().decode(errors="replace")
-    return json.dumps(sorted({k for k in os.environ if k.startswith("MEGARL_")} |
+    # a key's variable in any of its forms (NAME, NAME_FD, NAME_FILE); other MEGARL_ settings (the sandbox's
+    # opt-out, which a worker needs) are not secrets and may be there
+    return json.dumps(sorted({k for k in os.environ if any(k.startswith(name) for name in KEYS)} |
                              {name for name, value in KEYS.items() if value in raw or name in raw}))
 
 
