@@ -3,15 +3,17 @@ scorer, the HF engine and an agent command in another process (rollout.workflow=
 the run's keys (tests/e2e/key_snoop_agent.py: its environment and every /proc/<pid>/environ it can open).
 
 The launching environment exports the run's two keys (MEGARL_ENGINE_KEY, MEGARL_DEDICATED_AUTHKEY) with values the
-test knows, so that a key the agent command can read is recognised wherever it is found: `megarl launch` and
-torchrun keep them in the environment block they were started with.
+test knows, so that a key is recognised wherever it is found.
 
 * attempt 1: after step 1 the engine is SIGSTOPped: it answers neither /health nor /generate. The health timeout is
   set far above the stop, so the /generate deadline (rollout.generate_timeout_s,
   megarl/rollout/generate_deadline.py) takes it for wedged: it is restarted (the stopped process is gone) and
   its requests are sent again. Two steps later, SIGTERM to `megarl launch`: exit 75 with a checkpoint of the
   step reached, rank 1 stopped with rank 0;
-* attempt 2 (resumed): SIGUSR1 to trainer rank 1 alone: the ranks agree at the step boundary, exit 75 again;
+* attempt 2 (resumed): while it trains, no process of the run (the launch, torchrun's agent, both ranks, the
+  engine and what they start) shows a key in /proc/<pid>/environ and rank 0 has deleted its key file
+  (megarl/launch/key_files.py); then SIGUSR1 to trainer rank 1 alone: the ranks agree at the step boundary, exit
+  75 again, and the launch leaves no key directory;
 * attempt 3 (resumed): to trainer.total_steps, exit 0.
 
 Checked: every attempt ends within its timeout (no hang), metrics hold steps and versions 1..N, no trajectory is
@@ -30,8 +32,9 @@ import subprocess
 import sys
 import time
 
+import psutil
 from conftest import ENV, ROOT
-from test_preempt_torchrun import checkpoints, finish, trainer_rank
+from test_preempt_torchrun import checkpoints, finish, keys_in_environ, trainer_rank
 from test_resume import jsonl, process_gone, wait_for
 
 TOTAL = 6
@@ -134,16 +137,24 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     log2 = tmp_path / "attempt2.log"
     second = start([*common, f"logging.resume={run}"], log2, env)
     wait_for(lambda: (run / "resumes.jsonl").exists() and len(jsonl(run / "metrics.jsonl")) >= k1 + 1, second, log2)
+    # while it trains, no process of the run keeps a key in its environment (megarl/launch/key_files.py)
+    tree = [" ".join(p.cmdline()) for p in psutil.Process(second.pid).children(recursive=True)]
+    assert sum("torch.distributed.run" in c for c in tree) == 1 and sum("megarl.cli engine" in c for c in tree) == 1
+    assert sum("-m megarl.train" in c and "torch.distributed.run" not in c for c in tree) == 2, tree  # the ranks
+    assert keys_in_environ(second, KEYS) == {}
+    assert [f for d in run.glob(".megarl-keys-*") for f in d.iterdir()] == [], "rank 0 deletes its key file"
     trainer_rank(second, 1).send_signal(signal.SIGUSR1)
     assert finish(second, log2) == 75, log2.read_text()[-3000:]
+    assert list(run.glob(".megarl-keys-*")) == [], "the launch leaves no key directory, also when it stops"
     k2 = checkpoints(run)[-1]
     assert k2 > k1 and "SIGUSR1 on rank 1" in log2.read_text()
     journals.append((jsonl(run / "accepted.jsonl"), k2, accepted_total(run, k2)))
 
-    # -- attempt 3: to the end
+    # -- attempt 3: to the end (a stop may have landed on the last step: then it trains nothing)
     log3 = tmp_path / "attempt3.log"
     third = start([*common, f"logging.resume={run}"], log3, env)
     assert finish(third, log3, timeout=300) == 0, log3.read_text()[-3000:]
+    assert list(run.glob(".megarl-keys-*")) == [], "the launch leaves no key directory"
     print(f"\nlaunch x2 ranks: engine SIGSTOPped after step 1 replaced in {restart_s:.1f} s; SIGTERM at step {k1}; "
           f"rank-1 SIGUSR1 at step {k2}; {len(list(snoops.glob('snoop_*.json')))} snooping agent commands")
 
