@@ -78,7 +78,7 @@ def test_launch_refuses_a_layout_that_does_not_fit_gpu_memory():
     assert "trainer.micro_batch_tokens=9216" in p.stderr and "parallel.tp" in p.stderr and "parallel.ep" in p.stderr
     assert "--skip-memory-check" in p.stderr
     dry = run(cmd + ["--dry-run"])  # the plan, its memory and the commands, then the same refusal
-    assert dry.returncode == 1 and "DOES NOT FIT: a trainer GPU needs 844.8 GB" in dry.stdout
+    assert dry.returncode == 1 and "DOES NOT FIT: a trainer GPU needs 846.2 GB" in dry.stdout
     assert "-m megarl.train" in dry.stdout and "does not fit" in dry.stderr
     # past the check, this torchrun launch stops at the next one: the simulated nodes are not this host
     for flag in ("--skip-memory-check", "--bootstrap-check"):  # the rendezvous check loads no model
