@@ -110,7 +110,8 @@ class SignalLatch:
         stop_budget.start()
         if self.received is None:
             self.received = name
-            log.warning("%s: stopping before the next phase (exit code %d)", name, EXIT_STOPPED)
+            log.warning("%s: stopping before the next phase (exit code %d, or 0 if the last step ends first)", name,
+                        EXIT_STOPPED)
         else:
             log.warning("%s: already stopping (%s)", name, self.received)
 

@@ -53,10 +53,10 @@ the connection. The role exits when it receives ``stop`` or when the trainer's
 connection closes; a failure is sent back as ``("error", traceback)`` before
 the role exits non-zero. One role serves one trainer connection.
 
-Limits: one scoring process per strategy instance, fed by a single-process
-loop. With a multi-rank trainer ``save_hf_checkpoint`` is a collective written
-by rank 0, and every rank's instance would start its own process; scoring on
-rank 0 and broadcasting the results is not implemented.
+With a multi-rank trainer only rank 0's instance (``ctx.is_driver``) starts or
+connects to the scoring process: every rank takes part in ``save_hf_checkpoint``
+(a collective, written by rank 0), and the followers train with the anchor rank 0
+computes and shares (megarl/trainer/spmd.py). One scoring process serves one run.
 """
 from __future__ import annotations
 

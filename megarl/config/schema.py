@@ -321,6 +321,8 @@ class PlacementConfig:
     """vLLM tensor-parallel size of one engine (rollout.n_engines engines of engine_tp GPUs each; an engine stays inside one node)."""
     dedicated_nodes: int = 0
     """Nodes reserved for the dedicated old-logit scorer, used only with recovery.name=dedicated; 0 = it takes spare GPUs of engine or trainer nodes (on cpu the controller spawns it)."""
+    dedicated_command: bool = False
+    """cpu only (`megarl launch`): with recovery.name=dedicated and no dedicated node, run the scorer as a command of its own on the first trainer node, on a port (placement.engine_port and up), as a GPU node does, instead of a child of trainer rank 0 on queues. The TCP link then authenticates with the run's key and its handshake deadline, as on a cluster."""
     dedicated_tp: int = 0
     """GPUs (tensor-parallel size) of the dedicated scorer; 0 = 1. The scorer is one process: plans refuse more than 1."""
     master_addr: str = ""

@@ -10,7 +10,8 @@ anything starts, and a misfit names the numbers that do not fit.
 
 On ``placement.device=cpu`` slots are processes: nothing counts GPUs, and the
 engines and the scorer that share the controller's node are spawned by the
-controller itself (what ``megarl train`` does on one machine).
+controller itself (what ``megarl train`` does on one machine), unless
+``placement.dedicated_command`` asks for the scorer as a command of its own.
 """
 from __future__ import annotations
 
@@ -372,6 +373,8 @@ def resolve_plan(cfg, hf_config: dict, allocation: Allocation, *, config_path: s
             dedicated = ServerPlan("dedicated", 0, got[0], dtp, got[1], port_on(got[0]), False)
         elif ded_hosts:
             dedicated = ServerPlan("dedicated", 0, ded_hosts[0], dtp, (), port_on(ded_hosts[0]), False)
+        elif p.dedicated_command:  # its own command beside the trainer, as on a GPU node
+            dedicated = ServerPlan("dedicated", 0, trainer_hosts[0], dtp, (), port_on(trainer_hosts[0]), False)
         else:
             dedicated = ServerPlan("dedicated", 0, trainer_hosts[0], dtp, (), 0, True)
     if gpu:

@@ -21,23 +21,32 @@ trained twice, every trajectory accepted before the checkpoint an attempt stoppe
 engine restart is counted (n_engine_restarts, n_engine_resubmits), and no agent command found a key: each ran in a
 PID namespace of its own and saw its own environment scrubbed.
 
-The dedicated scorer that a local launch starts is the trainer's child on queues (no port); the squatter on a
-launched scorer's port is tests/unit/test_dedicated_listener.py's.
+The dedicated scorer runs as a command of its own on a port (placement.dedicated_command, the process layout of a
+GPU node), and for the whole test a squatter holds idle connections to that port and tries a wrong key each
+second: its connections are dropped at the handshake deadline and refused (the scorer's log says so) while the
+trainer's link comes through, and no step waits for them.
 """
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 
 import psutil
 from conftest import ENV, ROOT
 from test_preempt_torchrun import checkpoints, finish, keys_in_environ, trainer_rank
 from test_resume import jsonl, process_gone, wait_for
 
-TOTAL = 6
+from megarl.rollout.client import free_port
+
+#: enough steps that attempt 2's stop lands before the last one (a stop during the last step finishes the run)
+TOTAL = 8
 BATCH = 16  # configs/tiny_agent_cpu.yaml
 KEYS = {"MEGARL_ENGINE_KEY": "5e1f0e7a11c3d2b4a69807f6e5d4c3b2", "MEGARL_DEDICATED_AUTHKEY": "d7c6b5a49382716050f4e3d2"}
 #: the /generate deadline: far above what a request of this config takes on a loaded 2-core machine (a few
@@ -52,6 +61,48 @@ RESTART_WITHIN_S = 150
 def start(args, log, env):
     return subprocess.Popen([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env, start_new_session=True,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+class Squatter(threading.Thread):
+    """Holds idle connections to the scorer's port (one more each second, each closed after 20 s unread) and tries
+    the wrong key once a second, for as long as the test runs: the run must not wait on any of them."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.idle, self.wrong_key = port, 0, 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        held: list[tuple[float, socket.socket]] = []
+        while not self.halt.wait(1.0):
+            try:
+                held.append((time.monotonic(), socket.create_connection(("127.0.0.1", self.port), timeout=1.0)))
+                self.idle += 1
+            except OSError:
+                continue  # not listening (yet, or between attempts)
+            for born, sock in [h for h in held if time.monotonic() - h[0] > 20.0]:
+                sock.close()
+                held.remove((born, sock))
+            threading.Thread(target=self.try_wrong_key, daemon=True).start()
+        for _, sock in held:
+            sock.close()
+
+    def try_wrong_key(self) -> None:
+        try:
+            Client(("127.0.0.1", self.port), authkey=b"not the run's key").close()
+        except (OSError, EOFError, AuthenticationError):
+            self.wrong_key += 1
+
+
+def commands(procs) -> dict:
+    """process -> its command line, for those still there."""
+    out = {}
+    for p in procs:
+        try:
+            out[p] = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+    return out
 
 
 def assert_no_key_found(snoops) -> None:
@@ -94,10 +145,14 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     run, snoops = tmp_path / "run", tmp_path / "snoops"
     snoops.mkdir()
     env = {**ENV, **KEYS}
+    scorer_port = free_port()  # the scorer role's (placement.engine_port: no engine of this run takes a port)
+    squatter = Squatter(scorer_port)
+    squatter.start()
     common = ["launch", "--launcher", "torchrun", "--config", "configs/tiny_agent_cpu.yaml", "rollout.backend=hf",
               "rollout.workflow=agent_http", "agent.tools=[]", "eval.path=", "logging.progress=none",
               "logging.tensorboard=false", "logging.save_every=0", "placement.trainer_ranks=2",
-              "recovery.name=dedicated", f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
+              "recovery.name=dedicated", "placement.dedicated_command=true", f"placement.engine_port={scorer_port}",
+              f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
               "rollout.health_interval_s=1", f"rollout.health_timeout_s={HEALTH_TIMEOUT_S}",
               f"rollout.generate_timeout_s={GENERATE_TIMEOUT_S}",
               f"agent.command={sys.executable} tests/e2e/key_snoop_agent.py {snoops}"]
@@ -123,6 +178,11 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     first.send_signal(signal.SIGTERM)
     assert finish(first, log1) == 75, log1.read_text()[-3000:]
     text = log1.read_text()
+    # the squatter reached the scorer's listener: its idle connections were dropped at the handshake deadline and
+    # its wrong key refused, while the trainer's own link came through (the run trained on)
+    assert squatter.idle > 0 and squatter.wrong_key > 0, (squatter.idle, squatter.wrong_key)
+    assert "dropped a connection that did not prove the key within" in text, text[-3000:]
+    assert "refused a connection with the wrong key" in text, text[-3000:]
     assert "no answer to /generate within" in text, text[-3000:]
     metrics1 = jsonl(run / "metrics.jsonl")
     assert metrics1[-1]["n_engine_restarts"] >= restarts_before + 1, text[-3000:]
@@ -132,17 +192,22 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     assert "rank 0 stopped the run (SIGUSR1" in text and "SIGKILL" not in text
     assert re.search(rf"the trainer stopped on SIGUSR1( on rank 1)? at step {k1} \(checkpointed\)", text), text[-2000:]
     journals = [(jsonl(run / "accepted.jsonl"), k1, accepted_total(run, k1))]
+    assert k1 <= TOTAL - 3, f"attempt 1 stopped at step {k1}: attempt 2 would have no step left to stop in (raise TOTAL)"
 
     # -- attempt 2: a signal that reaches only trainer rank 1
     log2 = tmp_path / "attempt2.log"
     second = start([*common, f"logging.resume={run}"], log2, env)
     wait_for(lambda: (run / "resumes.jsonl").exists() and len(jsonl(run / "metrics.jsonl")) >= k1 + 1, second, log2)
     # while it trains, no process of the run keeps a key in its environment (megarl/launch/key_files.py)
-    tree = [" ".join(p.cmdline()) for p in psutil.Process(second.pid).children(recursive=True)]
-    assert sum("torch.distributed.run" in c for c in tree) == 1 and sum("megarl.cli engine" in c for c in tree) == 1
-    assert sum("-m megarl.train" in c and "torch.distributed.run" not in c for c in tree) == 2, tree  # the ranks
+    tree = commands(psutil.Process(second.pid).children(recursive=True))
+    agents = [p for p, c in tree.items() if "torch.distributed.run" in c]
+    assert len(agents) == 1 and sum("megarl.cli engine" in c for c in tree.values()) == 1, tree
+    # the ranks are torchrun's own children (a rank's fork before an exec shows the rank's command line too)
+    assert sum("-m megarl.train" in c for c in commands(agents[0].children()).values()) == 2, tree
     assert keys_in_environ(second, KEYS) == {}
     assert [f for d in run.glob(".megarl-keys-*") for f in d.iterdir()] == [], "rank 0 deletes its key file"
+    reached = len(jsonl(run / "metrics.jsonl"))
+    assert reached < TOTAL - 1, f"attempt 2 reached step {reached} before its stop: raise TOTAL"
     trainer_rank(second, 1).send_signal(signal.SIGUSR1)
     assert finish(second, log2) == 75, log2.read_text()[-3000:]
     assert list(run.glob(".megarl-keys-*")) == [], "the launch leaves no key directory, also when it stops"
@@ -155,8 +220,10 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     third = start([*common, f"logging.resume={run}"], log3, env)
     assert finish(third, log3, timeout=300) == 0, log3.read_text()[-3000:]
     assert list(run.glob(".megarl-keys-*")) == [], "the launch leaves no key directory"
+    squatter.halt.set()
     print(f"\nlaunch x2 ranks: engine SIGSTOPped after step 1 replaced in {restart_s:.1f} s; SIGTERM at step {k1}; "
-          f"rank-1 SIGUSR1 at step {k2}; {len(list(snoops.glob('snoop_*.json')))} snooping agent commands")
+          f"rank-1 SIGUSR1 at step {k2}; {len(list(snoops.glob('snoop_*.json')))} snooping agent commands; "
+          f"{squatter.idle} idle and {squatter.wrong_key} wrong-key connections to the scorer's port")
 
     metrics = jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(1, TOTAL + 1))

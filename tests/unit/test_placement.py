@@ -153,6 +153,15 @@ def test_dedicated_role_commands(monkeypatch):
     assert (plan.dedicated.host, plan.dedicated.spawned, plan.dedicated.port) == ("node02", False, 8100)
     cmds = {c.name: c for c in plan.commands("torchrun", python="py")}
     assert _env_of(cmds["trainer"])["MEGARL_DEDICATED_ADDR"] == "node02:8100"
+    # cpu, no dedicated node, placement.dedicated_command: its own command and port beside the trainer
+    plan = plan_for(CFG_TINY, ["recovery.name=dedicated", "placement.dedicated_command=true",
+                               "placement.engine_port=8200"])
+    host = plan.trainer.hosts[0]
+    assert (plan.dedicated.host, plan.dedicated.spawned, plan.dedicated.port) == (host, False, 8200)
+    assert all(e.spawned for e in plan.engines)  # the engines stay the controller's children
+    cmds = {c.name: c for c in plan.commands("torchrun", python="py")}
+    assert _env_of(cmds["trainer"])["MEGARL_DEDICATED_ADDR"] == f"{host}:8200"
+    assert _env_of(cmds["dedicated"])["MEGARL_SERVER_PORT"] == "8200"
 
 
 def test_engines_share_trainer_node():
