@@ -1,0 +1,259 @@
+"""A MegatronTrainer's state in a layout-free form: it resumes into another TP / DP layout.
+
+What a save writes to ``out_dir`` (every rank calls :func:`save_reshardable`; it is a collective):
+
+- the model and the optimizer through megatron-core ``dist_checkpointing`` in its ``torch_dist``
+  format (``.metadata``, ``__{rank}_{i}.distcp``, ``common.pt``, ``metadata.json``). Each tensor is
+  stored under its global name and shape (megatron's ``ShardedTensor``: this rank's slice and its
+  offset in the full tensor), so Adam's ``exp_avg`` / ``exp_avg_sq`` and the main parameters are
+  keyed by the model parameter they belong to, not by a rank's flat buffer. The distributed
+  optimizer's state goes in the ``fully_reshardable`` sharding type (passed explicitly): at save
+  its DP shards are gathered over DP into per-parameter tensors, sliced like the parameter
+  (megatron's default, ``fully_sharded_model_space``, fails in megatron-core 0.16.1 with
+  "ShardedTensor.flattened_range is not supported"). The gather holds the whole optimizer state
+  on every DP rank for the save.
+- ``megarl_trainer.pt`` (rank 0, torch.save, written last: a directory without it is incomplete):
+  the weight version, the dtype, whether the optimizer is the distributed one, the scheduler's
+  step count, the layout that wrote it (for messages only) and every rank's torch RNG state.
+
+How a reshard works: the loading trainer builds the sharded state dict of *its own* model and
+optimizer (the same global names, its own slices) and ``dist_checkpointing.load`` reads, for each
+slice, the overlapping pieces of the saved slices; then the model and the optimizer load them as
+their ordinary state dicts. A TP2 checkpoint read at TP1 gives each full weight from the two
+halves; the distributed optimizer cuts its new DP shards out of the per-parameter state.
+Measured on CPU/gloo: TP2 -> TP1 and DP2 -> DP1 (distributed optimizer) of the dense model
+(tests/distributed/test_reshard.py). PP resharding goes through the same global layer numbering
+but is not tested.
+bf16 goes through the same code but is not tested either.
+What must match: the dtype (a bf16 run's optimizer holds fp32 main parameters, an fp32 run's
+does not) and the kind of optimizer (distributed or not: a load across kinds is refused, as it is
+untested); the model's shape is the run checkpoint's check (megarl/checkpoint.py). The RNG state is restored
+per rank when the world size is the same, else every rank takes rank 0's.
+
+The save is synchronous and in-process: megatron-core 0.16.1's own ``torch_dist`` writer
+(``FileSystemWriterAsync``), even when used synchronously, starts a ``spawn`` multiprocessing
+manager, which re-imports the main script in a new interpreter, and forks a writer process per
+file. Under torchrun with a script that is not guarded by ``if __name__ == "__main__"`` that new
+interpreter builds a second trainer and waits in ``new_group`` for ranks that never come, and the
+save waits on it for ever. :class:`InProcessTorchDistSave` writes the same format with
+``torch.distributed.checkpoint``'s plain ``FileSystemWriter`` in the calling thread.
+
+A directory of the per-rank format (``rank{r}.pt``, megarl/trainer/state.py) is loaded through
+that format's loader, which requires the same layout.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import CheckpointError
+from megarl.trainer.state import load_trainer_state
+
+#: the layout-free items (rank 0 writes it last; its presence marks a complete checkpoint)
+STATE_FILE = "megarl_trainer.pt"
+FORMAT = "megarl.reshardable.v1"
+#: the distributed optimizer's state as per-parameter tensors (module doc)
+DIST_OPT_SHARDING = "fully_reshardable"
+
+
+def _optimizer_metadata() -> dict:
+    # chained_optim_avoid_prefix: tensor keys name the parameter only, not the index of the
+    # chained optimizer holding it (which depends on how parameters were grouped)
+    return {"distrib_optim_sharding_type": DIST_OPT_SHARDING, "chained_optim_avoid_prefix": True}
+
+
+def _modules(trainer) -> list:
+    """The GPTModel of each chunk, without the DDP / Float16Module wrappers (their names carry no
+    ``module.`` prefix then, whatever the dtype)."""
+    out = []
+    for chunk in trainer.model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        out.append(chunk)
+    return out
+
+
+def _model_sharded(trainer) -> dict:
+    # nested by chunk; a tensor's identity in the checkpoint is its ShardedTensor key (global layer
+    # numbers), not where it sits in this dict
+    return {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(_modules(trainer))}
+
+
+def _sharded_state(trainer, is_loading: bool) -> dict:
+    model = _model_sharded(trainer)
+    state = {"model": model}
+    if trainer.optimizer is not None:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                                  metadata=_optimizer_metadata())
+    return state
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        """megatron's ``torch_dist`` format written by torch.distributed.checkpoint in this thread
+        (module doc: megatron's own writer starts processes)."""
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            import torch.distributed.checkpoint as dcp
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                MCoreSavePlanner,
+                _replace_state_dict_keys_with_sharded_keys,
+                mcore_to_pyt_state_dict,
+            )
+
+            by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(mcore_to_pyt_state_dict(by_key, False),
+                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=MCoreSavePlanner(can_run_decentralized_global_plan=False, flatten_state_dict=False))
+
+    return InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+
+
+def save_reshardable(trainer, out_dir: str) -> dict:
+    """Write the trainer's state to ``out_dir`` (module doc); a collective of every trainer rank.
+
+    Returns ``{"seconds": ...}``, the time the save took on this rank.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(out_dir, STATE_FILE)):
+        os.remove(os.path.join(out_dir, STATE_FILE))  # a rewrite is incomplete until it is back
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), out_dir, sharded_strategy=_save_strategy())
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, torch.get_rng_state())
+    if dist.get_rank() == 0:
+        small = {"format": FORMAT, "version": trainer.version, "dtype": trainer.dtype,
+                 "distributed_optimizer": bool(trainer._opt_args["use_distributed_optimizer"]),
+                 "has_optimizer": trainer.optimizer is not None,
+                 "scheduler_num_steps": None if trainer.scheduler is None else int(trainer.scheduler.num_steps),
+                 "layout": trainer._layout(), "world_size": dist.get_world_size(), "torch_rng": rngs}
+        tmp = os.path.join(out_dir, STATE_FILE + ".tmp")
+        torch.save(small, tmp)
+        os.replace(tmp, os.path.join(out_dir, STATE_FILE))
+    dist.barrier()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def is_per_rank_checkpoint(in_dir: str) -> bool:
+    """A directory of megarl/trainer/state.py's per-rank format (``rank{r}.pt``, no sharded files)."""
+    return (not os.path.exists(os.path.join(in_dir, STATE_FILE))
+            and not os.path.exists(os.path.join(in_dir, "metadata.json"))
+            and os.path.isfile(os.path.join(in_dir, "rank0.pt")))
+
+
+def _read_small(in_dir: str) -> dict:
+    path = os.path.join(in_dir, STATE_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: {in_dir} is not a complete reshardable trainer checkpoint "
+                              f"(its save did not finish?)")
+    try:
+        small = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
+    if not isinstance(small, dict) or small.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} file")
+    return small
+
+
+def _allocate_adam_state(trainer) -> None:
+    """Zero Adam moments and step for a distributed optimizer that has not stepped yet.
+
+    Its sharded state dict reads the step count off the inner optimizer's state, which torch's Adam
+    creates only on its first step; the load then overwrites these tensors.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for o in trainer._optimizers():
+        if not isinstance(o, DistributedOptimizer):  # megatron's other optimizers allocate their own
+            continue
+        inner = o.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def _load_optimizer(trainer, state) -> None:
+    opts = trainer._optimizers()
+    per_optimizer = [state] if len(opts) == 1 else [state[i] for i in range(len(opts))]
+    for o, sd in zip(opts, per_optimizer, strict=True):
+        param_state = sd.pop("param_state", None)
+        with torch.no_grad():  # copies into the optimizer's main params, which require grad
+            o.load_state_dict(sd)  # of a distributed optimizer: all but the parameter state
+            inner = getattr(o, "optimizer", o)
+            if param_state is not None:
+                assert sd.pop("param_state_sharding_type") == DIST_OPT_SHARDING
+                # megatron-core 0.16.1's fully_reshardable loader copies every key of the inner state,
+                # torch Adam's per-param 'step' too, from the checkpoint, which has none (step lives in
+                # the param groups): set it aside for the copy
+                steps = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
+                o.load_parameter_state_from_fully_reshardable(param_state)
+                for p, step in steps.items():
+                    inner.state[p]["step"] = step
+        # megatron's optimizers hand every param one shared 'step' tensor after a load; torch's Adam
+        # increments it in place once per param, breaking bias correction
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
+def load_reshardable(trainer, in_dir: str) -> dict:
+    """Inverse of :func:`save_reshardable`, into this trainer's layout; a collective of every trainer rank.
+
+    A per-rank checkpoint (megarl/trainer/state.py) goes through that format's loader (same layout
+    only). CheckpointError when the directory is incomplete or its state does not fit this trainer.
+    The scheduler takes only its step count: its shape comes from this run's config.
+    Returns ``{"seconds": ..., "format": ...}``.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    if is_per_rank_checkpoint(in_dir):
+        try:
+            load_trainer_state(trainer, in_dir)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}. {in_dir} is in the per-rank format (rank{{r}}.pt), which resumes only in the "
+                                  f"layout that wrote it: resume with that layout, or load it there and write it "
+                                  f"again with save_reshardable to change the layout") from e
+        return {"seconds": time.perf_counter() - t0, "format": "per_rank"}
+    small = _read_small(in_dir)
+    if small["dtype"] != trainer.dtype:
+        raise CheckpointError(f"{in_dir} was written by a {small['dtype']} trainer; this trainer is {trainer.dtype}")
+    mine = bool(trainer._opt_args["use_distributed_optimizer"])
+    if small["has_optimizer"] and small["distributed_optimizer"] != mine:
+        kind = "the distributed" if small["distributed_optimizer"] else "a non-distributed"
+        raise CheckpointError(f"{in_dir} holds the state of {kind} optimizer (layout {small['layout']}); this "
+                              f"trainer has use_distributed_optimizer={mine}: resume with the same kind")
+    if small["has_optimizer"]:
+        trainer._ensure_optimizer()
+        _allocate_adam_state(trainer)
+    want = _sharded_state(trainer, is_loading=True)
+    if not small["has_optimizer"]:
+        want.pop("optimizer", None)
+    try:
+        loaded = dist_checkpointing.load(want, in_dir)
+    except Exception as e:  # missing keys, shape mismatches, damaged files: megatron's and torch's own errors
+        raise CheckpointError(f"{in_dir} (written with layout {small['layout']}) cannot be loaded into layout "
+                              f"{trainer._layout()}: {type(e).__name__}: {e}") from e
+    try:
+        for i, module in enumerate(_modules(trainer)):
+            module.load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{in_dir}: model state does not fit this model ({e})") from e
+    if small["has_optimizer"]:
+        _load_optimizer(trainer, loaded["optimizer"])
+        trainer.scheduler.num_steps = int(small["scheduler_num_steps"])
+    trainer.version = int(small["version"])
+    trainer.last_skip_reason = None
+    rngs = small["torch_rng"]
+    torch.set_rng_state(rngs[dist.get_rank()] if len(rngs) == dist.get_world_size() else rngs[0])
+    return {"seconds": time.perf_counter() - t0, "format": FORMAT}

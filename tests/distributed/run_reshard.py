@@ -1,0 +1,134 @@
+"""Reshardable trainer state across layouts (launched by test_reshard.py).
+
+``--phase save`` runs under ``torchrun --nproc_per_node=2``; per mode (``tp2``: TP2 with megatron's
+plain optimizer, ``dp2``: DP2 with the distributed optimizer) it trains 2 steps on a fixed batch,
+``save_reshardable``s to ``OUT/<mode>/ckpt``, writes the full (gathered, HF-named) weights, then
+trains steps 3 and 4 uninterrupted: ``OUT/<mode>/ref.json`` has their losses and the save time,
+``weights_after{2,3}.pt`` the weights. Each mode also resumes its checkpoint in its own layout (bitwise); ``tp2``
+also writes the per-rank format (megarl/trainer/state.py) to ``OUT/tp2/per_rank``, which
+``load_reshardable`` takes in the same layout through that format's loader.
+
+``--phase load`` is one plain process (TP1, DP1). Per mode it loads the checkpoint and writes
+``OUT/<mode>/resumed.json``: whether the weights equal the saved ones exactly, the largest weight
+difference after step 3, the losses of steps 3 and 4 and the load time. ``<mode>/dropped.json`` is
+the same after replacing the loaded optimizer by a fresh one (the negative control), and
+``tp2/per_rank_error.json`` what loading the per-rank checkpoint at TP1 raised.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+# mode -> (tp at save, use_distributed_optimizer)
+MODES = {"tp2": (2, False), "dp2": (1, True)}
+
+
+def nll(logp, mb, normalizer):
+    return -(logp * mb.loss_mask).sum() / normalizer["n_valid_tokens"], {}
+
+
+def build(checkpoint: str, tp: int, dist_opt: bool):
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(checkpoint, tp=tp, lr=1e-2, micro_batch_tokens=40, seed=0,
+                           use_distributed_optimizer=dist_opt)
+
+
+def full_weights(trainer) -> dict:
+    """The full HF-named weights (a collective: every rank consumes the stream)."""
+    return {k: v.clone() for k, v in trainer.export_hf_weights()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:4]
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def save_phase(checkpoint: str, out: Path) -> None:
+    import torch.distributed as dist
+    from run_parallel import make_batch
+
+    from megarl.trainer.dist_state import load_reshardable, save_reshardable
+
+    batch = make_batch()
+    for mode, (tp, dist_opt) in MODES.items():
+        d = out / mode
+        a = build(checkpoint, tp, dist_opt)
+        a.train_step(batch, nll)
+        a.train_step(batch, nll)
+        saved = save_reshardable(a, str(d / "ckpt"))
+        w2 = full_weights(a)
+        if mode == "tp2":
+            a.save_state(str(d / "per_rank"))
+        loss3 = a.train_step(batch, nll)["loss"]
+        w3 = full_weights(a)
+        loss4 = a.train_step(batch, nll)["loss"]
+        ref = {"loss3": loss3, "loss4": loss4, "save_s": saved["seconds"], "version": a.version}
+        for fmt in ("ckpt", "per_rank") if mode == "tp2" else ("ckpt",):  # the same layout: resumes bitwise
+            b = build(checkpoint, tp, dist_opt)
+            info = load_reshardable(b, str(d / fmt))
+            ref[f"same_layout_{fmt}"] = {"format": info["format"], "loss3": b.train_step(batch, nll)["loss"],
+                                         "w3_diff": max_diff(full_weights(b), w3)}
+        if dist.get_rank() == 0:
+            torch.save(w2, d / "weights_after2.pt")
+            torch.save(w3, d / "weights_after3.pt")
+            (d / "ref.json").write_text(json.dumps(ref))
+
+
+def resume(checkpoint: str, d: Path, dist_opt: bool, batch, drop_optimizer: bool) -> dict:
+    from megarl.trainer.dist_state import load_reshardable
+
+    b = build(checkpoint, 1, dist_opt)
+    info = load_reshardable(b, str(d / "ckpt"))
+    w = full_weights(b)
+    w2 = torch.load(d / "weights_after2.pt")
+    res = {"format": info["format"], "load_s": info["seconds"], "version": b.version,
+           "weights_exact": set(w) == set(w2) and all(torch.equal(w[k], w2[k]) for k in w2)}
+    if drop_optimizer:  # negative control: the loaded Adam moments and step count are lost
+        b.optimizer = None
+        b._ensure_optimizer()
+    res["loss3"] = b.train_step(batch, nll)["loss"]
+    res["w3_diff"] = max_diff(full_weights(b), torch.load(d / "weights_after3.pt"))
+    res["loss4"] = b.train_step(batch, nll)["loss"]
+    return res
+
+
+def load_phase(checkpoint: str, out: Path) -> None:
+    from run_parallel import make_batch
+
+    from megarl.errors import CheckpointError
+    from megarl.trainer.dist_state import load_reshardable
+
+    batch = make_batch()
+    for mode, (_, dist_opt) in MODES.items():
+        d = out / mode
+        (d / "resumed.json").write_text(json.dumps(resume(checkpoint, d, dist_opt, batch, drop_optimizer=False)))
+        (d / "dropped.json").write_text(json.dumps(resume(checkpoint, d, dist_opt, batch, drop_optimizer=True)))
+    try:
+        load_reshardable(build(checkpoint, 1, False), str(out / "tp2" / "per_rank"))
+        err = None
+    except CheckpointError as e:
+        err = str(e)
+    (out / "tp2" / "per_rank_error.json").write_text(json.dumps({"error": err}))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=("save", "load"), required=True)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    for mode in MODES:
+        (out / mode).mkdir(parents=True, exist_ok=True)
+    (save_phase if args.phase == "save" else load_phase)(args.checkpoint, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
