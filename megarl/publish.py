@@ -245,6 +245,8 @@ class BroadcastPublisher:
             log.info("version %d: broadcast %d tensors, %.2f MB to %d engine(s) in %.3f s", version,
                      stats["tensors"], stats["bytes"] / 1e6, len(self._members or ()), time.perf_counter() - t0)
         _remove_other_versions(self.weights_dir, current)
+        del buckets  # the device buckets go before the next train step (the sender has let go of them too)
+        release_ipc_blocks()
         return {"weight_sync_bytes": stats["bytes"] if stats else 0, "weight_sync_groups": self.n_groups,
                 "weight_sync_fallbacks": self.n_fallbacks, **(phases or {})}
 
@@ -325,6 +327,13 @@ class BroadcastPublisher:
         self._proc = None
         self._close_group()
         self._copy.join()  # a copy being written is finished, not left half-way
+
+
+def release_ipc_blocks() -> None:
+    """Free the trainer's CUDA blocks that were shared with the sender process and that it no longer
+    references (torch keeps such a block until the producer collects it); nothing to do without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def _abort_on_failure(group, sending: concurrent.futures.Future) -> None:

@@ -125,6 +125,7 @@ def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
         if msg[0] == "close":
             break
         _, info, buckets = msg
+        del msg  # the buckets are referenced by name only, so that dropping the name releases them
         try:
             t0 = time.perf_counter()
             if group is None or group.group_id != info["group_id"]:
@@ -136,8 +137,10 @@ def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
                                         group_id=info["group_id"], secret=info["secret"], serve_rendezvous=False)
                 group.connect()
             conn.send(("joined",))
-            for meta, payload in buckets:
+            while buckets:  # each bucket let go once sent: CUDA IPC blocks the trainer frees after the publish
+                meta, payload = buckets.pop(0)
                 group.send_bucket(torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload)
+                del meta, payload
                 conn.send(("bucket",))
             group.end_stream()
             del buckets
