@@ -245,7 +245,7 @@ class BroadcastPublisher:
             log.info("version %d: broadcast %d tensors, %.2f MB to %d engine(s) in %.3f s", version,
                      stats["tensors"], stats["bytes"] / 1e6, len(self._members or ()), time.perf_counter() - t0)
         _remove_other_versions(self.weights_dir, current)
-        del buckets  # the device buckets go before the next train step (the sender has let go of them too)
+        buckets = None  # the device buckets go before the next train step (the sender has let go of them too)
         release_ipc_blocks()
         return {"weight_sync_bytes": stats["bytes"] if stats else 0, "weight_sync_groups": self.n_groups,
                 "weight_sync_fallbacks": self.n_fallbacks, **(phases or {})}

@@ -192,7 +192,7 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     assert "rank 0 stopped the run (SIGUSR1" in text and "SIGKILL" not in text
     assert re.search(rf"the trainer stopped on SIGUSR1( on rank 1)? at step {k1} \(checkpointed\)", text), text[-2000:]
     journals = [(jsonl(run / "accepted.jsonl"), k1, accepted_total(run, k1))]
-    assert k1 <= TOTAL - 3, f"attempt 1 stopped at step {k1}: attempt 2 would have no step left to stop in (raise TOTAL)"
+    assert k1 <= TOTAL - 3, f"attempt 1 stopped at step {k1}: attempt 2 would have no step to stop in (raise TOTAL)"
 
     # -- attempt 2: a signal that reaches only trainer rank 1
     log2 = tmp_path / "attempt2.log"
