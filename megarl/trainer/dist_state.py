@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import CheckpointError
-from megarl.trainer.state import load_trainer_state
+from megarl.trainer.state import load_trainer_state, unshare_adam_steps
 
 #: the layout-free items (rank 0 writes it last; its presence marks a complete checkpoint)
 STATE_FILE = "megarl_trainer.pt"
@@ -199,11 +199,7 @@ def _load_optimizer(trainer, state) -> None:
                 o.load_parameter_state_from_fully_reshardable(param_state)
                 for p, step in steps.items():
                     inner.state[p]["step"] = step
-        # megatron's optimizers hand every param one shared 'step' tensor after a load; torch's Adam
-        # increments it in place once per param, breaking bias correction
-        for st in inner.state.values():
-            if torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
+        unshare_adam_steps(o)
 
 
 def load_reshardable(trainer, in_dir: str) -> dict:

@@ -90,14 +90,18 @@ def load_trainer_state(trainer, in_dir: str) -> None:
                 with torch.no_grad():  # copies into the optimizer's main params, which require grad
                     o.load_parameter_state_from_dp_reshardable(param_state)
         for o in trainer._optimizers():
-            # megatron's DistributedOptimizer.load_state_dict hands every param one shared 'step'
-            # tensor; torch's Adam increments it in place once per param, breaking bias correction
-            for st in getattr(o, "optimizer", o).state.values():
-                if torch.is_tensor(st.get("step")):
-                    st["step"] = st["step"].clone()
+            unshare_adam_steps(o)
         trainer.scheduler.num_steps = int(opt["scheduler"]["num_steps"])
     trainer.version = int(state["version"])
     trainer.last_skip_reason = None
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """Give every param its own Adam 'step' tensor after a load: megatron's optimizers hand all params one
+    shared tensor, which torch's Adam increments in place once per param, breaking bias correction."""
+    for st in getattr(optimizer, "optimizer", optimizer).state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"] = st["step"].clone()

@@ -10,13 +10,12 @@ plain process the 1-rank reference; each rank writes JSON
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from checked_run import run_checked
 
 from megarl.rollout.client import free_port
 
@@ -31,12 +30,6 @@ LOOP_MODES = {"ep2_loop_replay": "single_moe_replay"}
 TOL = 1e-5
 
 
-def _run(cmd: list[str], timeout: int) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     from megarl.models.tiny import write_tiny_checkpoint
@@ -46,9 +39,10 @@ def results(tmp_path_factory) -> Path:
     moe = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3_moe.yaml", root / "moe", seed=3)
     out = root / "out"
     args = ["--dense", str(dense), "--moe", str(moe), "--out", str(out)]
-    _run([sys.executable, str(SCRIPT), "--modes", "single_dense,single_moe,single_moe_replay", *args], timeout=180)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-          str(SCRIPT), "--modes", ",".join([*TWO_RANK_MODES, *LOOP_MODES]), *args], timeout=300)
+    run_checked([sys.executable, str(SCRIPT), "--modes", "single_dense,single_moe,single_moe_replay", *args],
+                timeout=180)
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                 str(SCRIPT), "--modes", ",".join([*TWO_RANK_MODES, *LOOP_MODES]), *args], timeout=300)
     return out
 
 

@@ -11,12 +11,11 @@ off by ~2e-2, which the same checks catch.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from checked_run import run_checked
 
 from megarl.rollout.client import free_port
 
@@ -27,12 +26,6 @@ LOSS_TOL = 1e-5
 WEIGHT_TOL = 1e-5
 
 
-def _run(cmd: list[str], timeout: int) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-
-
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     from megarl.models.tiny import write_tiny_checkpoint
@@ -41,9 +34,9 @@ def out(tmp_path_factory) -> Path:
     ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", root / "dense", seed=3)
     out = root / "out"
     args = ["--checkpoint", str(ckpt), "--out", str(out)]
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-          str(SCRIPT), "--phase", "save", *args], timeout=180)
-    _run([sys.executable, str(SCRIPT), "--phase", "load", *args], timeout=180)
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                 str(SCRIPT), "--phase", "save", *args], timeout=180)
+    run_checked([sys.executable, str(SCRIPT), "--phase", "load", *args], timeout=180)
     return out
 
 
