@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megarl.errors import ConfigError
+from megarl.launch.memory import SCORER_MICRO_BATCH_TOKENS
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import free_port
 from megarl.routes import RouteSegment, newest_routes
@@ -53,20 +54,26 @@ class DedicatedConfig:
     """Scorer role with its own command: the address it listens on; empty = its node's address in the plan (MEGARL_SERVER_HOST, the one the trainer reaches), 0.0.0.0 = every interface."""
     peer_timeout_s: float = 60.0
     """Scorer role with its own command: it ends when the trainer has sent nothing, not even its heartbeat (every 5 s), for this long (the trainer's host is gone without closing the connection)."""
+    micro_batch_tokens: int = SCORER_MICRO_BATCH_TOKENS
+    """Token budget of one micro-batch of the default (MegatronTrainer) scorer, its own and not trainer.micro_batch_tokens; a scorer_factory builds its own. Segments are packed as the trainer packs rows and a longer row gets a micro-batch of its own, so `megarl plan` sizes the scorer's one GPU with max(this, data.max_prompt_len + rollout.max_new_tokens) tokens: all the weights, then one layer's activations or those tokens' logits (10 B per vocabulary entry). 4096 (the trainer's default) is below the Qwen3-30B-A3B config's 9216-token rows, so one row sets its peak: 61.1 GB of bf16 weights + 14.0 GB of logits + 3 GB reserve = 78.1 GB of an 80 GB GPU; a smaller budget would not shrink that row's logits, only run more forwards over short segments, and 16384 (24.9 GB of logits) would not fit."""
 
 
 def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", temperature: float = 1.0,
-                  allow_local_spec: bool = False, batch_invariant: bool = False) -> Any:
+                  allow_local_spec: bool = False, batch_invariant: bool = False,
+                  micro_batch_tokens: int = SCORER_MICRO_BATCH_TOKENS) -> Any:
     """The scoring model; it scores at the trainer's ``temperature`` (the engines' sampling temperature)
     and, under ``rollout.batch_invariant``, on the trainer's batch-invariant kernels, or its log-probs would
-    not be the trainer's. A ``factory`` is handed ``batch_invariant=True`` when the run asks for it."""
+    not be the trainer's. A ``factory`` is handed ``batch_invariant=True`` when the run asks for it. The
+    default scorer packs its forwards into micro-batches of ``micro_batch_tokens``
+    (``recovery.dedicated.micro_batch_tokens``, the budget `megarl plan` sizes its GPU with)."""
     if factory:
         module, _, fn = factory.partition(":")
         extra = {"batch_invariant": True} if batch_invariant else {}
         return getattr(importlib.import_module(module), fn)(checkpoint_dir, temperature=temperature, **extra)
     # forward-only: no DDP gradient buffer (fp32, twice the bf16 weights) and no optimizer in a scoring process
     return MegatronTrainer(checkpoint_dir, tp=1, pp=1, ep=1, dtype=dtype, temperature=temperature, forward_only=True,
-                           allow_local_spec=allow_local_spec, batch_invariant=batch_invariant)
+                           allow_local_spec=allow_local_spec, batch_invariant=batch_invariant,
+                           micro_batch_tokens=micro_batch_tokens)
 
 
 def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
@@ -90,7 +97,7 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
 
 def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_threads: int, in_q, out_q,
                 dtype: str = "float32", temperature: float = 1.0, allow_local_spec: bool = False,
-                batch_invariant: bool = False) -> None:
+                batch_invariant: bool = False, micro_batch_tokens: int = SCORER_MICRO_BATCH_TOKENS) -> None:
     # a stop signal sent to trainer rank 0's process group (torchrun passes its stop on with killpg) is the
     # trainer's to handle: it still needs this process to checkpoint the strategy's state, then closes it
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -98,7 +105,8 @@ def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_thre
     try:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature, allow_local_spec, batch_invariant)
+        scorer = _build_scorer(factory, checkpoint_dir, dtype, temperature, allow_local_spec, batch_invariant,
+                               micro_batch_tokens)
         _serve(scorer, in_q.get, out_q.put)
     except BaseException:  # noqa: BLE001 - the parent must hear about any failure
         out_q.put(("error", traceback.format_exc()))
@@ -167,7 +175,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
                 torch.set_num_threads(cfg.num_threads)
             scorer = _build_scorer(cfg.scorer_factory, checkpoint_dir, dtype,
                                    logprob_temperature(run_cfg.rollout.temperature), run_cfg.model.allow_local_spec,
-                                   run_cfg.rollout.batch_invariant)
+                                   run_cfg.rollout.batch_invariant, cfg.micro_batch_tokens)
         except Exception:  # noqa: BLE001 - reported to the trainer below
             build_error = traceback.format_exc()
         conn = pending.get()  # the trainer connects at its first publish

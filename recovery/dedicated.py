@@ -15,7 +15,9 @@ from ``ctx.checkpoint_dir`` in the trainer's dtype (``ctx.trainer.dtype``: a
 float32 scorer of a bf16 policy would not return the trainer's log-probs), at
 its temperature (``ctx.trainer.temperature``, the engines' sampling temperature)
 and in its kernel mode (``ctx.trainer.batch_invariant``: ``rollout.batch_invariant``);
-``scorer_factory`` can name another builder. The scorer's side (its message
+``scorer_factory`` can name another builder. Its forwards are packed into micro-batches of
+``micro_batch_tokens`` (its own budget, not the trainer's; a longer row is scored alone), the budget
+``megarl plan`` sizes the scorer's one GPU with. The scorer's side (its message
 loop, the spawned child, the launched role) is recovery/_dedicated_scorer.py.
 
 Weights transport (chosen): at ``on_weights_published(v)`` the trainer writes
@@ -134,7 +136,7 @@ class Dedicated(RecoveryStrategy):
                                    self.cfg.num_threads, in_q, out_q,
                                    self.ctx.trainer.dtype, self.ctx.trainer.temperature,
                                    getattr(self.ctx.trainer, "allow_local_spec", False),
-                                   getattr(self.ctx.trainer, "batch_invariant", False)))
+                                   getattr(self.ctx.trainer, "batch_invariant", False), self.cfg.micro_batch_tokens))
         proc.start()  # builds its model while the loop goes on; messages queue up meanwhile
         self._link = QueueLink(proc, in_q, out_q)
 

@@ -20,8 +20,11 @@ Trainer GPU (bf16 or fp32 parameters, Megatron DDP, Adam):
   or ``loss.entropy_target``) also what its path keeps (measured: an fp32 copy of the logits and its graph).
 - runtime: CUDA context, NCCL buffers and allocator slack (:data:`RUNTIME_RESERVE`, assumed).
 Engine GPU: vLLM takes :data:`VLLM_UTILIZATION` of the device: its weight shard, the KV cache the rest.
-Dedicated scorer GPU: forward-only weights (no gradients, no optimizer), one layer's activations and the
-logits of one micro-batch (the scorer's micro-batches: :data:`SCORER_MICRO_BATCH_TOKENS`, at least one row).
+Dedicated scorer GPU: forward-only weights (no gradients, no optimizer) and, one after the other (no graph is
+kept, so a layer's tensors are gone before the output layer runs), one layer's activations or the logits of one
+micro-batch: the scorer's own micro-batches of ``recovery.dedicated.micro_batch_tokens``
+(:func:`scorer_micro_batch_tokens`), at least one longest row. It is one GPU (a scorer across several GPUs is
+not built); when even one row per micro-batch does not fit, the refusal says so.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from megarl.errors import ConfigError
 from megarl.launch.placement import param_counts
 
 TABLE = Path(__file__).with_name("activation_table.yaml")
@@ -48,8 +52,14 @@ ENTROPY_TRANSIENT = 4
 VLLM_UTILIZATION = 0.9
 #: CUDA context, NCCL communicators and allocator fragmentation on a trainer or scorer GPU (assumed, bytes)
 RUNTIME_RESERVE = 3e9
-#: micro-batch token budget of the dedicated scorer (MegatronTrainer's default, which it is built with)
+#: default of ``recovery.dedicated.micro_batch_tokens`` (recovery/_dedicated_scorer.py's DedicatedConfig takes it
+#: from here, so the plan of a config without a dedicated section and the scorer agree)
 SCORER_MICRO_BATCH_TOKENS = 4096
+#: bytes per logit on the scorer's GPU while its loss runs: the bf16 logits and the fp32 copy megatron's cross
+#: entropy works on in place (:data:`LOGITS_TRANSIENT`), plus 4 for the fp32 quotient logits.float() / T that
+#: exists beside that copy for a moment at a temperature other than 1 (megarl/models/entropy.py); nothing is kept
+#: for a backward
+SCORER_LOGITS_BYTES = LOGITS_TRANSIENT + 4
 #: assumed ratio of TransformerEngine's activation bytes to the local spec's linear part (an upper bound:
 #: TE fuses the norms into the next linear layer and its fused attention keeps no score matrices)
 TE_FACTOR = 1.0
@@ -62,14 +72,23 @@ class GpuMemory:
     role: str
     parts: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    #: parts never alive together (a forward without a graph): the peak counts the largest of them
+    one_at_a_time: tuple[str, ...] = ()
 
     @property
     def peak(self) -> float:
-        return sum(self.parts.values())
+        alone = [v for k, v in self.parts.items() if k in self.one_at_a_time]
+        return sum(v for k, v in self.parts.items() if k not in self.one_at_a_time) + max(alone, default=0.0)
 
     def line(self) -> str:
-        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.parts.items())
-        return f"  {self.role}: peak {self.peak / GB:.1f} GB ({parts})" + "".join(f"; {n}" for n in self.notes)
+        shown = []
+        for k, v in self.parts.items():
+            if k not in self.one_at_a_time:
+                shown.append(f"{k} {v / GB:.1f}")
+            elif k == self.one_at_a_time[0]:  # "activations 2.0 or logits 14.0": the larger one counts
+                shown.append(" or ".join(f"{n} {self.parts[n] / GB:.1f}" for n in self.one_at_a_time))
+        return (f"  {self.role}: peak {self.peak / GB:.1f} GB ({', '.join(shown)})"
+                + "".join(f"; {n}" for n in self.notes))
 
 
 @functools.lru_cache(maxsize=4)
@@ -158,17 +177,55 @@ def engine_memory(cfg, hf: dict, engine_tp: int, gpu_bytes: float) -> GpuMemory:
                      [f"vLLM takes {VLLM_UTILIZATION:.0%} of the GPU; KV cache for {kv_tokens:,} tokens"])
 
 
-def dedicated_memory(cfg, hf: dict, table: dict[str, Any] | None = None) -> GpuMemory:
+def scorer_micro_batch_tokens(cfg) -> int:
+    """The dedicated scorer's micro-batch token budget: ``recovery.dedicated.micro_batch_tokens`` (its default,
+    :data:`SCORER_MICRO_BATCH_TOKENS`, for a config built without the strategies' sections)."""
+    options = cfg.recovery.options.get("dedicated")
+    tokens = SCORER_MICRO_BATCH_TOKENS if options is None else int(options.micro_batch_tokens)
+    if tokens < 1:
+        raise ConfigError(f"recovery.dedicated.micro_batch_tokens must be >= 1, got {tokens}")
+    return tokens
+
+
+def dedicated_memory(cfg, hf: dict, table: dict[str, Any] | None = None, *,
+                     micro_batch_tokens: int | None = None) -> GpuMemory:
+    """Peak of the dedicated scorer's GPU (module doc); ``micro_batch_tokens`` overrides the config's budget.
+
+    A micro-batch holds at least one longest row (a longer row is packed alone), so its tokens are
+    max(budget, prompt + response); the activations and the logits are both of that many tokens."""
     table = table or load_table()
-    tokens = max(SCORER_MICRO_BATCH_TOKENS, longest_row(cfg, hf))
+    row = longest_row(cfg, hf)
+    tokens = max(micro_batch_tokens or scorer_micro_batch_tokens(cfg), row)
     entry, _, scale = activation_entry(hf, table)
+    acts = entry["none"]["bytes_per_token"] * scale * TE_FACTOR * tokens
+    if getattr(cfg.model, "allow_local_spec", False):  # one layer's [heads, s, s] score matrices
+        acts += entry["none"]["bytes_per_token_squared"] * tokens * row
     return GpuMemory("dedicated scorer GPU", {
         "weights": param_counts(hf)[0] * (2 if cfg.model.dtype == "bfloat16" else 4),
-        # no graph is kept: one layer's activations and the logits of one micro-batch at a time
-        "activations": entry["none"]["bytes_per_token"] * scale * tokens,
-        "logits": tokens * int(hf["vocab_size"]) * (4 + LOGITS_TRANSIENT),
+        # no graph is kept: one layer's activations, then (they are gone) the logits of one micro-batch
+        "activations": acts,
+        "logits": tokens * int(hf["vocab_size"]) * SCORER_LOGITS_BYTES,
         "runtime": RUNTIME_RESERVE,
-    }, [f"forward-only: no gradients, no optimizer; {tokens} tokens per micro-batch"])
+    }, [f"forward-only: no gradients, no optimizer; {tokens} tokens per micro-batch "
+        f"(recovery.dedicated.micro_batch_tokens, at least one longest row)"],
+        one_at_a_time=("activations", "logits"))
+
+
+def _scorer_fix(cfg, hf: dict, gpu_bytes: float) -> str:
+    """What would make the scorer's GPU fit: a smaller ``recovery.dedicated.micro_batch_tokens`` (the largest
+    multiple of 1024 that fits, else one longest row), or, when even one row per micro-batch does not, what is
+    left: the scorer is one GPU."""
+    row, budget = longest_row(cfg, hf), scorer_micro_batch_tokens(cfg)
+    tries = ([t for t in range(budget // 1024 * 1024, row, -1024) if t < budget] + [row]) if budget > row else []
+    for tokens in tries:
+        peak = dedicated_memory(cfg, hf, micro_batch_tokens=tokens).peak
+        if peak <= gpu_bytes:
+            return f"set recovery.dedicated.micro_batch_tokens={tokens} ({peak / GB:.1f} GB)"
+    least = dedicated_memory(cfg, hf, micro_batch_tokens=row)
+    return (f"even one longest row per micro-batch ({row} tokens: data.max_prompt_len + rollout.max_new_tokens) "
+            f"needs {least.peak / GB:.1f} GB, its weights {least.parts['weights'] / GB:.1f} GB of it; a dedicated "
+            f"scorer across several GPUs is not built; use another recovery strategy (recovery.name), GPUs with "
+            f"more memory (placement.gpu_memory_gb) or shorter rows (data.max_prompt_len, rollout.max_new_tokens)")
 
 
 @dataclass
@@ -227,8 +284,7 @@ def memory_plan(cfg, hf: dict, plan) -> MemoryPlan:
         gpus.append(ded)
         if ded.peak > gpu_bytes:
             problems.append(f"the dedicated scorer needs {ded.peak / GB:.1f} GB > {gpu_bytes / GB:g} GB "
-                            f"(one GPU holds all its weights); use another recovery strategy or GPUs with "
-                            f"more memory (placement.gpu_memory_gb)")
+                            f"(one GPU holds all its weights); {_scorer_fix(cfg, hf, gpu_bytes)}")
     return MemoryPlan(gpu_bytes, gpus, problems)
 
 

@@ -5,6 +5,7 @@ or by a ``scorer_factory``); each is checked here with the model builder
 replaced by one that records what it was asked for (the batch-invariant
 kernels themselves need CUDA).
 """
+import inspect
 import queue
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,6 +52,11 @@ def test_build_scorer_passes_the_mode_to_the_model(monkeypatch):
                      {"checkpoint_dir": "/ckpt", "temperature": 0.7}]
 
 
+def child_args(args: tuple) -> dict:
+    """_child_main's arguments by name."""
+    return inspect.signature(scorer_side._child_main).bind(*args).arguments
+
+
 class FakeContext:
     """multiprocessing's spawn context, with a Process that records its target and arguments."""
 
@@ -80,7 +86,7 @@ def test_the_spawned_scorer_gets_the_trainers_mode(monkeypatch, tmp_path):
         strat._start()
         strat._link._closing.set()  # ends the link's reader thread; there is no child to hear from
     assert [target for target, _ in fake.started] == [scorer_side._child_main] * 2
-    assert [args[-1] for _, args in fake.started] == [True, False]  # _child_main's batch_invariant
+    assert [child_args(args)["batch_invariant"] for _, args in fake.started] == [True, False]
 
 
 def test_the_scorer_role_gets_the_runs_mode(monkeypatch, tmp_path):
@@ -99,7 +105,7 @@ def test_the_scorer_role_gets_the_runs_mode(monkeypatch, tmp_path):
                               model=SimpleNamespace(checkpoint=str(tmp_path), dtype="bfloat16", allow_local_spec=False),
                               rollout=SimpleNamespace(temperature=1.0, batch_invariant=True))
     scorer_side.serve_role(run_cfg, 1, b"k")
-    assert built == [("", str(tmp_path), "bfloat16", 1.0, False, True)]
+    assert built == [("", str(tmp_path), "bfloat16", 1.0, False, True, DedicatedConfig().micro_batch_tokens)]
 
 
 def test_the_trainer_says_its_mode(monkeypatch, tmp_path):

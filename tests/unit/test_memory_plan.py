@@ -98,10 +98,8 @@ def test_dedicated_scorer_is_weights_only():
     line = next(x for x in p.stdout.splitlines() if "dedicated scorer GPU: peak" in x)
     parts = re.search(r"\((.*?)\)", line).group(1)
     assert parts.startswith("weights 61.1,") and "gradients" not in parts and "optimizer" not in parts
-    # 61 GB of weights and a 9k-token row's logits do not fit an 80 GB GPU: refused, and fine on 141 GB
-    assert p.returncode == 1 and "the dedicated scorer needs" in p.stderr
-    assert plan("--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "dedicated",
-                "placement.gpu_memory_gb=141").returncode == 0
+    # 61 GB of weights and a 9k-token row's logits (one layer's activations are gone by then) fit 80 GB
+    assert p.returncode == 0, p.stderr
 
 
 def test_outside_layers_and_the_entropy_path_by_hand():
