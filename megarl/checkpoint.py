@@ -6,8 +6,11 @@ Layout of ``RUN_DIR/checkpoints/step_{n}/`` (n = loop steps done)::
     controller.pt           step, engine version, counters, group counter, dataset position, replay buffer
                             (accepted-but-untrained trajectories with per-token versions, logp_behav, logp_old),
                             prompts of groups still running, python/numpy/torch RNG states
-    trainer/rank{r}.pt      MegatronTrainer.save_state: model + optimizer + scheduler + version + RNG, per rank
-    strategy/rank{r}.pt     the recovery strategy's state_dict, per rank (its copies are sharded like the model)
+    trainer/                model + optimizer (megatron-core dist_checkpointing, torch_dist) and
+                            megarl_trainer.pt (version, scheduler step, RNG): megarl/trainer/dist_state.py
+    strategy/               the recovery strategy's state_dict: its copies of the weights in sharded/
+                            (torch_dist, sharded like the model), the rest in rank{r}.pt:
+                            megarl/trainer/param_state.py
     engine_weights/         HF weights of the version the engines generate with (absent at version 0:
                             the engines then start from model.checkpoint)
 
@@ -31,11 +34,11 @@ keeps). megarl/checkpoint_dirs.py has the directory names and rules,
 megarl/checkpoint_files.py the manifest. Loading checks the manifest first; a
 missing or corrupt file raises :class:`~megarl.errors.CheckpointError` naming it.
 
-Megatron's distributed checkpointing (``dist_checkpointing``) is not used: the
-trainer's parts are ``torch.save`` of each rank's ``model.state_dict()`` and
-``optimizer.state_dict()`` (plus the distributed optimizer's
-``get_parameter_state_dp_reshardable``), which needs the same parallel layout
-on resume (checked) but no resharding machinery.
+The trainer's and the strategy's tensors are stored under their global names and shapes, so a run
+resumes in another parallel layout (TP, PP, EP, DP and the number of trainer ranks; not the kind of
+optimizer, the dtype or the run's batching, checked by :func:`check_run_settings`). A checkpoint of
+the earlier per-rank format (``trainer/rank{r}.pt``: ``torch.save`` of each rank's state dicts) still
+loads, in the layout that wrote it only.
 """
 from __future__ import annotations
 
@@ -61,12 +64,14 @@ from megarl.checkpoint_dirs import (
 )
 from megarl.checkpoint_files import MANIFEST, build_manifest, link_or_copy_tree, read_manifest, verify_checkpoint
 from megarl.errors import CheckpointError, ConfigError
-from megarl.trainer.parallel import global_rank
+from megarl.trainer.dist_state import STATE_FILE, load_reshardable, save_reshardable
+from megarl.trainer.param_state import load_strategy_state, save_strategy_state
 
 #: the directory and manifest functions are megarl/checkpoint_dirs.py's and checkpoint_files.py's; callers
 #: import them from here, with the state, as one API of run checkpoints
 __all__ = ["MANIFEST", "Checkpointer", "SingleRankStates", "build_manifest", "capture_rng", "check_run_settings",
-           "find_latest_checkpoint", "link_or_copy_tree", "list_checkpoints", "load_file", "load_rank_state",
+           "find_latest_checkpoint", "is_reshardable", "link_or_copy_tree", "list_checkpoints", "load_file",
+           "load_rank_state",
            "prune", "read_manifest", "remove_temp_dirs", "restore_rng", "rewind_run_logs", "run_settings",
            "save_rank_state", "set_aside_newer", "verify_checkpoint", "write_checkpoint"]
 
@@ -77,6 +82,8 @@ RUN_KEYS = {"batch_size": "trainer.batch_size", "group_size": "rollout.group_siz
             "recovery": "recovery.name", "seed": "trainer.seed", "tp": "parallel.tp", "pp": "parallel.pp",
             "ep": "parallel.ep", "distributed_optimizer": "parallel.use_distributed_optimizer",
             "dtype": "model.dtype"}
+#: what a reshardable checkpoint lets a resumed run change (the trainer's parallel layout)
+LAYOUT_KEYS = ("tp", "pp", "ep", "world_size")
 #: HF config fields that fix the shapes of the saved model and optimizer state
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
@@ -94,17 +101,22 @@ def restore_rng(state: dict) -> None:
 
 
 def save_rank_state(step_dir: str | Path, trainer, strategy_state: dict) -> None:
-    """This rank's trainer (trainer/rank{r}.pt) and strategy state (strategy/rank{r}.pt)."""
+    """The trainer's (trainer/) and the strategy's (strategy/) state, reshardable; a collective of every rank."""
     step_dir = Path(step_dir)
-    trainer.save_state(str(step_dir / "trainer"))
-    (step_dir / "strategy").mkdir(parents=True, exist_ok=True)
-    torch.save(strategy_state, step_dir / "strategy" / f"rank{global_rank()}.pt")
+    save_reshardable(trainer, str(step_dir / "trainer"))
+    save_strategy_state(trainer, strategy_state, str(step_dir / "strategy"))
 
 
 def load_rank_state(step_dir: str | Path, trainer, strategy) -> None:
+    """Inverse of :func:`save_rank_state` into this run's layout (a per-rank checkpoint: the same layout only)."""
     step_dir = Path(step_dir)
-    trainer.load_state(str(step_dir / "trainer"))
-    strategy.load_state_dict(load_file(step_dir / "strategy" / f"rank{global_rank()}.pt"))
+    load_reshardable(trainer, str(step_dir / "trainer"))
+    strategy.load_state_dict(load_strategy_state(trainer, str(step_dir / "strategy")))
+
+
+def is_reshardable(step_dir: str | Path) -> bool:
+    """Whether the checkpoint's trainer state is the layout-free one (a resume may change TP/PP/EP/DP)."""
+    return (Path(step_dir) / "trainer" / STATE_FILE).is_file()
 
 
 class SingleRankStates:
@@ -135,17 +147,27 @@ def load_file(path: str | Path) -> Any:
 
 
 def check_run_settings(cfg, manifest: dict, step_dir: Path, world_size: int, hf_config: dict) -> None:
-    """A resumed run must batch, gate, seed, recover and shard like the run that wrote the checkpoint.
+    """A resumed run must batch, gate, seed and recover like the run that wrote the checkpoint.
 
-    Checked before anything in the run directory changes, so a mismatch leaves it as it was.
+    The parallel layout (:data:`LAYOUT_KEYS`) may change when the checkpoint is reshardable
+    (:func:`is_reshardable`); a per-rank one resumes only in its own layout. Checked before anything
+    in the run directory changes, so a mismatch leaves it as it was.
     """
     saved = manifest.get("run", {})
     mine = run_settings(cfg, world_size, hf_config)
+    free = LAYOUT_KEYS if is_reshardable(step_dir) else ()
     bad = [f"{RUN_KEYS.get(k, k)}={mine[k]} (checkpoint: {saved[k]})"
-           for k in mine if k in saved and saved[k] != mine[k]]
+           for k in mine if k in saved and saved[k] != mine[k] and k not in free]
     if bad:
+        how = ("resume with the run's own config (RUN_DIR/config.yaml); its parallel layout may change" if free else
+               "resume with the run's own config (RUN_DIR/config.yaml) and trainer ranks (this checkpoint is "
+               "in the per-rank format, which keeps its layout)")
         raise ConfigError(f"--resume: this run differs from the one that wrote {step_dir} in " + ", ".join(bad)
-                          + "; resume with the run's own config (RUN_DIR/config.yaml) and trainer ranks")
+                          + f"; {how}")
+    changed = [f"{k} {saved[k]} -> {mine[k]}" for k in free if k in saved and saved[k] != mine[k]]
+    if changed:
+        log.warning("resuming %s in another layout: %s (its state is re-cut for this one)", step_dir,
+                    ", ".join(changed))
 
 
 def run_settings(cfg, world_size: int, hf_config: dict) -> dict:

@@ -43,8 +43,10 @@ that format's loader, which requires the same layout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,15 @@ STATE_FILE = "megarl_trainer.pt"
 FORMAT = "megarl.reshardable.v1"
 #: the distributed optimizer's state as per-parameter tensors (module doc)
 DIST_OPT_SHARDING = "fully_reshardable"
+
+
+@contextlib.contextmanager
+def quiet_upstream():
+    """Hide the FutureWarnings megatron's torch_dist loader and torch's planner print on every load (deprecations
+    of their own internals: nothing a user can act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch)\.")
+        yield
 
 
 def _optimizer_metadata() -> dict:
@@ -182,7 +193,45 @@ def _allocate_adam_state(trainer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p.data)}
 
 
+def _inner(part: dict) -> dict:
+    """The torch-optimizer part of one megatron optimizer's state (a mixed-precision one nests it)."""
+    return part["optimizer"] if isinstance(part.get("optimizer"), dict) else part
+
+
+def _fit_chain(trainer, loaded: dict) -> dict:
+    """The loaded optimizer state in this trainer's chain of optimizers.
+
+    An MoE model's optimizer is a chain of two (dense and expert parameters) at EP > 1 and one optimizer at
+    EP 1. The per-parameter tensors come back in this trainer's structure (keyed by parameter), but the
+    checkpoint's non-tensor part (the param groups' settings, the shared Adam step) comes in the saver's:
+    here that part is rebuilt for this trainer's optimizers, the settings from this run's own param groups
+    and the step from the checkpoint (one step count for all: every optimizer of a chain steps together).
+    """
+    opts = trainer._optimizers()
+    saved_ids = sorted(k for k in loaded if isinstance(k, int))
+    cur_ids = list(range(len(opts))) if len(opts) > 1 else []
+    if saved_ids == cur_ids:
+        return loaded
+    if trainer._opt_args["use_distributed_optimizer"]:
+        raise CheckpointError(f"the checkpoint's optimizer is a chain of {len(saved_ids) or 1} and this trainer's "
+                              f"of {len(opts)} (expert parallelism changed?): with the distributed optimizer that "
+                              "change is not supported; resume with the run's parallel.ep")
+    saved = [loaded[k] for k in saved_ids] or [loaded]
+    steps = {float(_inner(p)["state"]["common_step"]) for p in saved if "common_step" in _inner(p).get("state", {})}
+    if len(steps) > 1:
+        raise CheckpointError(f"the checkpoint's optimizers have taken different step counts {sorted(steps)}")
+    parts = [loaded[k] for k in cur_ids] or [{k: v for k, v in loaded.items() if not isinstance(k, int)}]
+    for o, part in zip(opts, parts, strict=True):
+        sd = _inner(part)
+        for group, mine in zip(sd["param_groups"], o.optimizer.param_groups, strict=True):
+            group.update({k: v for k, v in mine.items() if k != "params"})
+        if steps:
+            sd["state"]["common_step"] = torch.tensor(next(iter(steps)))
+    return parts[0] if not cur_ids else dict(enumerate(parts))
+
+
 def _load_optimizer(trainer, state) -> None:
+    state = _fit_chain(trainer, state)
     opts = trainer._optimizers()
     per_optimizer = [state] if len(opts) == 1 else [state[i] for i in range(len(opts))]
     for o, sd in zip(opts, per_optimizer, strict=True):
@@ -191,7 +240,10 @@ def _load_optimizer(trainer, state) -> None:
             o.load_state_dict(sd)  # of a distributed optimizer: all but the parameter state
             inner = getattr(o, "optimizer", o)
             if param_state is not None:
-                assert sd.pop("param_state_sharding_type") == DIST_OPT_SHARDING
+                kind = sd.pop("param_state_sharding_type", None)
+                if kind != DIST_OPT_SHARDING:
+                    raise CheckpointError(f"the optimizer state is in the {kind!r} sharding type; megarl writes and "
+                                          f"reads {DIST_OPT_SHARDING!r} (a checkpoint of another writer?)")
                 # megatron-core 0.16.1's fully_reshardable loader copies every key of the inner state,
                 # torch Adam's per-param 'step' too, from the checkpoint, which has none (step lives in
                 # the param groups): set it aside for the copy
@@ -236,7 +288,8 @@ def load_reshardable(trainer, in_dir: str) -> dict:
     if not small["has_optimizer"]:
         want.pop("optimizer", None)
     try:
-        loaded = dist_checkpointing.load(want, in_dir)
+        with quiet_upstream():
+            loaded = dist_checkpointing.load(want, in_dir)
     except Exception as e:  # missing keys, shape mismatches, damaged files: megatron's and torch's own errors
         raise CheckpointError(f"{in_dir} (written with layout {small['layout']}) cannot be loaded into layout "
                               f"{trainer._layout()}: {type(e).__name__}: {e}") from e

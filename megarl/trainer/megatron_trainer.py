@@ -50,12 +50,12 @@ from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_con
 from megarl.models.build import grouped_gemm, use_transformer_engine
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
 from megarl.trainer.chunks import build_chunks
+from megarl.trainer.dist_state import load_reshardable, save_reshardable
 from megarl.trainer.layouts import model_inputs, row_lengths, schedule_shape
 from megarl.trainer.metrics import reduce_metrics
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
 from megarl.trainer.packing import linear_weight_from_hf, resolve_layout
 from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
-from megarl.trainer.state import load_trainer_state, save_trainer_state
 
 # megatron.core is imported inside the methods that use it: only after init_parallel() has run
 # megarl.platform.prepare_megatron() (the CPU adaptations and the TransformerEngine guard come first).
@@ -314,10 +314,10 @@ class MegatronTrainer:
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
-    def save_state(self, out_dir: str) -> str:
-        """This rank's model, optimizer, scheduler, version and RNG as ``out_dir/rank{r}.pt``
-        (megarl/trainer/state.py); every rank calls it (not a collective)."""
-        return save_trainer_state(self, out_dir)
+    def save_state(self, out_dir: str) -> dict:
+        """The model, optimizer, scheduler step, version and RNG in ``out_dir``, reshardable
+        (megarl/trainer/dist_state.py); a collective of every trainer rank."""
+        return save_reshardable(self, out_dir)
 
     def _layout(self) -> dict:
         p = self.parallel
@@ -325,9 +325,9 @@ class MegatronTrainer:
                 "distributed_optimizer": bool(self._opt_args["use_distributed_optimizer"])}
 
     def load_state(self, in_dir: str) -> None:
-        """Inverse of :meth:`save_state` (megarl/trainer/state.py); CheckpointError names the file
-        when it is missing or does not fit this trainer."""
-        load_trainer_state(self, in_dir)
+        """Inverse of :meth:`save_state` into this trainer's layout (a directory of the earlier per-rank
+        format: the same layout only); CheckpointError names what is missing or does not fit."""
+        load_reshardable(self, in_dir)
 
     # -- weights ------------------------------------------------------------------------
     def _module(self):

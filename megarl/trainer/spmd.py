@@ -31,8 +31,8 @@ follower replays it on its own trainer and strategy, in the same order:
   and then every follower exits with 75 like rank 0;
 * checkpoints: ``save_state`` / ``load_state`` (``DrivingTrainer.save_rank_states`` /
   ``load_rank_states``). Rank 0 announces the checkpoint directory, then every
-  rank writes (reads) its own ``trainer/rank{r}.pt`` and ``strategy/rank{r}.pt``
-  (megarl/checkpoint.py); an all-gather of each rank's outcome ends the event,
+  rank takes part in the collective save (load) of the trainer's and the
+  strategy's sharded state (megarl/checkpoint.py); an all-gather of each rank's outcome ends the event,
   so rank 0 publishes the checkpoint only after every shard is on disk, and a
   follower's failure is raised on rank 0 too.
 

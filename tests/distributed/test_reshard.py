@@ -1,8 +1,10 @@
-"""A trainer checkpoint resumes into another layout: TP2 -> TP1 and DP2 (distributed optimizer) -> DP1.
+"""A trainer checkpoint resumes into another layout: TP2 -> TP1, TP2 -> PP2, DP2 (distributed optimizer) -> DP1
+and EP2 -> EP1 (the tiny MoE), with a strategy's copies of the weights re-cut the same way.
 
 tests/distributed/run_reshard.py trains 2 steps at 2 ranks, writes megarl/trainer/dist_state.py's
-reshardable checkpoint and goes on for 2 more steps; one plain process loads the checkpoint at 1
-rank and takes the same 2 steps. The resumed weights equal the saved (gathered) ones exactly; the
+reshardable checkpoint and a strategy state with two copies of the weights (megarl/trainer/param_state.py)
+and goes on for 2 more steps; one plain process loads the checkpoint at 1 rank and takes the same 2
+steps (and 2 ranks load the TP2 one at PP2). The resumed weights equal the saved (gathered) ones exactly; the
 steps after the load match the uninterrupted run's within LOSS_TOL / WEIGHT_TOL, the rounding a
 different split of the same sums gives (measured: 1e-7 and 4e-7). The weights after the resumed step
 depend on the carried Adam moments: with a fresh optimizer instead (the negative control) they are
@@ -21,7 +23,7 @@ from megarl.rollout.client import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "run_reshard.py"
-MODES = ("tp2", "dp2")
+MODES = ("tp2", "dp2", "ep2")
 LOSS_TOL = 1e-5
 WEIGHT_TOL = 1e-5
 
@@ -32,11 +34,17 @@ def out(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("reshard")
     ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", root / "dense", seed=3)
+    moe = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3_moe.yaml", root / "moe", seed=3)
     out = root / "out"
-    args = ["--checkpoint", str(ckpt), "--out", str(out)]
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                 str(SCRIPT), "--phase", "save", *args], timeout=180)
-    run_checked([sys.executable, str(SCRIPT), "--phase", "load", *args], timeout=180)
+    args = ["--checkpoint", str(ckpt), "--moe-checkpoint", str(moe), "--out", str(out)]
+
+    def torchrun(phase: str) -> None:
+        run_checked([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                     f"--master_port={free_port()}", str(SCRIPT), "--phase", phase, *args], timeout=240)
+
+    torchrun("save")
+    run_checked([sys.executable, str(SCRIPT), "--phase", "load", *args], timeout=240)
+    torchrun("load_pp2")
     return out
 
 
@@ -48,6 +56,7 @@ def check_resumed(got: dict, ref: dict) -> None:
     """The 1-rank resume continues the 2-rank run: same weights, same next steps."""
     assert got["format"] == "megarl.reshardable.v1" and got["version"] == 2, got
     assert got["weights_exact"], "the loaded weights differ from the saved ones"
+    assert got["copies_exact"], "the strategy's copies of the weights are not the loaded weights"
     assert abs(got["loss3"] - ref["loss3"]) < LOSS_TOL, (got["loss3"], ref["loss3"])
     # the update of step 3 is Adam's: it is the uninterrupted one only with the saved moments
     assert got["w3_diff"] < WEIGHT_TOL, f"weights after the resumed step differ by {got['w3_diff']}"
@@ -57,6 +66,10 @@ def check_resumed(got: dict, ref: dict) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_resumes_in_one_rank(out, mode):
     check_resumed(_load(out, mode, "resumed"), _load(out, mode, "ref"))
+
+
+def test_tp2_resumes_at_pp2(out):
+    check_resumed(_load(out, "tp2", "resumed_pp2"), _load(out, "tp2", "ref"))
 
 
 @pytest.mark.parametrize("mode", MODES)

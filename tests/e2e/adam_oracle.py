@@ -18,7 +18,9 @@ so what a run published can be compared with the weights it trained.
 """
 from __future__ import annotations
 
+import json
 import math
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,39 +31,83 @@ from safetensors.torch import load_file
 WEIGHT_ATOL = 1e-6
 
 
+def read_torch_dist(directory: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint directory, whole, by its global key (torch's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(directory), str(out))
+        flat = torch.load(out, map_location="cpu", weights_only=False)
+    return {k: v for k, v in flat.items() if torch.is_tensor(v)}
+
+
+def unstack(tensors: dict[str, torch.Tensor], prefix: str, n_layers: int) -> dict[str, torch.Tensor]:
+    """``prefix + name`` tensors under per-layer names: megatron stores ``decoder.layers.X`` of every layer as
+    one tensor with the layer first (``decoder.layers.X`` of shape [n_layers, ...])."""
+    out = {}
+    for key, t in tensors.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name.startswith("decoder.layers."):
+            assert t.shape[0] == n_layers, (key, tuple(t.shape))
+            rest = name[len("decoder.layers."):]
+            out.update({f"decoder.layers.{i}.{rest}": t[i] for i in range(n_layers)})
+        else:
+            out[name] = t
+    return out
+
+
 def trainer_state(step_dir: Path) -> dict:
-    return torch.load(Path(step_dir) / "trainer" / "rank0.pt", map_location="cpu", weights_only=False)
+    """The trainer state of a run checkpoint (one trainer rank, megatron's plain optimizer): its parameters,
+    AdamW slots, step count, version and dtype, read with torch alone."""
+    trainer = Path(step_dir) / "trainer"
+    small = torch.load(trainer / "megarl_trainer.pt", map_location="cpu", weights_only=False)
+    common = torch.load(trainer / "common.pt", map_location="cpu", weights_only=False)
+    flat = read_torch_dist(trainer)
+    n_layers = max(t.shape[0] for k, t in flat.items() if k.startswith("decoder.layers."))
+    p = unstack(flat, "", n_layers)
+    opt = common.get("optimizer", {})
+    opt = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt  # a mixed-precision one nests it
+    step = float(opt.get("state", {}).get("common_step", 0.0))
+    m, v = unstack(flat, "optimizer.state.exp_avg.", n_layers), unstack(flat, "optimizer.state.exp_avg_sq.", n_layers)
+    params_ = {k: t for k, t in p.items() if not k.startswith("optimizer.")}
+    return {"params": params_, "adam": {k: {"step": step, "m": m[k], "v": v[k]} for k in m},
+            "main": unstack(flat, "optimizer.state.fp32_param.", n_layers),
+            "version": small["version"], "dtype": small["dtype"], "n_layers": n_layers}
+
+
+def strategy_state(step_dir: Path) -> dict:
+    """Rank 0's recovery-strategy state of a run checkpoint, its copies of the weights filled in from the
+    torch_dist files under the names :func:`params` uses (read with torch alone)."""
+    strategy = Path(step_dir) / "strategy"
+    rest = torch.load(strategy / "rank0.pt", map_location="cpu", weights_only=False)["rest"]
+    flat = read_torch_dist(strategy / "sharded") if (strategy / "sharded").is_dir() else {}
+
+    def fill(node):
+        if isinstance(node, dict) and "__megarl_param_dict__" in node:
+            prefix = f"strategy/{node['__megarl_param_dict__']}/"
+            mine = {k: t for k, t in flat.items() if k.startswith(prefix)}
+            n_layers = max(t.shape[0] for k, t in mine.items() if k.startswith(prefix + "decoder.layers."))
+            return unstack(mine, prefix, n_layers)
+        return {k: fill(v) for k, v in node.items()} if isinstance(node, dict) else node
+
+    return fill(rest)
 
 
 def params(state: dict) -> dict[str, torch.Tensor]:
-    """Megatron names -> tensors of a one-rank trainer state (``_extra_state`` entries left out)."""
-    (model,) = state["model"]
-    return {k: v for k, v in model.items() if torch.is_tensor(v) and not k.endswith("._extra_state")}
+    """Megatron names (per layer, as the checkpoint keys them) -> tensors of a trainer state."""
+    return state["params"]
 
 
 def adam_slots(state: dict) -> dict[str, dict]:
-    """Parameter name -> its AdamW state (step, exp_avg, exp_avg_sq).
-
-    torch numbers a parameter by its place in the param groups; megatron groups the
-    parameters by weight decay (matrices decay, norms and biases do not) keeping the model's
-    order inside a group, which is what is undone here (shapes are checked slot by slot).
-    """
-    p = params(state)
-    decays = [n for n, t in p.items() if t.dim() > 1 and not n.endswith(".bias")]
-    flat = [n for n in p if n not in decays]
-    opt = state["optimizer"]["state_dict"]
-    order = []
-    for group in opt["param_groups"]:
-        names = decays if group["wd_mult"] > 0 else flat
-        assert len(names) == len(group["params"]), (group["wd_mult"], len(names), len(group["params"]))
-        order += list(zip(group["params"], names))
-    assert sorted(i for i, _ in order) == sorted(opt["state"]), "every optimizer slot is a parameter"
-    out = {}
-    for idx, name in order:
-        slot = opt["state"][idx]
-        assert slot["exp_avg"].shape == p[name].shape, (idx, name)
-        out[name] = {"step": float(slot["step"]), "m": slot["exp_avg"], "v": slot["exp_avg_sq"]}
-    return out
+    """Parameter name -> its AdamW state (step, exp_avg, exp_avg_sq); the checkpoint keys the moments by
+    the parameter's own name."""
+    assert state["adam"].keys() == state["params"].keys(), sorted(state["adam"].keys() ^ state["params"].keys())[:4]
+    for name, slot in state["adam"].items():
+        assert slot["m"].shape == state["params"][name].shape, name
+    return state["adam"]
 
 
 def megatron_lr(num_steps: int, *, lr: float, min_lr: float, decay: str, total_steps: int) -> float:
@@ -124,8 +170,8 @@ def to_hf(p: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
                     h + "self_attn.o_proj.weight": p[m + "self_attention.linear_proj.weight"],
                     h + "self_attn.q_norm.weight": p[m + "self_attention.q_layernorm.weight"],
                     h + "self_attn.k_norm.weight": p[m + "self_attention.k_layernorm.weight"],
-                    h + "input_layernorm.weight": p[m + "input_layernorm.weight"],
-                    h + "post_attention_layernorm.weight": p[m + "pre_mlp_layernorm.weight"],
+                    h + "input_layernorm.weight": p[m + "self_attention.linear_qkv.layer_norm_weight"],
+                    h + "post_attention_layernorm.weight": p[m + "mlp.linear_fc1.layer_norm_weight"],
                     h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
                     h + "mlp.down_proj.weight": p[m + "mlp.linear_fc2.weight"]})
     return out
@@ -151,8 +197,12 @@ def assert_resumed_from(before: Path, after: Path, hf: dict, config: Path, *, to
     trainer = yaml.safe_load(Path(config).read_text())["trainer"]
     s0, s1 = trainer_state(before), trainer_state(after)
     k = s0["version"]
-    assert equal(to_hf(params(s0), hf), hf_tensors(Path(before) / "engine_weights")), \
-        "the checkpoint's engine weights are its trainer's"
+    manifest = json.loads((Path(before) / "manifest.json").read_text())
+    if manifest["engine_version"] == k:  # a run's last checkpoint can hold the engines' version before its last step
+        assert equal(to_hf(params(s0), hf), hf_tensors(Path(before) / "engine_weights")), \
+            "the checkpoint's engine weights are its trainer's"
+    else:
+        assert manifest["engine_version"] < k, manifest
     lr = megatron_lr(k + 1, lr=trainer["lr"], min_lr=trainer.get("min_lr", 0.0),
                      decay=trainer.get("lr_decay", "constant"), total_steps=total_steps)
     want = one_adam_step(s0, s1, lr=lr, betas=trainer["betas"], eps=1e-8,

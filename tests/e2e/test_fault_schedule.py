@@ -35,8 +35,7 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-from adam_oracle import assert_resumed_from, equal, params, to_hf, trainer_state
+from adam_oracle import assert_resumed_from, equal, params, strategy_state, to_hf, trainer_state
 from conftest import ROOT, run_megarl
 from test_resume import SMALL, jsonl, process_gone, start, wait_for
 
@@ -138,7 +137,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     # -- between attempts: the newest checkpoint is damaged (its trainer state cut short)
     valid = step_dirs(run)[:-1]
     assert valid, f"no older checkpoint to fall back on: {step_dirs(run)}"
-    damaged = run / "checkpoints" / f"step_{k1}" / "trainer" / "rank0.pt"
+    damaged = run / "checkpoints" / f"step_{k1}" / "trainer" / "__0_0.distcp"
     size = damaged.stat().st_size
     os.truncate(damaged, size // 2)
     back_to = valid[-1]
@@ -168,7 +167,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
     kept2 = sorted({*valid, *written2})[-KEEP:]
     set_aside = run / "checkpoints" / f"damaged_step_{k1}"
     if k1 > kept2[0]:  # else pruned with the checkpoints older than those kept
-        assert (set_aside / "trainer" / "rank0.pt").stat().st_size == size // 2, "the damaged one is kept as it was"
+        assert (set_aside / "trainer" / "__0_0.distcp").stat().st_size == size // 2, "the damaged one is kept as it was"
     else:
         assert not set_aside.exists(), "the damaged checkpoint outlived keep_last"
     assert step_dirs(run) == kept2, "only keep_last removes valid checkpoints"
@@ -179,7 +178,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
                                     total_steps=TOTAL)
     for step_dir, version, weights in ((resumed_from, back_to, to_hf(params(trainer_state(resumed_from)), hf)),
                                        (first_step, back_to + 1, published)):
-        scorer = torch.load(step_dir / "strategy" / "rank0.pt", weights_only=False)
+        scorer = strategy_state(step_dir)
         assert scorer["version"] == version and equal(scorer["weights"]["model.safetensors"], weights), step_dir
     journal2 = {name: jsonl(run / name) for name in ("accepted.jsonl", "trained_ids.jsonl")}
     manifest3 = json.loads((run / "checkpoints" / f"step_{k2}" / "manifest.json").read_text())

@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from adam_oracle import assert_resumed_from, equal, params, trainer_state
+from adam_oracle import assert_resumed_from, equal, params, strategy_state, trainer_state
 from conftest import ENV, MEGARL, ROOT, run_megarl
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false",
@@ -173,8 +172,7 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     assert_resumed_from(ckpts / f"step_{k}", ckpts / f"step_{k + 1}", hf, ROOT / "configs" / "tiny_cpu.yaml",
                         total_steps=10)
     # snapshot's kept versions: the checkpoint's are its trainer's; the resumed run kept them as they were
-    kept0, kept1 = (torch.load(ckpts / f"step_{s}" / "strategy" / "rank0.pt", weights_only=False)["versions"]
-                    for s in (k, k + 1))
+    kept0, kept1 = (strategy_state(ckpts / f"step_{s}")["versions"] for s in (k, k + 1))
     assert equal(kept0[k], params(trainer_state(ckpts / f"step_{k}")))
     assert equal(kept1[k + 1], params(trainer_state(ckpts / f"step_{k + 1}")))
     carried = sorted(set(kept0) & set(kept1))
@@ -235,7 +233,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(diverg
 def test_bad_resume_is_refused_and_writes_nothing(ckpt, diverged_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(diverged_run[0], run)
-    target = run / "checkpoints" / "step_2" / "trainer" / "rank0.pt"
+    target = run / "checkpoints" / "step_2" / "trainer" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
@@ -248,7 +246,8 @@ def test_bad_resume_is_refused_and_writes_nothing(ckpt, diverged_run, tmp_path):
 
     r = megarl("train", "--resume", str(diverged_run[0]), *args, "trainer.batch_size=16", "parallel.tp=2", timeout=120)
     assert r.returncode == 2 and "trainer.batch_size=16 (checkpoint: 32)" in r.stderr, r.stderr[-2000:]
-    assert "parallel.tp=2 (checkpoint: 1)" in r.stderr and "world_size" not in r.stderr, r.stderr[-2000:]
+    # the parallel layout of a reshardable checkpoint may change: only the batching is named
+    assert "parallel.tp" not in r.stderr and "world_size" not in r.stderr, r.stderr[-2000:]
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -3,6 +3,7 @@ import json
 import math
 
 import torch
+from adam_oracle import params, trainer_state
 from conftest import run_megarl
 from safetensors.torch import load_file
 
@@ -30,12 +31,10 @@ def test_bf16_run(ckpt, tmp_path):
     assert {t.dtype for t in final.values()} == {torch.bfloat16}
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
     (step_dir,) = sorted((out / "checkpoints").glob("step_*"))
-    state = torch.load(step_dir / "trainer" / "rank0.pt", weights_only=False)
+    state = trainer_state(step_dir)
     assert state["dtype"] == "bfloat16" and state["version"] == 3
-    assert {t.dtype for t in state["model"][0].values() if torch.is_tensor(t) and t.is_floating_point()} == \
-        {torch.bfloat16}
-    main = state["optimizer"]["state_dict"]["fp32_from_fp16_params"]
-    assert {p.dtype for group in main for p in group} == {torch.float32}
+    assert {t.dtype for t in params(state).values()} == {torch.bfloat16}
+    assert state["main"].keys() == params(state).keys() and {t.dtype for t in state["main"].values()} == {torch.float32}
 
     # resumed in bf16 it continues from the checkpoint; resumed in float32 it is refused before anything starts
     common = ["--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}", *BF16]

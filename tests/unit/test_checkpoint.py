@@ -169,7 +169,7 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path):
     got = b.get_params()
     assert lr_a == lr_b and b.version == 3
     assert all(bool((want[k] == got[k]).all()) for k in want), "params after the resumed step differ"
-    with pytest.raises(CheckpointError, match="rank0.pt is missing"):
+    with pytest.raises(CheckpointError, match="megarl_trainer.pt is missing"):
         b.load_state(str(tmp_path / "nowhere"))
 
 
