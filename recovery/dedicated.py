@@ -305,7 +305,9 @@ class Dedicated(RecoveryStrategy):
                     "results": dict(self._results), "sent": sorted(self._sent), "lost": dict(self._lost)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["version"] is None:
+        # a follower has no scoring process; a resume with more trainer ranks hands it rank 0's state
+        # (megarl/trainer/param_state.py), which only rank 0 may act on
+        if state["version"] is None or not self.ctx.is_driver:
             return
         path = Path(self.ctx.run_dir) / "dedicated" / f"v{state['version']}"
         path.mkdir(parents=True, exist_ok=True)
