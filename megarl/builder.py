@@ -48,8 +48,9 @@ from megarl.rollout.supervisor import EngineSupervisor
 from megarl.run_log import RunLogger
 from megarl.tokenizer import RunTokenizer
 from megarl.trainer.base import TrainerProtocol
+from megarl.trainer.follower import FollowerView, follow
 from megarl.trainer.megatron_trainer import MegatronTrainer
-from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer, FollowerView, follow
+from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
 from megarl.workflows import build_workflow
 from recovery import _negative_controls as negative_controls
 from recovery import registry

@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -57,15 +58,18 @@ import torch
 from megarl.checkpoint_dirs import (
     find_latest_checkpoint,
     list_checkpoints,
+    new_temp_dir,
     prune,
+    publish_temp_dir,
     remove_temp_dirs,
     set_aside_newer,
     write_checkpoint,
 )
 from megarl.checkpoint_files import MANIFEST, build_manifest, link_or_copy_tree, read_manifest, verify_checkpoint
+from megarl.checkpoint_writer import BackgroundWrite
 from megarl.errors import CheckpointError, ConfigError
-from megarl.trainer.dist_state import STATE_FILE, load_reshardable, save_reshardable
-from megarl.trainer.param_state import load_strategy_state, save_strategy_state
+from megarl.trainer.dist_state import STATE_FILE, load_reshardable, prepare_reshardable
+from megarl.trainer.param_state import load_strategy_state, prepare_strategy_state
 
 #: the directory and manifest functions are megarl/checkpoint_dirs.py's and checkpoint_files.py's; callers
 #: import them from here, with the state, as one API of run checkpoints
@@ -100,11 +104,23 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_rank_state(step_dir: str | Path, trainer, strategy_state: dict) -> None:
-    """The trainer's (trainer/) and the strategy's (strategy/) state, reshardable; a collective of every rank."""
+def prepare_rank_state(step_dir: str | Path, trainer, strategy_state: dict, *, background: bool = False):
+    """Prepare this rank's trainer (trainer/) and strategy (strategy/) state; a collective of every rank. Returns
+    ``write(group)``, which writes them (megarl/checkpoint_writer.py: in the background over the checkpoint group)."""
     step_dir = Path(step_dir)
-    save_reshardable(trainer, str(step_dir / "trainer"))
-    save_strategy_state(trainer, strategy_state, str(step_dir / "strategy"))
+    trainer_write = prepare_reshardable(trainer, str(step_dir / "trainer"), background=background)
+    strategy_write = prepare_strategy_state(trainer, strategy_state, str(step_dir / "strategy"), background=background)
+
+    def write(group) -> None:
+        trainer_write(group)
+        strategy_write(group)
+
+    return write
+
+
+def save_rank_state(step_dir: str | Path, trainer, strategy_state: dict) -> None:
+    """The trainer's (trainer/) and the strategy's (strategy/) state, reshardable, now; a collective of every rank."""
+    prepare_rank_state(step_dir, trainer, strategy_state)(None)
 
 
 def load_rank_state(step_dir: str | Path, trainer, strategy) -> None:
@@ -130,6 +146,9 @@ class SingleRankStates:
 
     def save_rank_states(self, step_dir: str, strategy_state: dict) -> None:
         save_rank_state(step_dir, self.trainer, strategy_state)
+
+    def prepare_rank_states(self, step_dir: str, strategy_state: dict):
+        return prepare_rank_state(step_dir, self.trainer, strategy_state, background=True)
 
     def load_rank_states(self, step_dir: str, strategy) -> None:
         load_rank_state(step_dir, self.trainer, strategy)
@@ -212,7 +231,11 @@ class Checkpointer:
 
     ``save`` captures the controller's and the strategy's state synchronously on
     the event loop (a consistent cut: no accept, admission or hook can run in
-    between), then writes files in a worker thread while generation goes on.
+    between), then writes files in a worker thread while generation goes on; the
+    loop waits for that write. ``save(controller, background=True)`` (periodic saves
+    with ``logging.async_save``) returns once every rank has prepared its part and
+    writes the rest while the loop trains on (megarl/checkpoint_writer.py); the next
+    save, and :meth:`wait`, wait for it first.
     """
 
     def __init__(self, run_dir: str | Path, trainer, strategy, weights_dir: str | Path, *, keep_last: int,
@@ -226,9 +249,32 @@ class Checkpointer:
         self.keep_last = keep_last
         self.run = run or {}
         self.last_step: int | None = None
+        #: seconds the loop waited for the last save (its prepare part when in the background)
         self.last_seconds = 0.0
+        #: (step, its write) of the background write in flight
+        self._pending: tuple[int, BackgroundWrite] | None = None
+        #: the step of the newest checkpoint on disk (last_step counts one still being written)
+        self._durable_step: int | None = None
 
-    async def save(self, controller) -> Path:
+    async def wait(self) -> Path | None:
+        """Wait for the background write in flight (if any): its checkpoint's path, or its failure raised
+        (its temp directory is gone then; the previous checkpoint stands)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        step, pending = pending
+        try:
+            path = await asyncio.wrap_future(pending.future)
+        except BaseException:
+            self.last_step = self._durable_step  # that step has no checkpoint: the next save may take it again
+            raise
+        self._durable_step = step
+        log.info("checkpoint %s written in the background in %.2f s", path, pending.seconds)
+        return path
+
+    async def save(self, controller, *, background: bool = False) -> Path | None:
+        """Checkpoint now (the path), or prepare it and write it in the background (None; :meth:`wait`)."""
+        await self.wait()
         t0 = time.perf_counter()
         state = controller.state_dict()
         state["rng"] = capture_rng()
@@ -236,20 +282,47 @@ class Checkpointer:
         engine_version = controller.version
         meta = {"version": int(self.trainer.version), "engine_version": int(engine_version),
                 "accepted_total": int(state["buffer"]["accepted_total"]), "run": self.run}
-        path = await asyncio.to_thread(self._write, controller.step, state, strategy_state, engine_version, meta)
-        self.last_step = controller.step
+        step = controller.step
+        if background:
+            tmp = new_temp_dir(self.root, step)
+            try:
+                write = await asyncio.to_thread(self._prepare, tmp, state, strategy_state, engine_version)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            # the manifest says how it was written: the seconds the loop waited (the prepare part)
+            meta.update(written="background", loop_wait_s=round(time.perf_counter() - t0, 3))
+            self._pending = step, BackgroundWrite(
+                write, f"step {step}", then=lambda: publish_temp_dir(self.root, tmp, step, keep_last=self.keep_last,
+                                                                     meta=meta),
+                on_failure=lambda: shutil.rmtree(tmp, ignore_errors=True))
+            path = None
+        else:
+            meta["written"] = "blocking"
+            path = await asyncio.to_thread(self._write, step, state, strategy_state, engine_version, meta)
+            self._durable_step = step
+        self.last_step = step
         self.last_seconds = time.perf_counter() - t0
-        log.info("checkpoint %s written in %.2f s", path, self.last_seconds)
+        log.info("checkpoint %s %s %.2f s", path or f"of step {step}",
+                 "prepared (written in the background) in" if background else "written in", self.last_seconds)
         return path
+
+    def _fill_loop_part(self, tmp: Path, state: dict, engine_version: int) -> None:
+        torch.save(state, tmp / "controller.pt")
+        if engine_version > 0:
+            src = self.weights_dir / f"v{engine_version}"
+            if not (src / "config.json").is_file():
+                raise CheckpointError(f"the engines' weights of version {engine_version} are not in {src}")
+            link_or_copy_tree(src, tmp / "engine_weights")
+
+    def _prepare(self, tmp: Path, state: dict, strategy_state: dict, engine_version: int):
+        write = self.rank_states.prepare_rank_states(str(tmp), strategy_state)
+        self._fill_loop_part(tmp, state, engine_version)
+        return write
 
     def _write(self, step: int, state: dict, strategy_state: dict, engine_version: int, meta: dict) -> Path:
         def fill(tmp: Path) -> None:
-            torch.save(state, tmp / "controller.pt")
+            self._fill_loop_part(tmp, state, engine_version)
             self.rank_states.save_rank_states(str(tmp), strategy_state)
-            if engine_version > 0:
-                src = self.weights_dir / f"v{engine_version}"
-                if not (src / "config.json").is_file():
-                    raise CheckpointError(f"the engines' weights of version {engine_version} are not in {src}")
-                link_or_copy_tree(src, tmp / "engine_weights")
 
         return write_checkpoint(self.root, step, fill, keep_last=self.keep_last, meta=meta)

@@ -169,13 +169,30 @@ def write_checkpoint(root: str | Path, step: int, fill: Callable[[Path], None], 
                      meta: dict | None = None) -> Path:
     """Atomically publish ``root/step_{step}``: ``fill(tmp_dir)`` writes the files, then manifest, fsync, rename
     (or the overwrite's renames when the step has a checkpoint already: a resumed run passing its step)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = root / f".tmp-step_{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = new_temp_dir(root, step)
     try:
         fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish_temp_dir(root, tmp, step, keep_last=keep_last, meta=meta)
+
+
+def new_temp_dir(root: str | Path, step: int) -> Path:
+    """A fresh ``root/.tmp-step_{step}-*`` to fill (never read as a checkpoint; removed on resume)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-step_{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish_temp_dir(root: str | Path, tmp: Path, step: int, *, keep_last: int = 0, meta: dict | None = None) -> Path:
+    """The second half of :func:`write_checkpoint`: ``tmp``'s manifest, fsync, rename, prune; ``tmp`` is removed
+    when this fails."""
+    root = Path(root)
+    final = root / f"step_{step}"
+    try:
         manifest = build_manifest(tmp, {"step": step, "created": time.time(), **(meta or {})})
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         for p in files_under(tmp):

@@ -280,6 +280,8 @@ class LoggingConfig:
     """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
     keep_last: int = 2
     """Checkpoints kept (the newest ones; 0 = all); a damaged_step_N directory a resume set aside is deleted once the oldest one kept is of step N or later."""
+    async_save: bool = False
+    """Write periodic checkpoints (logging.save_every, logging.save_every_s) in the background: at the step boundary each trainer rank copies its model, optimizer and strategy shards to host memory (its one extra copy of them until the write ends), then the run trains on while a thread writes them; the checkpoint appears (manifest, rename) only once every rank's part is on disk, so a kill during the write leaves the previous checkpoint the newest. The checkpoints at the end of a run, on a stop signal and before an error are written at once."""
     max_save_failures: int = 3
     """Periodic checkpoints (logging.save_every) that may fail in a row (disk full, I/O error) before the run stops; a failed one leaves nothing that looks valid, the previous one is kept and the next save tries again (>= 1; 1 = stop at the first failure)."""
     stop_grace_s: float = 90.0

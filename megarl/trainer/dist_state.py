@@ -21,37 +21,32 @@ optimizer (the same global names, its own slices) and ``dist_checkpointing.load`
 slice, the overlapping pieces of the saved slices; then the model and the optimizer load them as
 their ordinary state dicts. A TP2 checkpoint read at TP1 gives each full weight from the two
 halves; the distributed optimizer cuts its new DP shards out of the per-parameter state.
-Measured on CPU/gloo: TP2 -> TP1 and DP2 -> DP1 (distributed optimizer) of the dense model
-(tests/distributed/test_reshard.py). PP resharding goes through the same global layer numbering
-but is not tested.
-bf16 goes through the same code but is not tested either.
+Measured on CPU/gloo: TP2 -> TP1, TP2 -> PP2 and DP2 -> DP1 (distributed optimizer) of the dense model,
+EP2 -> EP1 of the tiny MoE (tests/distributed/test_reshard.py). A bf16 run goes through the same code;
+its same-layout resume is tested (tests/distributed/test_checkpoint_multirank.py), a bf16 reshard is not.
 What must match: the dtype (a bf16 run's optimizer holds fp32 main parameters, an fp32 run's
 does not) and the kind of optimizer (distributed or not: a load across kinds is refused, as it is
 untested); the model's shape is the run checkpoint's check (megarl/checkpoint.py). The RNG state is restored
 per rank when the world size is the same, else every rank takes rank 0's.
 
-The save is synchronous and in-process: megatron-core 0.16.1's own ``torch_dist`` writer
-(``FileSystemWriterAsync``), even when used synchronously, starts a ``spawn`` multiprocessing
-manager, which re-imports the main script in a new interpreter, and forks a writer process per
-file. Under torchrun with a script that is not guarded by ``if __name__ == "__main__"`` that new
-interpreter builds a second trainer and waits in ``new_group`` for ranks that never come, and the
-save waits on it for ever. :class:`InProcessTorchDistSave` writes the same format with
-``torch.distributed.checkpoint``'s plain ``FileSystemWriter`` in the calling thread.
+The save is written in this process (megarl/trainer/sharded_write.py: megatron's own writer starts
+processes that hang under torchrun), now or, prepared at the call, on a writer thread while the
+trainer goes on (:func:`prepare_reshardable`).
 
 A directory of the per-rank format (``rank{r}.pt``, megarl/trainer/state.py) is loaded through
 that format's loader, which requires the same layout.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-import warnings
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megarl.errors import CheckpointError
+from megarl.trainer.sharded_write import quiet_upstream, save_sharded
 from megarl.trainer.state import load_trainer_state, unshare_adam_steps
 
 #: the layout-free items (rank 0 writes it last; its presence marks a complete checkpoint)
@@ -59,15 +54,6 @@ STATE_FILE = "megarl_trainer.pt"
 FORMAT = "megarl.reshardable.v1"
 #: the distributed optimizer's state as per-parameter tensors (module doc)
 DIST_OPT_SHARDING = "fully_reshardable"
-
-
-@contextlib.contextmanager
-def quiet_upstream():
-    """Hide the FutureWarnings megatron's torch_dist loader and torch's planner print on every load (deprecations
-    of their own internals: nothing a user can act on)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch)\.")
-        yield
 
 
 def _optimizer_metadata() -> dict:
@@ -102,54 +88,45 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     return state
 
 
-def _save_strategy():
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+def prepare_reshardable(trainer, out_dir: str, *, background: bool = False) -> Callable[[Any], None]:
+    """Prepare the save of the trainer's state to ``out_dir`` (module doc) and return its write, ``write(group)``.
 
-    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
-        """megatron's ``torch_dist`` format written by torch.distributed.checkpoint in this thread
-        (module doc: megatron's own writer starts processes)."""
-
-        def save(self, sharded_state_dict, checkpoint_dir):
-            import torch.distributed.checkpoint as dcp
-            from megatron.core.dist_checkpointing.strategies.torch import (
-                MCoreSavePlanner,
-                _replace_state_dict_keys_with_sharded_keys,
-                mcore_to_pyt_state_dict,
-            )
-
-            by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dcp.save(mcore_to_pyt_state_dict(by_key, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=MCoreSavePlanner(can_run_decentralized_global_plan=False, flatten_state_dict=False))
-
-    return InProcessTorchDistSave("torch_dist", 1, thread_count=1)
-
-
-def save_reshardable(trainer, out_dir: str) -> dict:
-    """Write the trainer's state to ``out_dir`` (module doc); a collective of every trainer rank.
-
-    Returns ``{"seconds": ...}``, the time the save took on this rank.
+    The preparation is a collective of every trainer rank on the default group (the tensors' layout,
+    ``common.pt``, the version, scheduler step and every rank's RNG state as of now); with ``background=True``
+    it also copies this rank's shards to host memory, and the write may run on another thread over
+    megarl/trainer/sharded_write.py's ``checkpoint_group()`` while the trainer goes on. The write is a
+    collective of that group: the shards, then ``megarl_trainer.pt`` (rank 0, last: the mark of a complete
+    directory).
     """
-    from megatron.core import dist_checkpointing
-
-    t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     if dist.get_rank() == 0 and os.path.exists(os.path.join(out_dir, STATE_FILE)):
         os.remove(os.path.join(out_dir, STATE_FILE))  # a rewrite is incomplete until it is back
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), out_dir, sharded_strategy=_save_strategy())
+    shards = save_sharded(_sharded_state(trainer, is_loading=False), out_dir, background=background)
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, torch.get_rng_state())
-    if dist.get_rank() == 0:
-        small = {"format": FORMAT, "version": trainer.version, "dtype": trainer.dtype,
-                 "distributed_optimizer": bool(trainer._opt_args["use_distributed_optimizer"]),
-                 "has_optimizer": trainer.optimizer is not None,
-                 "scheduler_num_steps": None if trainer.scheduler is None else int(trainer.scheduler.num_steps),
-                 "layout": trainer._layout(), "world_size": dist.get_world_size(), "torch_rng": rngs}
-        tmp = os.path.join(out_dir, STATE_FILE + ".tmp")
-        torch.save(small, tmp)
-        os.replace(tmp, os.path.join(out_dir, STATE_FILE))
-    dist.barrier()
+    small = {"format": FORMAT, "version": trainer.version, "dtype": trainer.dtype,
+             "distributed_optimizer": bool(trainer._opt_args["use_distributed_optimizer"]),
+             "has_optimizer": trainer.optimizer is not None,
+             "scheduler_num_steps": None if trainer.scheduler is None else int(trainer.scheduler.num_steps),
+             "layout": trainer._layout(), "world_size": dist.get_world_size(), "torch_rng": rngs}
+
+    def write(group) -> None:
+        shards.run(group)
+        if dist.get_rank(group) == 0:
+            tmp = os.path.join(out_dir, STATE_FILE + ".tmp")
+            torch.save(small, tmp)
+            os.replace(tmp, os.path.join(out_dir, STATE_FILE))
+        dist.barrier(group=group)
+
+    return write
+
+
+def save_reshardable(trainer, out_dir: str) -> dict:
+    """Write the trainer's state to ``out_dir`` now (:func:`prepare_reshardable` and its write); a collective of
+    every trainer rank. Returns ``{"seconds": ...}``, the time the save took on this rank."""
+    t0 = time.perf_counter()
+    prepare_reshardable(trainer, out_dir)(None)
     return {"seconds": time.perf_counter() - t0}
 
 

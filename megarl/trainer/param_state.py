@@ -21,13 +21,15 @@ Both the save and the load are collectives of every trainer rank.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megarl.errors import CheckpointError
+from megarl.trainer.sharded_write import quiet_upstream, save_sharded
 
 #: marks where a parameter dict was in the pickled rest of a strategy's state
 PLACEHOLDER = "__megarl_param_dict__"
@@ -103,12 +105,10 @@ def _rank_file(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.pt")
 
 
-def save_strategy_state(trainer, state: dict, out_dir: str) -> None:
-    """Write ``state`` (a strategy's state_dict on this rank) to ``out_dir`` (module doc); a collective."""
-    from megatron.core import dist_checkpointing
-
-    from megarl.trainer.dist_state import _save_strategy
-
+def prepare_strategy_state(trainer, state: dict, out_dir: str, *, background: bool = False) -> Callable[[Any], None]:
+    """Prepare the save of ``state`` (a strategy's state_dict on this rank) to ``out_dir`` (module doc) and return
+    its write, ``write(group)``: like megarl/trainer/dist_state.py's ``prepare_reshardable``, a collective now
+    and a collective of ``group`` when written."""
     shardings = _param_shardings(trainer)
     rest, found = split_state(state, {k: _shape(v) for k, v in shardings.items()})
     os.makedirs(out_dir, exist_ok=True)
@@ -117,12 +117,28 @@ def save_strategy_state(trainer, state: dict, out_dir: str) -> None:
     if any(p != paths[0] for p in paths):
         raise CheckpointError(f"the strategy's parameter copies differ across trainer ranks ({paths}): "
                               "every rank must hold copies of the same versions")
+    shards = None
     if found:
         sharded = {p: _sharded(shardings, p, t) for p, t in found.items()}
         os.makedirs(os.path.join(out_dir, SHARDED_DIR), exist_ok=True)  # megatron's save wants it there and empty
-        dist_checkpointing.save(sharded, os.path.join(out_dir, SHARDED_DIR), sharded_strategy=_save_strategy())
-    torch.save({"rest": rest, "world_size": dist.get_world_size()}, _rank_file(out_dir, dist.get_rank()))
-    dist.barrier()
+        shards = save_sharded(sharded, os.path.join(out_dir, SHARDED_DIR), background=background)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pickled = io.BytesIO()  # serialised now: the strategy may change what ``rest`` refers to while it is written
+    torch.save({"rest": rest, "world_size": world}, pickled)
+
+    def write(group) -> None:
+        if shards is not None:
+            shards.run(group)
+        with open(_rank_file(out_dir, rank), "wb") as f:
+            f.write(pickled.getvalue())
+        dist.barrier(group=group)
+
+    return write
+
+
+def save_strategy_state(trainer, state: dict, out_dir: str) -> None:
+    """Write ``state`` to ``out_dir`` now (:func:`prepare_strategy_state` and its write); a collective."""
+    prepare_strategy_state(trainer, state, out_dir)(None)
 
 
 def _read(path: str) -> dict:
@@ -141,8 +157,6 @@ def load_strategy_state(trainer, in_dir: str) -> dict:
     loads only with the same world size.
     """
     from megatron.core import dist_checkpointing
-
-    from megarl.trainer.dist_state import quiet_upstream
 
     mine = _read(_rank_file(in_dir, dist.get_rank())) if os.path.isfile(_rank_file(in_dir, dist.get_rank())) \
         else None

@@ -34,12 +34,17 @@ follower replays it on its own trainer and strategy, in the same order:
   rank takes part in the collective save (load) of the trainer's and the
   strategy's sharded state (megarl/checkpoint.py); an all-gather of each rank's outcome ends the event,
   so rank 0 publishes the checkpoint only after every shard is on disk, and a
-  follower's failure is raised on rank 0 too.
+  follower's failure is raised on rank 0 too. A background checkpoint
+  (``save_state_async``) prepares the same way, then every rank writes its part
+  on a thread and the outcomes meet on the checkpoint group
+  (megarl/checkpoint_writer.py); a follower joins its write before the next
+  checkpoint event and before it stops.
 
 With one rank none of this is used: the loop talks to the trainer directly.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -47,10 +52,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint import load_rank_state, save_rank_state
+from megarl.checkpoint import load_rank_state, prepare_rank_state, save_rank_state
 from megarl.errors import CheckpointError, MegarlError
-from megarl.stop_protocol import RunStopped, early_stop
+from megarl.stop_protocol import RunStopped
 from megarl.types import AnchorResult, TrainBatch, Trajectory
+
+log = logging.getLogger("megarl.spmd")
 
 #: a trajectory's per-token lists; an append extends them one after the other
 _PER_TOKEN = ("response_ids", "logp_behav", "versions", "loss_mask")
@@ -256,6 +263,16 @@ class DrivingTrainer:
             self.channel.send(("save_state", step_dir))
             _run_on_all(self.channel, lambda: save_rank_state(step_dir, self.trainer, strategy_state))
 
+    def prepare_rank_states(self, step_dir: str, strategy_state: dict):
+        """Every rank prepares its part of a background checkpoint (megarl/checkpoint_writer.py) and starts writing
+        it; returns rank 0's write, to run on a BackgroundWrite (its outcome exchange meets the followers')."""
+        writes = []
+        with self.channel.lock:
+            self.channel.send(("save_state_async", step_dir))
+            _run_on_all(self.channel, lambda: writes.append(
+                prepare_rank_state(step_dir, self.trainer, strategy_state, background=True)))
+        return writes[0]
+
     def load_rank_states(self, step_dir: str, strategy) -> None:
         """Every rank loads its trainer and strategy state from ``step_dir``."""
         with self.channel.lock:
@@ -294,69 +311,3 @@ def _run_on_all(channel: ControlChannel, fn) -> None:
         raise CheckpointError("checkpoint state failed on " + "; ".join(errors))
     if error is not None:
         raise MegarlError(f"rank {channel.rank}: {error}")
-
-
-class FollowerView:
-    """What a follower's strategy context sees of the loop: rank 0's latest live state."""
-
-    def __init__(self) -> None:
-        self.trajectories: list[Trajectory] = []
-        self.versions: set[int] = set()
-
-    def live_trajectories(self) -> list[Trajectory]:
-        return self.trajectories
-
-    def live_versions(self) -> set[int]:
-        return self.versions
-
-
-def follow(trainer, strategy, channel: ControlChannel, loss_fn_factory, view: FollowerView) -> None:
-    """A follower rank's loop: replay rank 0's events until it says stop.
-
-    ``view`` backs the follower strategy's ``ctx.live_trajectories`` and
-    ``ctx.live_versions``: rank 0 sends its live versions with every event and
-    its live trajectories with every hook.
-    """
-    batch: TrainBatch | None = None
-    anchor: AnchorResult | None = None
-    while True:
-        event = channel.recv()
-        kind = event[0]
-        if kind == "hooks":
-            _, pending, view.versions = event
-            for name, args in pending:
-                getattr(strategy, name)(*args)
-        elif kind == "hook":
-            _, name, args, live_trajs = event
-            if live_trajs is not None:
-                view.trajectories = live_trajs
-            getattr(strategy, name)(*args)
-        elif kind == "anchor":
-            _, version, trajs = event
-            batch = TrainBatch.from_trajectories(trajs, version=version)
-            mine = strategy.anchor(batch, trajs)
-            shared = channel.share_tensor(None)
-            anchor = AnchorResult(logp_anchor=shared, exact=mine.exact, from_theta=mine.from_theta)
-            if anchor.logp_anchor is not None:
-                batch.logp_anchor = anchor.logp_anchor
-        elif kind == "train_step":
-            # the entropy coefficient rank 0 used (None: a loss without one; the factory's own then)
-            given = {} if len(event) < 2 or event[1] is None else {"entropy_coef": event[1]}
-            trainer.train_step(batch, loss_fn_factory(batch, anchor, **given))
-        elif kind == "save_hf_checkpoint":
-            trainer.save_hf_checkpoint(event[1])
-        elif kind == "export_hf_weights":
-            for _ in trainer.export_hf_weights(to_host=False):  # only the gathers: no host copy to discard
-                pass
-        elif kind == "save_state":
-            _run_on_all(channel, lambda path=event[1]: save_rank_state(path, trainer, strategy.state_dict()))
-        elif kind == "load_state":
-            _run_on_all(channel, lambda path=event[1]: load_rank_state(path, trainer, strategy))
-        elif kind == "stop_poll":
-            _stop_votes(channel, early_stop.received)
-        elif kind == "stop":
-            if len(event) > 1 and event[1]:
-                raise RunStopped(f"rank 0 stopped the run ({event[1]}) after the checkpoint every rank wrote")
-            return
-        else:
-            raise RuntimeError(f"unknown control event {kind!r}")

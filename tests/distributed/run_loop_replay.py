@@ -70,7 +70,8 @@ def drive_or_follow(trainer, batch, loss_fn) -> dict:
     """One anchor, train step and post-step scoring through the control channel; what this rank saw."""
     import torch.distributed as dist
 
-    from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer, FollowerView, follow
+    from megarl.trainer.follower import FollowerView, follow
+    from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
 
     channel = ControlChannel()
     if dist.get_rank() == 0:

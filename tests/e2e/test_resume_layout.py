@@ -1,5 +1,6 @@
 """A run changes its parallel layout at a resume: 6 steps under the real torchrun with 2 trainer ranks at TP2
-(`launch/torchrun.sh`), then `megarl train --resume RUN_DIR` in one process at TP1 to step 12.
+(`launch/torchrun.sh`, checkpoints written in the background: logging.async_save), then `megarl train --resume
+RUN_DIR` in one process at TP1 to step 12.
 
 Checked from the run's own records: steps and versions 1..12 without a gap, no trajectory trained twice, one
 resume at step 6, and the log names the layout change. Checked from the checkpoints' tensors alone, read with
@@ -26,11 +27,16 @@ def test_a_tp2_run_resumes_at_tp1(ckpt, tmp_path):
     run = tmp_path / "run"
     first = subprocess.run(["bash", "launch/torchrun.sh", *COMMON, f"model.checkpoint={ckpt}",
                             "placement.trainer_ranks=2", "parallel.tp=2", "trainer.total_steps=6",
-                            "logging.save_every=1", "logging.keep_last=0", f"logging.output_dir={run}"],
+                            "logging.save_every=1", "logging.keep_last=0", "logging.async_save=true",
+                            f"logging.output_dir={run}"],
                            cwd=ROOT, env={**ENV, "PYTHON": sys.executable}, capture_output=True, text=True,
                            timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert json.loads((run / "checkpoints" / "step_6" / "manifest.json").read_text())["run"]["tp"] == 2
+    # every step's periodic checkpoint was written in the background; the end of the run waited for step 6's
+    written = [json.loads((run / "checkpoints" / f"step_{s}" / "manifest.json").read_text())["written"]
+               for s in range(1, 7)]
+    assert written == ["background"] * 6, written
 
     second = run_megarl("train", *COMMON, f"model.checkpoint={ckpt}", "trainer.total_steps=12",
                         "logging.save_every=1", "logging.keep_last=0", "--resume", str(run), timeout=600)

@@ -37,9 +37,12 @@ class KeepStates:
     def __init__(self):
         self.last_step, self.states = -1, []
 
-    async def save(self, controller):
+    async def save(self, controller, background=False):
         self.last_step = controller.step
         self.states.append(controller.state_dict())
+
+    async def wait(self):
+        return None
 
 
 def controller(rows, workflow, checkpointer):

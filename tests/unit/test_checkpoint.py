@@ -289,6 +289,9 @@ class FullDisk:
             raise OSError(errno.ENOSPC, "No space left on device")
         (Path(step_dir) / "trainer" / "rank0.pt").write_bytes(b"whole")
 
+    def prepare_rank_states(self, step_dir, strategy_state):  # logging.async_save: the same, on the writer thread
+        return lambda group: self.save_rank_states(step_dir, strategy_state)
+
 
 def disk_checkpointer(tmp_path, fail):
     from megarl.checkpoint import Checkpointer
@@ -299,9 +302,9 @@ def disk_checkpointer(tmp_path, fail):
         (weights / f"v{v}" / "config.json").write_text("{}")
 
     class LoopCheckpointer(Checkpointer):  # the loop's trainer and strategy are built after it
-        async def save(self, controller):
+        async def save(self, controller, **kw):
             self.trainer, self.strategy = controller.trainer, controller.strategy
-            return await super().save(controller)
+            return await super().save(controller, **kw)
 
     return LoopCheckpointer(tmp_path, None, None, weights, keep_last=0, rank_states=FullDisk(fail))
 
@@ -317,6 +320,19 @@ def test_a_failed_periodic_checkpoint_keeps_the_run_and_the_previous_checkpoint(
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6", "step_8"]
     assert all((p / "trainer" / "rank0.pt").read_bytes() == b"whole" for _, p in list_checkpoints(root))
     assert all(verify_checkpoint(p)["step"] == s for s, p in list_checkpoints(root))
+
+
+def test_a_failed_background_write_keeps_the_run_and_the_previous_checkpoint(tmp_path):
+    """logging.async_save: the write of step 4 fails on its thread; the run goes on, step_4 never appears, the
+    failure is counted when the next save waits for it, and the end of the run waits for the last write."""
+    ck = disk_checkpointer(tmp_path, {1})
+    c, trainer, _, _ = make_controller(0, checkpointer=ck,
+                                       overrides=["logging.save_every=2", "logging.async_save=true"])
+    asyncio.run(asyncio.wait_for(c.train(8), 60))
+    assert c.step == 8 and trainer.version == 8 and c._save_failures == 0
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6", "step_8"]
+    assert all((p / "trainer" / "rank0.pt").read_bytes() == b"whole" for _, p in list_checkpoints(root))
 
 
 def test_checkpoints_failing_max_save_failures_times_in_a_row_stop_the_run(tmp_path):

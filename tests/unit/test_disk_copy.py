@@ -67,7 +67,10 @@ def test_the_disk_copy_is_written_beside_the_publish_not_inside_it(tmp_path, mon
             class Checkpointer:
                 last_step = None
 
-                async def save(self, controller):
+                async def wait(self):
+                    return None
+
+                async def save(self, controller, background=False):
                     seen.append((weights_dir / "v1" / "config.json").is_file())
 
             sched.checkpointer, sched.publisher, sched.step, sched._save_failures = Checkpointer(), pub, 1, 0

@@ -100,7 +100,7 @@ def test_followers_export_without_host_copies():
     the tensors where they are (on a GPU trainer: no device -> host copy of the whole model per rank)."""
     import torch
 
-    from megarl.trainer.spmd import FollowerView, follow
+    from megarl.trainer.follower import FollowerView, follow
 
     calls = []
 
@@ -122,7 +122,7 @@ def test_followers_export_without_host_copies():
 def test_a_follower_builds_its_loss_with_the_entropy_coefficient_rank_0_sent():
     """A train_step event carries the entropy coefficient rank 0's loss used; None (a loss without one) calls
     the factory as (batch, anchor) alone, so a factory of that older form keeps working."""
-    from megarl.trainer.spmd import FollowerView, follow
+    from megarl.trainer.follower import FollowerView, follow
 
     built, trained = [], []
 

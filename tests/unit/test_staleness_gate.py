@@ -259,9 +259,12 @@ class CountingCheckpointer:
         self.saved = []
         self.last_step = None
 
-    async def save(self, controller):
+    async def save(self, controller, background=False):
         self.saved.append((controller.step, controller.buffer.state_dict()))
         self.last_step = controller.step
+
+    async def wait(self):
+        return None
 
 
 def test_stall_watchdog_checkpoints_and_names_the_gate():

@@ -87,7 +87,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from megarl.stop_protocol import RunStopped
-    from megarl.trainer.spmd import ControlChannel, DrivingTrainer, follow
+    from megarl.trainer.follower import follow
+    from megarl.trainer.spmd import ControlChannel, DrivingTrainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     channel = ControlChannel()
@@ -230,7 +231,7 @@ def test_a_stop_whose_checkpoint_fails_in_the_budget_still_exits_75_and_says_so(
     from megarl.stop_protocol import RunStopped
 
     class CutShort(CapturingCheckpointer):
-        async def save(self, controller):
+        async def save(self, controller, background=False):
             if controller.stop_requested:
                 raise ScorerError("dedicated scoring process: state_dict did not finish within 0.5 s")
             await super().save(controller)
