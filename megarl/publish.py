@@ -21,7 +21,9 @@ checkpointer stores it as the engines' weights, and a restarted engine loads
 it (megarl/rollout/supervisor.py). For the broadcast publisher that disk copy
 is written at every publish, in a background thread from the buckets it
 broadcasts (megarl/rollout/disk_copy.py): neither the export nor the stall
-waits for the disk, and whoever reads the copy waits for its writer
+waits for the disk, nor does the next publish (an older copy still being
+written when a newer version is applied is stopped at its next 64 MB piece:
+only the newest is needed), and whoever reads the copy waits for its writer
 (:meth:`BroadcastPublisher.wait_written`; the checkpoint does). Writing it
 less often would leave a restarted engine, or a checkpoint, without the
 version the other engines serve.
@@ -183,8 +185,8 @@ class BroadcastPublisher:
         self.device_budget = 0
 
     async def prepare(self, version: int) -> None:
-        self._buckets = None  # the previous version's export is not needed any more
-        await self._copy.wait()  # nor its disk copy, which reads it (written long before, unless the disk is slow)
+        self._buckets = None  # the previous version's export is not needed here any more (its disk copy may still
+        # read it: a publish does not wait for the disk, megarl/rollout/disk_copy.py)
         device = self._sender_device()
         if device is None:
             tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
@@ -210,10 +212,11 @@ class BroadcastPublisher:
         """The published version's disk copy is complete (raises the writer's failure)."""
         await self._copy.wait()
 
-    async def _written_for_engines(self) -> None:
-        """:meth:`wait_written` for an engine about to load the copy: a failed write is the engine's failure."""
+    async def _written_for_engines(self, version: int | None = None) -> None:
+        """:meth:`wait_written` (of ``version``) for an engine about to load the copy: a failed write is the
+        engine's failure."""
         try:
-            await self._copy.wait()
+            await self._copy.wait(version)
         except RuntimeError as e:
             raise EngineError(str(e)) from e
 
@@ -225,6 +228,9 @@ class BroadcastPublisher:
         if buckets is None:
             raise RuntimeError(f"BroadcastPublisher.apply({version}) without prepare({version})")
         current = self.weights_dir / f"v{version}"
+        # from here a restarted engine loads this version: an older copy still being written is not needed
+        # (megarl/rollout/disk_copy.py); this one's starts at once
+        self._copy.supersede(version)
         t0 = time.perf_counter()
         self._sending = None
         specs = [(name, shape, dtype) for rows, _, _ in buckets for name, shape, dtype, _ in rows]
@@ -232,18 +238,20 @@ class BroadcastPublisher:
             # an engine restarted from here on loads the disk copy once its writer is done
             phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, buckets),
                                                                      specs, version, weights=(str(current), version),
-                                                                     weights_ready=self._written_for_engines)
+                                                                     weights_ready=functools.partial(
+                                                                         self._written_for_engines, version))
             stats = await self._sent(buckets)
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
             self._abandon(f"version {version}: broadcast failed, load the disk copy")
             self.n_fallbacks += 1
-            await self._written_for_engines()
+            await self._written_for_engines(version)
             phases = await self.router.update_weights_from_disk(str(current), version)
             stats = None
         if stats:
             log.info("version %d: broadcast %d tensors, %.2f MB to %d engine(s) in %.3f s", version,
                      stats["tensors"], stats["bytes"] / 1e6, len(self._members or ()), time.perf_counter() - t0)
+        await self._copy.settled_before(version)  # stopped within one piece, so nothing renames it back below
         _remove_other_versions(self.weights_dir, current)
         buckets = None  # the device buckets go before the next train step (the sender has let go of them too)
         release_ipc_blocks()

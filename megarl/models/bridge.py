@@ -41,7 +41,7 @@ import os
 import re
 import types
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 
 from megarl.errors import CheckpointError
 from megarl.models.hf_config import is_moe, num_experts
+from megarl.models.safetensors_stream import save_file_stoppable
 from megarl.trainer.parallel import global_rank
 
 # mbridge and megatron.core are imported inside the functions that use them: megatron may be imported
@@ -326,13 +327,18 @@ def save_hf_checkpoint(model_chunks, out_dir: str | os.PathLike, hf: dict, confi
     return Path(out_dir) if rank == 0 else None
 
 
-def write_hf_checkpoint(tensors: dict, out_dir: str | os.PathLike, hf: dict) -> Path:
+def write_hf_checkpoint(tensors: dict, out_dir: str | os.PathLike, hf: dict,
+                        should_stop: Callable[[], bool] | None = None) -> Path:
     """``model.safetensors`` (written to a temp name, then renamed) and then ``config.json``: a
-    directory with config.json is complete (the checkpointer relies on that)."""
+    directory with config.json is complete (the checkpointer relies on that). With ``should_stop`` the file is
+    written in pieces and the write stops (megarl/models/safetensors_stream.py's WriteStopped) once it says so."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    if should_stop is None:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    else:
+        save_file_stoppable(tensors, tmp, metadata={"format": "pt"}, should_stop=should_stop)
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out

@@ -30,25 +30,40 @@ async def _until(cond, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def hold_the_disk(monkeypatch, gates: dict) -> None:
+    """The disk copy of version v waits for ``gates[v]`` before it writes (and stops if told to meanwhile)."""
+    from megarl.models.safetensors_stream import WriteStopped
+
+    real_save = megarl.models.bridge.save_file_stoppable
+
+    def held_save(tensors, path, metadata=None, should_stop=None):  # path: weights/.v{v}.partial/...
+        version = int(Path(path).parent.name.split(".")[1][1:])
+        while not gates[version].wait(0.01):
+            if should_stop():
+                raise WriteStopped(f"version {version}'s held write stopped")
+        real_save(tensors, path, metadata=metadata, should_stop=should_stop)
+
+    monkeypatch.setattr(megarl.models.bridge, "save_file_stoppable", held_save)
+
+
+def publisher(sup, ckpt, weights_dir) -> BroadcastPublisher:
+    pub = BroadcastPublisher(CheckpointExporter(Path(ckpt)), sup, weights_dir, timeout_s=30)
+    pub._open = lambda members, buckets: None  # the fake engine joins no group: nothing is sent
+    return pub
+
+
 def test_the_disk_copy_is_written_beside_the_publish_not_inside_it(tmp_path, monkeypatch):
     from megarl.models.tiny import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", tmp_path / "ckpt", seed=1)
     release = threading.Event()
-    real_save = megarl.models.bridge.save_file
-
-    def held_save(tensors, path, metadata=None):  # the disk, held until the test lets it write
-        release.wait(timeout=10)
-        real_save(tensors, path, metadata=metadata)
-
-    monkeypatch.setattr(megarl.models.bridge, "save_file", held_save)
+    hold_the_disk(monkeypatch, {1: release})
     weights_dir = tmp_path / "weights"
 
     async def main():
         sup, engines, launched, _ = make(n=1)
         await sup.start()
-        pub = BroadcastPublisher(CheckpointExporter(Path(ckpt)), sup, weights_dir, timeout_s=30)
-        pub._open = lambda members, buckets: None  # the fake engine joins no group: nothing is sent
+        pub = publisher(sup, ckpt, weights_dir)
         try:
             t0 = time.perf_counter()
             await pub.prepare(1)
@@ -93,7 +108,7 @@ def test_the_disk_copy_is_written_beside_the_publish_not_inside_it(tmp_path, mon
 
 
 def test_a_failed_write_is_raised_to_whoever_waits_and_leaves_no_version(tmp_path):
-    def broken(tensors, out, hf):
+    def broken(tensors, out, hf, should_stop=None):
         Path(out).mkdir(parents=True)
         raise OSError(28, "No space left on device")
 
@@ -107,3 +122,47 @@ def test_a_failed_write_is_raised_to_whoever_waits_and_leaves_no_version(tmp_pat
     pub._copy = copy
     with pytest.raises(EngineError, match="disk copy of version 3 failed"):
         asyncio.run(pub._written_for_engines())
+
+
+def test_the_next_publish_does_not_wait_for_the_disk_and_stops_the_older_copy(tmp_path, monkeypatch):
+    """prepare(2) returns while version 1's copy is still held at the disk; an engine restarted between the two
+    publishes still gets version 1 (the older write goes on until version 2 is applied); applying version 3
+    stops version 2's write, which never appears, and version 3's is the one left."""
+    from megarl.models.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", tmp_path / "ckpt", seed=1)
+    release = {v: threading.Event() for v in (1, 2, 3)}
+    hold_the_disk(monkeypatch, release)
+    weights_dir = tmp_path / "weights"
+
+    async def main():
+        sup, _, _, _ = make(n=1)
+        await sup.start()
+        pub = publisher(sup, ckpt, weights_dir)
+        try:
+            await pub.prepare(1)
+            await pub.apply(1)
+            await asyncio.wait_for(pub.prepare(2), 10)  # version 1's copy is still held
+            restarted = asyncio.ensure_future(pub._written_for_engines(1))  # what a restart now waits for
+            await asyncio.sleep(0.3)
+            assert not restarted.done() and not (weights_dir / "v1").exists()
+            release[1].set()
+            await asyncio.wait_for(restarted, 10)
+            assert (weights_dir / "v1" / "config.json").is_file()
+            await pub.apply(2)
+            await asyncio.wait_for(pub.prepare(3), 10)  # version 2's copy is held
+            release[3].set()
+            await asyncio.wait_for(pub.apply(3), 10)  # stops version 2's write
+            await asyncio.wait_for(pub.wait_written(), 10)
+            assert pub._copy.n_superseded == 1
+            assert sorted(p.name for p in weights_dir.iterdir()) == ["v3"]  # no v2, no partial directory
+        finally:
+            for gate in release.values():  # nothing left held (a wait that timed out still has its thread)
+                gate.set()
+            pub.close()
+            await sup.close()
+
+    asyncio.run(main())
+    written, exported = load_file(str(weights_dir / "v3" / "model.safetensors")), load_file(
+        str(ckpt / "model.safetensors"))
+    assert written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in exported)

@@ -151,9 +151,9 @@ def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path, monkeypa
     from megarl.models.tiny import write_tiny_checkpoint
     from megarl.rollout.disk_copy import DiskCopy
 
-    def slow_write(*args):  # a slow disk: a reader that does not wait for the background copy fails every time
+    def slow_write(*args, **kw):  # a slow disk: a reader that does not wait for the background copy fails every time
         time.sleep(0.3)
-        return write_hf_checkpoint(*args)
+        return write_hf_checkpoint(*args, **kw)
 
     monkeypatch.setattr(megarl.publish, "DiskCopy", lambda: DiskCopy(write=slow_write))
 
