@@ -331,7 +331,10 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 self._log_samples(trajs)
                 if self.journal is not None:
                     self.journal.write("trained_ids", {"step": self.step, "version": self.trainer.version,
-                                                       "skipped": skipped, "traj_ids": [t.traj_id for t in trajs]})
+                                                       "skipped": skipped, "traj_ids": [t.traj_id for t in trajs],
+                                                       # the rows' lengths as the trainer packs them (bench --packing)
+                                                       "n_tokens": [len(t.prompt_ids) + len(t.response_ids)
+                                                                    for t in trajs]})
                 await self.buffer.notify()
                 if max_skips > 0 and self._consecutive_skips >= max_skips:
                     await self._checkpoint()

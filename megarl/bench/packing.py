@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megarl.errors import ConfigError
 from megarl.trainer.packing import DEFAULT_LINEAR_WEIGHT, plan_packing, round_robin_plan, row_workload
 
 DP_SIZES = (1, 2, 8, 64)
@@ -45,6 +46,21 @@ def batches(dist: str, n_rows: int, n_batches: int, seed: int = 0) -> list[list[
     return [[DISTRIBUTIONS[dist](rng) for _ in range(n_rows)] for _ in range(n_batches)]
 
 
+def recorded_batches(run_dir: str | Path) -> list[list[int]]:
+    """The batches a run trained, as row lengths (prompt + response tokens): ``n_tokens`` of each step in
+    RUN_DIR/trained_ids.jsonl (steps that trained nothing left out)."""
+    path = Path(run_dir) / "trained_ids.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"--packing-runs {run_dir}: no {path.name} there; give the directory of a megarl run "
+                          f"(logging.output_dir)")
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [r["n_tokens"] for r in steps if r.get("n_tokens")]
+    if not out:
+        raise ConfigError(f"--packing-runs {run_dir}: {path} records no row lengths (n_tokens: written by runs of "
+                          f"this megarl version and later); rerun to record them")
+    return out
+
+
 def _stats(plan, lens: list[int], ideal: float) -> dict:
     w = plan.workloads(lens, DEFAULT_LINEAR_WEIGHT)
     return {"padding": plan.padding_share(lens), "slowest_over_mean": max(w) / ideal,
@@ -52,15 +68,19 @@ def _stats(plan, lens: list[int], ideal: float) -> dict:
             "mbs_per_rank": len(plan.ranks[0]), "dummies": sum(1 for mbs in plan.ranks for g in mbs if not g)}
 
 
-def table(n_rows: int = 256, n_batches: int = 8, budget: int = 32768, dp_sizes=DP_SIZES) -> list[dict]:
-    """One row per (distribution, dp): before/after statistics, each the mean over ``n_batches`` batches.
-    slowest/mean divides the heaviest DP rank's workload (padding included) by the padding-free mean,
-    sum of the rows' workloads / dp, the same for both plans."""
+def table(n_rows: int = 256, n_batches: int = 8, budget: int = 32768, dp_sizes=DP_SIZES,
+          recorded: dict[str, list[list[int]]] | None = None) -> list[dict]:
+    """One row per (distribution, dp): before/after statistics, each the mean over ``n_batches`` batches
+    (``recorded``: name -> a run's own batches, each step one batch). slowest/mean divides the heaviest DP
+    rank's workload (padding included) by the padding-free mean, sum of the rows' workloads / dp, the same
+    for both plans."""
     out = []
-    for dist in DISTRIBUTIONS:
+    sources = {d: batches(d, n_rows, n_batches) for d in DISTRIBUTIONS} | dict(recorded or {})
+    for dist, dist_batches in sources.items():
+        n_batches = len(dist_batches)
         for dp in dp_sizes:
             acc: dict[str, float] = {}
-            for lens in batches(dist, n_rows, n_batches):
+            for lens in dist_batches:
                 work = [row_workload(n, DEFAULT_LINEAR_WEIGHT) for n in lens]
                 ideal = sum(work) / dp
                 plans = {"before": round_robin_plan(lens, dp, budget), "after": plan_packing(lens, dp, budget),
@@ -74,7 +94,8 @@ def table(n_rows: int = 256, n_batches: int = 8, budget: int = 32768, dp_sizes=D
 
 
 def render(rows: list[dict], n_rows: int, budget: int, n_batches: int = 8) -> str:
-    lines = [f"{n_rows} rows per batch, micro_batch_tokens={budget}, means over {n_batches} batches; "
+    lines = [f"{n_rows} rows per batch (a recorded run: its own), micro_batch_tokens={budget}, means over "
+             f"{n_batches} batches (a recorded run: every step); "
              f"workload {DEFAULT_LINEAR_WEIGHT} L + L^2 per row (before -> after)", "",
              "| distribution | dp | padding | slowest/mean rank | slowest/padding-free mean | bound "
              "| micro-batches per rank | dummies | thd: slowest/mean rank, /padding-free mean, micro-batches |",
@@ -102,9 +123,15 @@ def step_time(steps: int, timeout_s: float = 1800) -> dict:
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 
 
-def run_packing(output: str | None, n_rows: int, budget: int, steps: int) -> str:
-    """The table and the step-time ratio as markdown (also written to ``output`` when given)."""
-    text = render(table(n_rows=n_rows, budget=budget), n_rows, budget)
+def run_packing(output: str | None, n_rows: int, budget: int, steps: int, runs: list[str] = ()) -> str:
+    """The table and the step-time ratio as markdown (also written to ``output`` when given); ``runs``: run
+    directories whose trained batches are rows of the table too (named by the directory)."""
+    recorded = {Path(r).name: recorded_batches(r) for r in runs}
+    text = render(table(n_rows=n_rows, budget=budget, recorded=recorded), n_rows, budget)
+    for name, got in recorded.items():
+        lens = [n for b in got for n in b]
+        text += (f"\n`{name}`: recorded, {len(got)} trained batches of {min(map(len, got))}-{max(map(len, got))} "
+                 f"rows, {min(lens)}-{max(lens)} tokens per row (median {sorted(lens)[len(lens) // 2]})\n")
     if steps:
         t = step_time(steps)
         span = {k: f"{min(v):.3f}-{max(v):.3f}" for k, v in t["times"].items()}

@@ -69,6 +69,8 @@ def register(sub) -> None:
     p.add_argument("--packing-rows", type=int, default=256, help="--packing: rows per batch (default 256)")
     p.add_argument("--packing-budget", type=int, default=32768,
                    help="--packing: micro_batch_tokens of the table (default 32768)")
+    p.add_argument("--packing-runs", default="", metavar="RUN_DIR[,RUN_DIR...]",
+                   help="--packing: also the batches these runs trained (their trained_ids.jsonl row lengths)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides for every run")
     p.set_defaults(func=run)
 
@@ -121,8 +123,8 @@ def run(args) -> int:
 
         if args.packing_rows < 1 or args.packing_budget < 1 or (args.steps or 0) < 0:
             raise ConfigError("--packing needs --packing-rows >= 1, --packing-budget >= 1 and --steps >= 0")
-        print(run_packing(args.output, args.packing_rows, args.packing_budget, 5 if args.steps is None else args.steps),
-              end="")
+        print(run_packing(args.output, args.packing_rows, args.packing_budget, 5 if args.steps is None else args.steps,
+                          runs=[r for r in args.packing_runs.split(",") if r.strip()]), end="")
         return 0
     if args.output is None:
         raise ConfigError("--output is required (except with --quality --from-runs)")

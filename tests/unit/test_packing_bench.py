@@ -35,3 +35,32 @@ def test_the_command_prints_the_table():
     bad = subprocess.run([sys.executable, "-m", "megarl.cli", "bench", "--packing", "--packing-rows", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--packing-rows >= 1" in bad.stderr
+
+
+def test_a_recorded_run_is_a_row_of_the_table(tmp_path):
+    import json
+
+    from megarl.bench.packing import recorded_batches, run_packing
+    from megarl.errors import ConfigError
+
+    run = tmp_path / "demo_run"
+    run.mkdir()
+    steps = [{"step": 1, "traj_ids": ["a", "b", "c"], "n_tokens": [10, 30, 20]},
+             {"step": 2, "traj_ids": [], "skipped": True},  # trained nothing: no batch
+             {"step": 3, "traj_ids": ["d", "e"], "n_tokens": [40, 5]}]
+    (run / "trained_ids.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert recorded_batches(run) == [[10, 30, 20], [40, 5]]
+    text = run_packing(None, 8, 64, 0, runs=[str(run)])
+    # the run's two batches are the table's batches of that row: its numbers are the plans' of those lengths
+    # (the planner's own numbers are checked by hand in tests/unit/test_packing_plan.py)
+    row = [ln for ln in text.splitlines() if ln.startswith("| demo_run | 1 |")]
+    assert row, text
+    assert "`demo_run`: recorded, 2 trained batches of 2-3 rows, 5-40 tokens per row (median 20)" in text
+    before = sum(round_robin_plan(b, 1, 64).padding_share(b) for b in ([10, 30, 20], [40, 5])) / 2
+    after = sum(plan_packing(b, 1, 64).padding_share(b) for b in ([10, 30, 20], [40, 5])) / 2
+    assert before > 0 and f"{before:.1%} -> {after:.1%}" in row[0]
+    (run / "trained_ids.jsonl").write_text(json.dumps({"step": 1, "traj_ids": ["a"]}) + "\n")
+    with pytest.raises(ConfigError, match="records no row lengths"):
+        recorded_batches(run)
+    with pytest.raises(ConfigError, match="no trained_ids.jsonl there"):
+        recorded_batches(tmp_path)
