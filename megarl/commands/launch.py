@@ -6,10 +6,12 @@ wrappers around this command.
 
 On GPUs it checks the memory plan first, as `megarl plan` does
 (megarl/launch/memory.py): a layout where a trainer, engine or scorer GPU would
-not fit ``placement.gpu_memory_gb`` is refused with exit code 1, before anything
-starts, naming the settings that would fit (a dry run prints the plan and
-commands, then refuses the same way); ``--skip-memory-check`` starts it anyway,
-and so does ``--bootstrap-check``, which loads no model.
+not fit ``placement.gpu_memory_gb``, or a trainer node that would hold more host
+memory than ``placement.host_memory_gb`` (when set; megarl/launch/host_memory.py),
+is refused with exit code 1, before anything starts, naming the settings that
+would fit (a dry run prints the plan and commands, then refuses the same way);
+``--skip-memory-check`` starts it anyway, and so does ``--bootstrap-check``,
+which loads no model.
 
 Stops: a stop signal to this command reaches the trainer ranks without any
 launcher killing one mid-checkpoint, and the command exits with 75 when the
@@ -23,7 +25,7 @@ import socket
 import sys
 
 from megarl.errors import ConfigError
-from megarl.launch import cluster, memory
+from megarl.launch import cluster, host_memory, memory
 from megarl.launch.engine_key_env import ensure_run_keys
 from megarl.launch.key_files import KeyFiles, key_dir_base
 from megarl.launch.overlays import add_overlay_flags, command_overrides
@@ -45,7 +47,8 @@ def register(sub) -> None:
                    help="start only the trainer ranks and run the rendezvous check instead of training")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     p.add_argument("--skip-memory-check", action="store_true",
-                   help="start even when the memory plan says a GPU would not fit placement.gpu_memory_gb")
+                   help="start even when the memory plan says a GPU would not fit placement.gpu_memory_gb "
+                        "or a trainer node placement.host_memory_gb")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. placement.trainer_ranks=2")
     p.set_defaults(func=run)
 
@@ -89,22 +92,26 @@ def run(args) -> int:
                               os.path.abspath(run_dir) if run_dir else "")
     commands = render(plan, launcher, python=sys.executable, bootstrap_check=args.bootstrap_check, settings=settings)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
+    host = host_memory.planned(cfg, hf, plan)
+    problems = host_memory.problems(mem, host)
     if args.dry_run:
         if args.json:
-            print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem), "launcher": launcher,
+            print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem),
+                              "host_memory": host and host_memory.as_dict(host), "launcher": launcher,
                               "commands": [{"name": c.name, "host": c.host, "argv": list(c.argv)} for c in commands]},
                              indent=1))
-            return _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check)
+            return _memory_refusal(problems, args.skip_memory_check or args.bootstrap_check)
         print(f"megarl launch plan: {args.config or '(defaults)'} (model fields from {source})")
         print(plan.describe())
-        if mem is not None:
-            print(mem.describe())
+        for part in (mem, host):
+            if part is not None:
+                print(part.describe())
         print(f"\ncommands ({launcher}{', rendezvous check only' if args.bootstrap_check else ''}):")
         for c in commands:
             where = f" (run on {c.host})" if c.host else ""
             print(f"# {c.name}{where}\n{c.shell()}")
-        return _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check)
-    if _memory_refusal(mem, args.skip_memory_check or args.bootstrap_check):
+        return _memory_refusal(problems, args.skip_memory_check or args.bootstrap_check)
+    if _memory_refusal(problems, args.skip_memory_check or args.bootstrap_check):
         return 1
     if launcher == "torchrun" and plan.allocation.source != "local":
         me = _short(socket.gethostname())
@@ -120,11 +127,12 @@ def run(args) -> int:
     return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s, key_files=keys)
 
 
-def _memory_refusal(mem, skip: bool) -> int:
-    """1 (the reasons on stderr) when a GPU of the plan would not fit and the check is not skipped."""
-    if mem is None or not mem.problems:
+def _memory_refusal(problems: list[str], skip: bool) -> int:
+    """1 (the reasons on stderr) when a GPU or a trainer node of the plan would not fit and the check is not
+    skipped."""
+    if not problems:
         return 0
-    for problem in mem.problems:
+    for problem in problems:
         print(f"megarl launch: does not fit: {problem}", file=sys.stderr)
     print("megarl launch: " + ("not refused (--skip-memory-check or --bootstrap-check)" if skip else
                                "refused; change the layout or pass --skip-memory-check to start it anyway"),

@@ -2,7 +2,10 @@
 
 On GPUs it also prints the memory plan (megarl/launch/memory.py): the peak of
 a trainer, engine and dedicated-scorer GPU by part, and exits 1 when one does
-not fit ``placement.gpu_memory_gb``, naming the settings that would.
+not fit ``placement.gpu_memory_gb``, naming the settings that would. The host
+memory of a trainer node (megarl/launch/host_memory.py) is printed on GPUs, and
+on either device when ``placement.host_memory_gb`` is set; a node that would
+hold more than that is refused the same way.
 
 ``--cost`` prints the cost model's table (megarl/launch/cost.py) for every strategy with
 the assumptions it uses (flags below); ``--calibrate SWEEP_REPORT`` fits the model's CPU
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from megarl.config.loader import field_docs
 from megarl.errors import ConfigError
-from megarl.launch import cost, memory
+from megarl.launch import cost, host_memory, memory
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 
@@ -56,14 +59,17 @@ def run(args) -> int:
     args.dry_run, args.launcher = True, None
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
+    host = host_memory.planned(cfg, hf, plan)
     if not args.cost:
         if args.json:
-            print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem)}, indent=1))
+            print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem),
+                              "host_memory": host and host_memory.as_dict(host)}, indent=1))
         else:
             print(f"megarl plan: {args.config or '(defaults)'} (model fields from {source})\n{plan.describe()}")
-            if mem is not None:
-                print(mem.describe())
-        return _fits(mem)
+            for part in (mem, host):
+                if part is not None:
+                    print(part.describe())
+        return _fits(mem, host)
     given = {f.name: getattr(args, f.name) for f in fields(cost.Assumptions) if getattr(args, f.name) is not None}
     a = cost.Assumptions(**given)
     costs = cost.strategy_costs(cfg, hf, plan, a, interpolation_forward=normalizer_needs_anchor(cfg.loss))
@@ -72,18 +78,18 @@ def run(args) -> int:
         print(json.dumps({"layout": lay, "assumptions": asdict(a), "costs": costs}, indent=1))
     else:
         print(cost.render_costs(costs, lay, cfg, a, f"{args.config or '(defaults)'} (model fields from {source})"))
-        if mem is not None:
-            print(mem.describe())
-    return _fits(mem)
+        for part in (mem, host):
+            if part is not None:
+                print(part.describe())
+    return _fits(mem, host)
 
 
-def _fits(mem) -> int:
-    """1 (with the reasons on stderr) when a GPU of the plan would run out of memory."""
-    if mem is None or not mem.problems:
-        return 0
-    for problem in mem.problems:
+def _fits(*parts) -> int:
+    """1 (with the reasons on stderr) when a GPU or a trainer node of the plan would run out of memory."""
+    problems = host_memory.problems(*parts)
+    for problem in problems:
         print(f"megarl plan: does not fit: {problem}", file=sys.stderr)
-    return 1
+    return 1 if problems else 0
 
 
 def _calibrate(args) -> int:

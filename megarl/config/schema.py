@@ -339,6 +339,8 @@ class PlacementConfig:
     """First HTTP port of the engines that run as their own command (one more per engine on the same node)."""
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GB (gpu only): `megarl plan` refuses a layout whose trainer, engine or dedicated-scorer GPU would need more (H100: 80, H200: 141)."""
+    host_memory_gb: float = 0.0
+    """Host memory (RAM) of one trainer node in GB: `megarl plan` and `megarl launch` refuse a layout whose trainer node would hold more for the run (the recovery strategy's copies, the publish's export, logging.async_save's copies: megarl/launch/host_memory.py), naming the settings that would fit; 0 = not checked (the plan still prints the host bytes on gpu)."""
     model_config: str = ""
     """YAML of HF config.json fields that plans are validated against when model.checkpoint has no config.json on this machine (dry runs away from the cluster's disk)."""
     forward_env: list[str] = field(default_factory=list)

@@ -119,6 +119,17 @@ def _shards(hf: dict, t) -> tuple[float, float]:
     return (total - experts) / (t.tp * t.pp), experts / (t.ep * t.tp * t.pp)
 
 
+def model_state_bytes(cfg, hf: dict, t) -> dict[str, float]:
+    """One trainer rank's weights, gradients and optimizer state (module doc), bytes; ``t``: the trainer's layout."""
+    dense, experts = _shards(hf, t)
+    bf16 = cfg.model.dtype == "bfloat16"
+    opt_bytes = 12 if bf16 else 8  # fp32 main params (bf16 only) + exp_avg + exp_avg_sq
+    dist = cfg.parallel.use_distributed_optimizer
+    return {"weights": (dense + experts) * (2 if bf16 else 4),
+            "gradients": (dense + experts) * 4,
+            "optimizer": opt_bytes * (dense / (t.dp if dist else 1) + experts / (t.expert_dp if dist else 1))}
+
+
 def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batch_tokens: int | None = None,
                    table: dict[str, Any] | None = None, entropy: bool | None = None) -> GpuMemory:
     """Peak of one trainer GPU (module doc); ``recompute`` / ``micro_batch_tokens`` / ``entropy`` (the entropy
@@ -127,10 +138,6 @@ def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batc
     recompute = recompute or cfg.trainer.recompute
     row = longest_row(cfg, hf)
     tokens = max(micro_batch_tokens or cfg.trainer.micro_batch_tokens, row)
-    dense, experts = _shards(hf, t)
-    bf16 = cfg.model.dtype == "bfloat16"
-    opt_bytes = 12 if bf16 else 8  # fp32 main params (bf16 only) + exp_avg + exp_avg_sq
-    dist = cfg.parallel.use_distributed_optimizer
     entry, name, scale = activation_entry(hf, table)
     split = t.tp if t.sequence_parallel else 1
     per_token = entry[recompute]["bytes_per_token"] * scale * TE_FACTOR
@@ -153,9 +160,7 @@ def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batc
                       + ENTROPY_TRANSIENT)
         notes.append("entropy bonus on (loss.entropy_coef / loss.entropy_target): its logits path counted")
     return GpuMemory("trainer GPU", {
-        "weights": (dense + experts) * (2 if bf16 else 4),
-        "gradients": (dense + experts) * 4,
-        "optimizer": opt_bytes * (dense / (t.dp if dist else 1) + experts / (t.expert_dp if dist else 1)),
+        **model_state_bytes(cfg, hf, t),
         "activations": acts,
         "logits": tokens * vocab * per_entry,
         "runtime": RUNTIME_RESERVE,
