@@ -154,27 +154,29 @@ class DiskCopy:
         if thread is not None:
             thread.join()
 
-    def busy(self) -> bool:
-        return self._running is not None
-
     def _job(self, version: int | None) -> _Job | None:
         with self._lock:
             return self._jobs.get(self.version if version is None else version)
+
+    @staticmethod
+    def _outcome(job: _Job) -> None:
+        if job.error is not None:
+            raise RuntimeError(f"writing the disk copy of version {job.version} failed: "
+                               f"{type(job.error).__name__}: {job.error}") from job.error
 
     def wait_sync(self, version: int | None = None) -> None:
         """Block until the copy of ``version`` (default: the newest started) is on disk; raise its writer's
         failure (:class:`Superseded` when a newer version took its place)."""
         job = self._job(version)
-        if job is None:
-            return
-        job.done.wait()
-        if job.error is not None:
-            raise RuntimeError(f"writing the disk copy of version {job.version} failed: "
-                               f"{type(job.error).__name__}: {job.error}") from job.error
+        if job is not None:
+            job.done.wait()
+            self._outcome(job)
 
     async def wait(self, version: int | None = None) -> None:
-        """:meth:`wait_sync` off the event loop."""
+        """:meth:`wait_sync` off the event loop (the job is looked up once: a version started meanwhile is not
+        waited for)."""
         job = self._job(version)
-        if job is not None and not job.done.is_set():
-            await asyncio.to_thread(job.done.wait)
-        self.wait_sync(version)
+        if job is not None:
+            if not job.done.is_set():
+                await asyncio.to_thread(job.done.wait)
+            self._outcome(job)
