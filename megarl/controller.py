@@ -329,12 +329,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 reward_error = self._reward_failure_error()
                 self.on_step(record)
                 self._log_samples(trajs)
-                if self.journal is not None:
-                    self.journal.write("trained_ids", {"step": self.step, "version": self.trainer.version,
-                                                       "skipped": skipped, "traj_ids": [t.traj_id for t in trajs],
-                                                       # the rows' lengths as the trainer packs them (bench --packing)
-                                                       "n_tokens": [len(t.prompt_ids) + len(t.response_ids)
-                                                                    for t in trajs]})
+                self._journal_trained(trajs, skipped)
                 await self.buffer.notify()
                 if max_skips > 0 and self._consecutive_skips >= max_skips:
                     await self._checkpoint()

@@ -98,6 +98,15 @@ class StepBookkeeping:
                 # [version, number of tokens] per segment, in order: which weights wrote which part
                 "versions": [[g.version, g.end - g.start] for g in t.segments()]})
 
+    def _journal_trained(self, trajs: list[Trajectory], skipped: bool) -> None:
+        """The step's rows to ``trained_ids.jsonl``: what resume and the no-loss checks read."""
+        if self.journal is None:
+            return
+        self.journal.write("trained_ids", {"step": self.step, "version": self.trainer.version,
+                                           "skipped": skipped, "traj_ids": [t.traj_id for t in trajs],
+                                           # the rows' lengths as the trainer packs them (bench --packing)
+                                           "n_tokens": [len(t.prompt_ids) + len(t.response_ids) for t in trajs]})
+
     def _workflow_step_stats(self) -> dict[str, int]:
         """What the workflow counted (agent turns, tool calls, failures) since the last step."""
         now = self.workflow.stats()
