@@ -46,42 +46,20 @@ from megarl.launch.roles import current_role
 from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.broadcast_sender import SenderProcess
 from megarl.rollout.disk_copy import DiskCopy
-from megarl.rollout.export_buckets import CollectiveExport, consume_export, device_budget, pack_export
-from megarl.rollout.weight_sync import WeightBroadcaster, iter_buckets, rows_bytes
+from megarl.rollout.engine_shards import vllm_tp_rule
+from megarl.rollout.export_buckets import (
+    consume_export,
+    device_budget,
+    engine_weights,
+    pack_export,
+    pack_shared,
+    recorded_dtype,
+    shard_buckets,
+    stream_engine_weights,
+)
+from megarl.rollout.weight_sync import WeightBroadcaster, rows_bytes
 
 log = logging.getLogger("megarl.publish")
-
-
-def _recorded_dtype(hf: dict) -> str:
-    return hf.get("dtype") or hf.get("torch_dtype") or "float32"
-
-
-def engine_weights(trainer, engine_dtype: str | None) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """The trainer's HF tensors as the engines take them, and the config.json that says what they are.
-
-    With ``engine_dtype`` other than the trainer's (``rollout.dtype``: bf16 engines beside an fp32
-    trainer), each floating-point tensor is cast as it leaves the export, so the engines receive (and the
-    disk copy holds) their own precision and nothing is cast again on their side. A collective on a
-    multi-rank trainer, like ``export_hf_weights``.
-    """
-    tensors, hf = stream_engine_weights(trainer, engine_dtype)
-    return consume_export(tensors, list), hf
-
-
-def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = True) -> tuple[CollectiveExport,
-                                                                                                dict]:
-    """:func:`engine_weights` as a stream, one tensor at a time; ``to_host=False``: left on the trainer's
-    device (``export_hf_weights(to_host=False)``). Consume it with
-    :func:`~megarl.rollout.export_buckets.consume_export`: a consumer that fails half-way must not leave
-    the other trainer ranks in the export's gathers."""
-    hf = dict(trainer.exported_hf_config())  # a copy: the trainer's own config stays as it is
-    exported = trainer.export_hf_weights() if to_host else trainer.export_hf_weights(to_host=False)
-    if not engine_dtype or engine_dtype == _recorded_dtype(hf):
-        return CollectiveExport(exported), hf
-    target = getattr(torch, engine_dtype)
-    for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
-        hf[key] = engine_dtype
-    return CollectiveExport(exported, lambda t: t.to(target) if t.is_floating_point() else t), hf
 
 
 class DiskPublisher:
@@ -95,7 +73,7 @@ class DiskPublisher:
 
     async def prepare(self, version: int) -> None:
         out = self.weights_dir / f"v{version}"
-        if not self.engine_dtype or self.engine_dtype == _recorded_dtype(self.trainer.exported_hf_config()):
+        if not self.engine_dtype or self.engine_dtype == recorded_dtype(self.trainer.exported_hf_config()):
             await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(out))
             return
         tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
@@ -157,12 +135,20 @@ class BroadcastPublisher:
     there (as far as :func:`~megarl.rollout.export_buckets.device_budget` allows), which the
     sender broadcasts from that device; the disk copy is written from pinned host copies of them
     (megarl/rollout/export_buckets.py).
+
+    ``shard_workers`` (``rollout.shard_weight_sync``): when every live engine has k > 1 workers (vLLM
+    tensor parallelism: ``n_workers`` of their /health, asked in ``prepare``), each bucket is cut into
+    one bucket per worker (megarl/rollout/engine_shards.py) and worker t receives only its slices,
+    through sub-group t of the group: a publish moves the model about once per engine instead of k
+    times. Engines whose worker count changed by ``apply`` get the disk copy (one warning).
     """
 
     def __init__(self, trainer, router, weights_dir: Path, *, bucket_mb: int = 256, host: str = "127.0.0.1",
                  port: int = 0, backend: str | None = None, timeout_s: float = 60.0,
-                 engine_dtype: str | None = None, bind_host: str | None = None) -> None:
+                 engine_dtype: str | None = None, bind_host: str | None = None, shard_workers: bool = True) -> None:
         self.trainer = trainer
+        self.shard_workers = shard_workers
+        self._cut = 1  # the worker count the prepared export was cut for (1: not cut)
         self.engine_dtype = engine_dtype
         self.router = router
         self.weights_dir = weights_dir
@@ -174,7 +160,8 @@ class BroadcastPublisher:
         self.timeout_s = timeout_s
         self.n_groups = 0
         self.n_fallbacks = 0
-        self._buckets: list | None = None  # (meta rows, meta bytes, payload) of the prepared version
+        self._buckets: list | None = None  # (shard, meta rows, meta bytes, payload) of the prepared version
+        self._specs: list = []  # its (name, full shape, dtype)
         self._group = None  # WeightBroadcaster naming the group; the sender process holds its communicator
         self._members: tuple | None = None  # the live engines the group was made for
         self._broadcaster_cls = WeightBroadcaster  # what the sender makes its group with
@@ -190,12 +177,32 @@ class BroadcastPublisher:
         device = self._sender_device()
         if device is None:
             tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
-            self._buckets = host = await asyncio.to_thread(_pack_shared, tensors, self.bucket_bytes)
+            self._buckets = host = await asyncio.to_thread(pack_shared, tensors, self.bucket_bytes)
             del tensors  # emptied by the packing: the buckets hold the only copy from here on
         else:  # CUDA + NCCL: packed on the trainer's GPU as the export streams (megarl/rollout/export_buckets.py)
             self._buckets, host, hf = await asyncio.to_thread(self._pack_on_device, device)
+        self._specs = [(row[0], row[1], row[2]) for rows, _, _ in host for row in rows]
+        self._cut = await self._engine_workers()
+        if self._cut > 1:  # the device buckets go as they are cut; the host ones are the disk copy's
+            self._buckets = await asyncio.to_thread(shard_buckets, self._buckets, vllm_tp_rule(hf, self._cut),
+                                                    self._cut, consume=device is not None)
+        else:
+            self._buckets = [(0, *b) for b in self._buckets]
         self._copy.start(self.weights_dir / f"v{version}", host, hf, version)
         self._ensure_sender()
+
+    async def _engine_workers(self) -> int:
+        """k when cutting is on and every live engine answers /health with k > 1 workers; 1 otherwise."""
+        if not self.shard_workers or self.router is None:
+            return 1
+        try:
+            engines = (await asyncio.wait_for(self.router.health(), self.timeout_s))["engines"]
+        except Exception as e:  # noqa: BLE001 - not cut this time; apply finds the live engines itself
+            log.warning("no engine health before cutting the export per worker (%s: %s); sending it whole",
+                        type(e).__name__, e)
+            return 1
+        counts = {int(h.get("n_workers", 1)) for h in engines if h.get("ok", True)}
+        return counts.pop() if len(counts) == 1 and min(counts) > 1 else 1
 
     def _pack_on_device(self, device: torch.device) -> tuple[list, list, dict]:
         tensors, hf = stream_engine_weights(self.trainer, self.engine_dtype, to_host=False)
@@ -233,7 +240,7 @@ class BroadcastPublisher:
         self._copy.supersede(version)
         t0 = time.perf_counter()
         self._sending = None
-        specs = [(name, shape, dtype) for rows, _, _ in buckets for name, shape, dtype, _ in rows]
+        specs = self._specs
         try:
             # an engine restarted from here on loads the disk copy once its writer is done
             phases = await self.router.update_weights_from_broadcast(lambda members: self._open(members, buckets),
@@ -266,14 +273,17 @@ class BroadcastPublisher:
         """
         if not members:
             return None
+        if self._cut > 1 and any(n != self._cut for _, _, n in members):
+            raise EngineError(f"the export was cut for engines of {self._cut} workers but the live engines have "
+                              f"{[n for _, _, n in members]} now")
         self._ensure_sender()  # before the group: a sender that died took its group with it
-        if self._group is None or tuple(members) != self._members:
+        if self._group is None or tuple(members) != self._members or self._group.shards != self._cut:
             # the sender leaves the old group when it is handed a new group id
             self._close_group()
             port = self.port if self.port and not self.n_groups else 0  # 0: the rendezvous binds a free port
             world = 1 + sum(n_workers for _, _, n_workers in members)
             group = self._broadcaster_cls(self.host, port, world, backend=self.backend, timeout_s=self.timeout_s,
-                                          bind_host=self.bind_host)
+                                          bind_host=self.bind_host, shards=self._cut)
             group.start_rendezvous()  # served from this process; the sender and the engines join it
             self._group, port = group, group.port
             self._members = tuple(members)
@@ -281,8 +291,8 @@ class BroadcastPublisher:
             log.info("weight broadcast group %d: %s:%d, %d engine(s), world %d, %s", self.n_groups, self.host, port,
                      len(members), world, self._group.backend)
         info = self._group.group_info()
-        self._sending = self._proc.send(info, [(bytes(meta.numpy()), payload) for _, meta, payload in buckets],
-                                        self.timeout_s)
+        self._sending = self._proc.send(info, [(bytes(meta.numpy()), payload, shard)
+                                               for shard, _, meta, payload in buckets], self.timeout_s)
         self._sending.add_done_callback(functools.partial(_abort_on_failure, self._group))
         return info
 
@@ -310,8 +320,8 @@ class BroadcastPublisher:
                         type(e).__name__, e)
             self._abandon("the broadcast to a lost engine did not complete")
             return None
-        return {"tensors": sum(len(rows) for rows, _, _ in buckets),
-                "bytes": sum(rows_bytes(rows) for rows, _, _ in buckets), "seconds": seconds}
+        return {"tensors": len(self._specs), "bytes": sum(rows_bytes(rows) for _, rows, _, _ in buckets),
+                "seconds": seconds}
 
     def _abandon(self, reason: str) -> None:
         """Call the publish off: the engines still receiving leave the broadcast at once (the abort mark of
@@ -352,17 +362,6 @@ def _abort_on_failure(group, sending: concurrent.futures.Future) -> None:
         group.abort(f"the trainer's sender failed ({type(error).__name__}: {error})")
 
 
-def _pack_shared(tensors: list, bucket_bytes: int) -> list:
-    """The tensors packed into shared-memory buckets, emptying ``tensors`` as they are packed: host memory
-    holds one copy of the model plus one bucket at most, not two copies."""
-    def drain():
-        tensors.reverse()
-        while tensors:
-            yield tensors.pop()
-
-    return list(iter_buckets(drain(), bucket_bytes, share=True))
-
-
 def make_publisher(cfg, trainer, router, weights_dir: Path):
     """The publisher ``rollout.weight_sync`` names."""
     if cfg.rollout.weight_sync == "disk":
@@ -376,7 +375,8 @@ def make_publisher(cfg, trainer, router, weights_dir: Path):
         host, port = socket.getfqdn(), cfg.placement.weight_sync_port or 29600
     return BroadcastPublisher(trainer, router, weights_dir, bucket_mb=cfg.rollout.bucket_mb, host=host, port=port,
                               backend=_backend(engines_elsewhere=bool(role.engine_addrs)),
-                              engine_dtype=cfg.engine_dtype, bind_host=cfg.placement.weight_sync_bind or None)
+                              engine_dtype=cfg.engine_dtype, bind_host=cfg.placement.weight_sync_bind or None,
+                              shard_workers=cfg.rollout.shard_weight_sync)
 
 
 def _backend(engines_elsewhere: bool) -> str:

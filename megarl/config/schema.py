@@ -141,6 +141,8 @@ class RolloutConfig:
     """How new weights reach the engines: safetensors on shared disk, or a broadcast group from trainer rank 0 (gloo; NCCL from a CUDA trainer to engines with their own commands and GPUs; megarl/publish.py), which also writes each version to disk for engine restarts and checkpoints."""
     bucket_mb: int = 256
     """Bucket size of the broadcast weight sync in MB (one tensor larger than that travels alone)."""
+    shard_weight_sync: bool = True
+    """Broadcast to vLLM engines of several tensor-parallel workers (placement.engine_tp): each worker receives only the slices its loader keeps (megarl/rollout/engine_shards.py), about the model once per engine; false sends every worker the full tensors."""
     kv_cache_gb: int = 1
     """KV cache of each vLLM CPU engine megarl starts, in GiB (a whole number; megarl sets VLLM_CPU_KVCACHE_SPACE from it, without which vLLM claims ~92% of the node's memory)."""
     cpu_threads: int = 1

@@ -56,7 +56,8 @@ class SenderProcess:
         return self.proc.is_alive() and (self._busy is None or self._busy.done())
 
     def send(self, group_info: dict, buckets: list, timeout_s: float) -> concurrent.futures.Future:
-        """Broadcast ``buckets`` (``(meta bytes, payload)`` pairs) in the group ``group_info`` names.
+        """Broadcast ``buckets`` (``(meta bytes, payload, shard)``: the workers of that shard receive it) in the
+        group ``group_info`` names.
 
         Returns a future of the sender's seconds; it fails with :class:`EngineError` (and the sender
         is killed) when a step misses ``timeout_s``, fails, or the sender dies.
@@ -134,12 +135,13 @@ def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
                 # the trainer serves the group's rendezvous (megarl/rollout/rendezvous.py); this process joins it
                 group = broadcaster_cls(info["host"], int(info["port"]), int(info["world_size"]),
                                         backend=info["backend"], timeout_s=float(info["timeout_s"]),
-                                        group_id=info["group_id"], secret=info["secret"], serve_rendezvous=False)
+                                        group_id=info["group_id"], secret=info["secret"], serve_rendezvous=False,
+                                        shards=int(info.get("shards", 1)))
                 group.connect()
             conn.send(("joined",))
             while buckets:  # each bucket let go once sent: CUDA IPC blocks the trainer frees after the publish
-                meta, payload = buckets.pop(0)
-                group.send_bucket(torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload)
+                meta, payload, shard = buckets.pop(0)
+                group.send_bucket(torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload, shard)
                 del meta, payload
                 conn.send(("bucket",))
             group.end_stream()

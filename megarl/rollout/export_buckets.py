@@ -30,11 +30,12 @@ and raises the consumer's error after it.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from megarl.rollout.weight_sync import group_tensors, pack, payload_bytes
+from megarl.rollout.engine_shards import ShardRule, shard_rows
+from megarl.rollout.weight_sync import group_tensors, iter_buckets, pack, payload_bytes, unpack
 
 log = logging.getLogger("megarl.publish")
 
@@ -116,3 +117,64 @@ def pack_export(named_tensors, bucket_bytes: int, device: torch.device | None = 
     if pin and device.type == "cuda":
         torch.cuda.synchronize(device)  # the pinned copies are complete before the writer reads them
     return send, host
+
+
+def recorded_dtype(hf: dict) -> str:
+    return hf.get("dtype") or hf.get("torch_dtype") or "float32"
+
+
+def engine_weights(trainer, engine_dtype: str | None) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """The trainer's HF tensors as the engines take them, and the config.json that says what they are.
+
+    With ``engine_dtype`` other than the trainer's (``rollout.dtype``: bf16 engines beside an fp32
+    trainer), each floating-point tensor is cast as it leaves the export, so the engines receive (and the
+    disk copy holds) their own precision and nothing is cast again on their side. A collective on a
+    multi-rank trainer, like ``export_hf_weights``.
+    """
+    tensors, hf = stream_engine_weights(trainer, engine_dtype)
+    return consume_export(tensors, list), hf
+
+
+def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = True) -> tuple[CollectiveExport,
+                                                                                                dict]:
+    """:func:`engine_weights` as a stream, one tensor at a time; ``to_host=False``: left on the trainer's
+    device (``export_hf_weights(to_host=False)``). Consume it with
+    :func:`~megarl.rollout.export_buckets.consume_export`: a consumer that fails half-way must not leave
+    the other trainer ranks in the export's gathers."""
+    hf = dict(trainer.exported_hf_config())  # a copy: the trainer's own config stays as it is
+    exported = trainer.export_hf_weights() if to_host else trainer.export_hf_weights(to_host=False)
+    if not engine_dtype or engine_dtype == recorded_dtype(hf):
+        return CollectiveExport(exported), hf
+    target = getattr(torch, engine_dtype)
+    for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
+        hf[key] = engine_dtype
+    return CollectiveExport(exported, lambda t: t.to(target) if t.is_floating_point() else t), hf
+
+
+
+def pack_shared(tensors: list, bucket_bytes: int) -> list:
+    """The tensors packed into shared-memory buckets, emptying ``tensors`` as they are packed: host memory
+    holds one copy of the model plus one bucket at most, not two copies."""
+    return list(iter_buckets(_emptied(tensors), bucket_bytes, share=True))
+
+
+def shard_buckets(buckets: list, rule: ShardRule, k: int, *, consume: bool = False) -> list:
+    """``(shard, meta rows, meta bytes, payload)`` to send: each bucket of ``buckets`` (``(rows, meta bytes,
+    payload)``) cut into one bucket per engine worker (megarl/rollout/engine_shards.py), in bucket order and
+    worker order within, so the k workers load side by side. Packed where the payload lives (host payloads
+    in shared memory, for the sender process). ``consume``: ``buckets`` is emptied as it is cut, so each of
+    its payloads can go once cut (device buckets: one bucket more at a time, not the model twice)."""
+    out = []
+    for rows, _meta, payload in (_emptied(buckets) if consume else iter(buckets)):
+        named = list(unpack(rows, payload))
+        for t in range(k):
+            out.append((t, *pack(shard_rows(named, rule, t), payload.device, share=payload.device.type == "cpu")))
+        del named, payload
+    return out
+
+
+def _emptied(items: list) -> Iterator:
+    """``items`` in order, each removed from the list as it is taken."""
+    items.reverse()
+    while items:
+        yield items.pop()

@@ -100,8 +100,10 @@ class MegarlWorkerExtension:
         """Join the trainer's group on the first update and keep it for the following ones.
 
         ``group_info["rank"]`` is the engine's first rank; an engine with vLLM tensor
-        parallelism k has k workers, and worker t joins as that rank + t (every worker
-        receives the full tensors and its own ``load_weights`` keeps its shard). The group
+        parallelism k has k workers, and worker t joins as that rank + t. With
+        ``group_info["shards"]`` k, worker t joins sub-group t and receives only its slices,
+        each widened back to the full shape (megarl/rollout/engine_shards.py); otherwise every
+        worker receives the full tensors. Either way its own ``load_weights`` keeps its shard. The group
         rendezvouses on megarl's authenticated store (megarl/rollout/rendezvous.py), not on
         vLLM's stateless ``TCPStore``, which anyone reaching the port could write.
         """

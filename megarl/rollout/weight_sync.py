@@ -11,7 +11,7 @@ reach, and answers only clients holding the group's secret), not on a
 bucket as three broadcasts::
 
     header  int64[2]  = [payload_bytes, meta_bytes]    ([0, 0] ends the stream)
-    meta    uint8[..] = JSON [[name, shape, dtype, offset], ...]
+    meta    uint8[..] = JSON [[name, shape, dtype, offset], ...]  (+ [full shape, dim, start]: a slice)
     payload uint8[..] = the tensors' bytes, each at a 16-byte aligned offset
 
 The stream describes itself, so a receiver needs no plan computed in
@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch._C._distributed_c10d import ProcessGroup
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from megarl.errors import EngineError
+from megarl.rollout.engine_shards import shard_rows
 from megarl.rollout.receiver_group import ReceiverGroup, communicator_timeout
 from megarl.rollout.rendezvous import RendezvousServer, RendezvousStore, new_secret
 from megarl.rollout.weight_spec import dtype_name
@@ -45,21 +47,24 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 _ALIGN = 16
 
 
-def _make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, secret: str):
+def _make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, secret: str,
+                prefix: str = ""):
     """A process group outside torch.distributed's global state (the trainer has its own), rendezvousing on
-    the group's authenticated store; its communicator outlives a receiver's bound (receiver_group.py)."""
+    the group's authenticated store; its communicator outlives a receiver's bound (receiver_group.py).
+    ``prefix``: the group's keys in the store (several groups share one rendezvous: one per worker shard)."""
     timeout = communicator_timeout(timeout_s)
     store = RendezvousStore(host, port, secret, timeout_s=timeout_s)
-    pg = ProcessGroup(store, rank, world_size)
+    keys = dist.PrefixStore(prefix, store) if prefix else store
+    pg = ProcessGroup(keys, rank, world_size)
     if backend == "gloo":
-        impl = ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+        impl = ProcessGroupGloo(keys, rank, world_size, timeout=timeout)
         backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
     elif backend == "nccl":  # GPU machines: same seam, device tensors
         from torch.distributed.distributed_c10d import ProcessGroupNCCL  # absent from CPU-only torch builds
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        impl = ProcessGroupNCCL(store, rank, world_size, opts)
+        impl = ProcessGroupNCCL(keys, rank, world_size, opts)
         backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda", torch.cuda.current_device())
     else:
         raise EngineError(f"weight broadcast backend {backend!r} unknown; use 'gloo' (CPU) or 'nccl' (GPU)")
@@ -75,6 +80,18 @@ def _bcast(pg, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def shard_of(rank: int, world_size: int, shards: int) -> tuple[int, int, int]:
+    """``(shard, rank in it, its world size)`` of a worker's ``rank`` in a group of ``world_size`` ranks cut
+    into ``shards`` sub-groups: every engine has ``shards`` workers, worker t of each engine joins sub-group
+    t beside the trainer (rank 0 of each); ``shards`` 1: the group itself."""
+    if shards <= 1:
+        return 0, rank, world_size
+    if (world_size - 1) % shards:
+        raise EngineError(f"a broadcast of {world_size - 1} engine worker(s) cannot be cut into {shards} shards: "
+                          f"every engine needs {shards} workers")
+    return (rank - 1) % shards, (rank - 1) // shards + 1, (world_size - 1) // shards + 1
+
+
 class WeightBroadcaster:
     """Trainer side (rank 0) of the weight broadcast group; engines join as ranks 1..world_size-1.
 
@@ -85,14 +102,19 @@ class WeightBroadcaster:
     for later ones), and broadcast concurrently. ``serve_rendezvous=False``: the rendezvous runs
     elsewhere (the publisher's process serves it; the sender process only joins, rank 0).
     ``bind_host``: the address the rendezvous listens on (default ``host``; "0.0.0.0" for all).
+    ``shards`` k > 1: each engine has k workers and worker t receives only its slices
+    (megarl/rollout/engine_shards.py): the group is k sub-groups on one rendezvous (:func:`shard_of`),
+    sub-group t the trainer and worker t of every engine, and each bucket is sent in one of them.
     """
 
     def __init__(self, host: str, port: int, world_size: int, backend: str | None = None,
                  timeout_s: float = 300.0, group_id: str | None = None, secret: str | None = None,
-                 serve_rendezvous: bool = True, bind_host: str | None = None) -> None:
+                 serve_rendezvous: bool = True, bind_host: str | None = None, shards: int = 1) -> None:
         if world_size < 2:
             raise EngineError(f"weight broadcast needs world_size >= 2 (trainer + engines), got {world_size}")
         self.host, self.port, self.world_size = host, port, world_size
+        self.shards = max(int(shards), 1)
+        shard_of(1, world_size, self.shards)  # every engine has that many workers
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
         # lets engines tell a new group on a reused port from the one they joined before
@@ -100,7 +122,8 @@ class WeightBroadcaster:
         self.secret = secret or new_secret()
         self.serve_rendezvous, self.bind_host = serve_rendezvous, bind_host
         self.rendezvous: RendezvousServer | None = None
-        self._pg = self._store = None
+        self._pgs: list = []  # one group per shard
+        self._stores: list = []
         self.device = None
 
     def start_rendezvous(self) -> RendezvousServer:
@@ -118,58 +141,71 @@ class WeightBroadcaster:
 
     def connect(self) -> None:
         """Create the group (blocks until all engines joined); :meth:`broadcast` calls it when needed."""
-        if self._pg is None:
+        if not self._pgs:
             if self.serve_rendezvous:
                 self.start_rendezvous()
-            self._pg, self._store, self.device = _make_group(self.host, self.port, 0, self.world_size,
-                                                             self.backend, self.timeout_s, self.secret)
+            world = shard_of(1, self.world_size, self.shards)[2]
+            for t in range(self.shards):
+                pg, store, self.device = _make_group(self.host, self.port, 0, world, self.backend, self.timeout_s,
+                                                     self.secret, prefix=_prefix(t, self.shards))
+                self._pgs.append(pg)
+                self._stores.append(store)
 
     def group_info(self, rank: int | None = None) -> dict:
         """What an engine needs to join (``rank`` is filled per engine by :class:`EngineRouter`); it holds the
         group's secret: hand it over the engines' authenticated API only, never log it."""
         info = {"host": self.host, "port": self.port, "world_size": self.world_size,
                 "backend": self.backend, "timeout_s": self.timeout_s, "group_id": self.group_id,
-                "secret": self.secret}
+                "secret": self.secret, "shards": self.shards}
         if rank is not None:
             info["rank"] = rank
         return info
 
     def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-        """Send every tensor, in order, then the end marker; returns {tensors, bytes, seconds}."""
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, rule=None) -> dict:
+        """Send every tensor, in order, then the end marker; returns {tensors, bytes, seconds} (bytes: what
+        left this rank). With shards, ``rule`` says each worker's slices (megarl/rollout/engine_shards.py)."""
+        if self.shards > 1 and rule is None:
+            raise EngineError(f"a broadcast to {self.shards} worker shards needs the rule that cuts the tensors")
         t0, n_tensors, n_bytes = time.perf_counter(), 0, 0
         self.connect()
-        for rows, meta, payload in iter_buckets(named_tensors, bucket_bytes, self.device):
-            self.send_bucket(meta, payload)
-            n_tensors, n_bytes = n_tensors + len(rows), n_bytes + rows_bytes(rows)
+        for bucket in group_tensors(named_tensors, bucket_bytes):
+            for t in range(self.shards):
+                rows, meta, payload = pack(shard_rows(bucket, rule, t) if self.shards > 1 else bucket, self.device)
+                self.send_bucket(meta, payload, t)
+                n_bytes += rows_bytes(rows)
+            n_tensors += len(bucket)
         self.end_stream()
         return {"tensors": n_tensors, "bytes": n_bytes, "seconds": time.perf_counter() - t0}
 
-    def send_bucket(self, meta: torch.Tensor, payload: torch.Tensor) -> None:
-        """One packed bucket (see :func:`iter_buckets`); on CUDA, returns once the bucket has left this GPU."""
+    def send_bucket(self, meta: torch.Tensor, payload: torch.Tensor, shard: int = 0) -> None:
+        """One packed bucket (see :func:`iter_buckets`) to the workers of ``shard``; on CUDA, returns once the
+        bucket has left this GPU."""
+        pg = self._pgs[shard]
         meta, payload = meta.to(self.device), payload.to(self.device)
-        _bcast(self._pg, torch.tensor([payload.numel(), meta.numel()], dtype=torch.int64, device=self.device))
-        _bcast(self._pg, meta)
-        _bcast(self._pg, payload)
+        _bcast(pg, torch.tensor([payload.numel(), meta.numel()], dtype=torch.int64, device=self.device))
+        _bcast(pg, meta)
+        _bcast(pg, payload)
         if self.device.type == "cuda":
             # NCCL's wait() only orders the stream: without this, timing and progress would mean nothing
             torch.cuda.synchronize(self.device)
 
     def end_stream(self) -> None:
-        _bcast(self._pg, torch.zeros(2, dtype=torch.int64, device=self.device))
+        for pg in self._pgs:
+            _bcast(pg, torch.zeros(2, dtype=torch.int64, device=self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        if self._pg is not None:
+        for pg, store in zip(self._pgs, self._stores):
             try:
-                self._pg.shutdown()
+                pg.shutdown()
             except Exception:  # already torn down by a failed peer; nothing left to release
                 pass
-            self._store.close()
+            store.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
-        self._pg = self._store = self.rendezvous = None
+        self._pgs, self._stores, self.rendezvous = [], [], None
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -236,10 +272,14 @@ def pack(bucket: list[tuple[str, torch.Tensor]], device=None, share: bool = Fals
                                                                                              torch.Tensor]:
     """One bucket's ``(meta rows, meta bytes, payload)`` (:func:`iter_buckets`)."""
     meta, offset = _rows([(name, t.shape, dtype_name(t.dtype), _nbytes(t)) for name, t in bucket])
+    for row, (_name, t) in zip(meta, bucket):
+        if hasattr(t, "megarl_slice"):  # one worker's part (megarl/rollout/engine_shards.py)
+            row.extend(t.megarl_slice)  # [full shape, dim, start]
     payload = torch.empty(offset, dtype=torch.uint8, device=device if device is not None else bucket[0][1].device)
     if share and payload.device.type == "cpu":
         payload.share_memory_()  # still empty: nothing to copy yet
-    for (_name, t), (_, _, _, off) in zip(bucket, meta):
+    for (_name, t), row in zip(bucket, meta):
+        off = row[3]
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         payload[off:off + flat.numel()].copy_(flat)
     meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
@@ -249,11 +289,8 @@ def pack(bucket: list[tuple[str, torch.Tensor]], device=None, share: bool = Fals
 def rows_bytes(meta: list) -> int:
     """The tensors' bytes in a bucket's meta rows (without alignment padding)."""
     total = 0
-    for _name, shape, dtype, _offset in meta:
-        numel = 1
-        for s in shape:
-            numel *= s
-        total += numel * getattr(torch, dtype).itemsize
+    for row in meta:
+        total += math.prod(row[1]) * getattr(torch, row[2]).itemsize
     return total
 
 
@@ -273,24 +310,40 @@ def receive_named_tensors(pg, device) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def unpack(meta: list, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of one bucket: views into ``payload`` (uint8) at the offsets of its meta rows."""
-    for name, shape, dtype, offset in meta:
+    """``(name, tensor)`` of one bucket: views into ``payload`` (uint8) at the offsets of its meta rows.
+
+    A row with a slice (``[..., full shape, dim, start]``: one worker's part, megarl/rollout/engine_shards.py)
+    yields a zero tensor of the full shape holding the part at its place: the engine's own loader cuts
+    that very part out of it again."""
+    for row in meta:
+        name, shape, dtype, offset = row[:4]
         dt = getattr(torch, dtype)
-        numel = 1
-        for s in shape:
-            numel *= s
-        yield name, payload[offset:offset + numel * dt.itemsize].view(dt).reshape(shape)
+        part = payload[offset:offset + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
+        if len(row) == 4:
+            yield name, part
+            continue
+        full_shape, dim, start = row[4:]
+        full = torch.zeros(full_shape, dtype=dt, device=payload.device)
+        full.narrow(dim, start, shape[dim]).copy_(part)
+        yield name, full
+
+
+def _prefix(shard: int, shards: int) -> str:
+    return f"shard{shard}/" if shards > 1 else ""
 
 
 def join_weight_group(group_info: dict):
-    """Join a :class:`WeightBroadcaster` group as ``group_info["rank"]``; returns (group, store, device), the
-    group a :class:`~megarl.rollout.receiver_group.ReceiverGroup` whose every receive is bounded."""
+    """Join a :class:`WeightBroadcaster` group as ``group_info["rank"]`` (with shards: the sub-group of this
+    worker, :func:`shard_of`); returns (group, store, device), the group a
+    :class:`~megarl.rollout.receiver_group.ReceiverGroup` whose every receive is bounded."""
     backend, timeout_s = group_info.get("backend", "gloo"), float(group_info.get("timeout_s", 300.0))
     if not group_info.get("secret"):
         raise EngineError("weight broadcast group_info has no 'secret': the trainer's megarl is older than this "
                           "engine's; run the same megarl version on both sides")
-    pg, store, device = _make_group(group_info["host"], int(group_info["port"]), int(group_info["rank"]),
-                                    int(group_info["world_size"]), backend, timeout_s, group_info["secret"])
+    shards = int(group_info.get("shards", 1))
+    shard, rank, world = shard_of(int(group_info["rank"]), int(group_info["world_size"]), shards)
+    pg, store, device = _make_group(group_info["host"], int(group_info["port"]), rank, world, backend, timeout_s,
+                                    group_info["secret"], prefix=_prefix(shard, shards))
     return ReceiverGroup(pg, store, backend, timeout_s), store, device
 
 

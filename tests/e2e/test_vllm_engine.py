@@ -28,6 +28,7 @@ from megarl.errors import EngineError, InputError
 from megarl.models.tiny import write_tiny_checkpoint
 from megarl.rollout.base import UPDATE_PHASES
 from megarl.rollout.client import EngineClient, free_port, launch_engine_process, stop_engine_process
+from megarl.rollout.engine_shards import vllm_tp_rule
 from megarl.rollout.interrupt import continuation_request, generate_resumable
 from megarl.rollout.router import EngineRouter
 from megarl.rollout.weight_spec import tensor_specs
@@ -126,16 +127,19 @@ def with_client(url, fn):
     return asyncio.run(go())
 
 
-async def update_by_broadcast(client, ckpt: str, version: int) -> tuple[float, dict]:
-    """Trainer side in a thread (rank 0 of a fresh group), the engine joining through the router."""
+async def update_by_broadcast(client, ckpt: str, version: int, shards: int = 1, rule=None) -> tuple[float, dict]:
+    """Trainer side in a thread (rank 0 of a fresh group), the engine joining through the router; ``shards``
+    > 1: each worker receives its slices only, cut by ``rule`` (default: megarl's rule for the checkpoint)."""
     named = list(load_file(Path(ckpt) / "model.safetensors").items())
     router = EngineRouter([client])
     _, world = await router.broadcast_layout()  # 1 + the engine's workers
-    sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=world, timeout_s=120)
+    sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=world, timeout_s=120, shards=shards)
+    if shards > 1 and rule is None:
+        rule = vllm_tp_rule(json.loads((Path(ckpt) / "config.json").read_text()), shards)
     box: dict = {}
 
     def trainer():
-        box["stats"] = sender.broadcast(iter(named), bucket_bytes=1 << 16)  # several buckets
+        box["stats"] = sender.broadcast(iter(named), bucket_bytes=1 << 16, rule=rule)  # several buckets
         sender.close()
     th = threading.Thread(target=trainer, daemon=True)
     th.start()
@@ -370,15 +374,58 @@ class TestDense:
 
 
 # -- MoE -----------------------------------------------------------------------------------------
+def swapped(rule):
+    """A wrong cut for the negative control: worker t gets worker k-1-t's slices."""
+    def wrong(name, shape):
+        slices = rule(name, shape)
+        return None if slices is None else slices[::-1]
+    return wrong
+
+
+def sharded_round_trip(url: str, ckpts: dict, new: str, old: str, tag: str) -> None:
+    """On a TP2 engine serving ``old``: a broadcast cut per worker (each receives only its slices) loads
+    ``new`` as the HF model computes it, with about half the bytes of a full broadcast to both workers;
+    cut wrongly (the slices swapped between the workers) it does not (the negative control), and a
+    correct one repairs it."""
+    rule = vllm_tp_rule(json.loads((Path(ckpts[new]) / "config.json").read_text()), 2)
+
+    async def go(c):
+        _, full = await update_by_broadcast(c, ckpts[old], 40)
+        _, cut = await update_by_broadcast(c, ckpts[new], 41, shards=2)
+        ok = await c.generate(request(f"{tag}1"))
+        await update_by_broadcast(c, ckpts[new], 42, shards=2, rule=swapped(rule))
+        wrong = await c.generate(request(f"{tag}2"))
+        await update_by_broadcast(c, ckpts[new], 43, shards=2)
+        again = await c.generate(request(f"{tag}3"))
+        return full, cut, ok, wrong, again
+    full, cut, ok, wrong, again = with_client(url, go)
+    model_bytes = sum(t.numel() * t.element_size() for t in load_file(Path(ckpts[new]) / "model.safetensors").values())
+    # a full broadcast reaches both workers (received twice); sub-group t's buckets reach worker t alone
+    print(f"\nMEASURE TP2 {tag} bytes the engine received: full {2 * full['stats']['bytes']}, cut per worker "
+          f"{cut['stats']['bytes']} (model {model_bytes})")
+    assert full["stats"]["bytes"] == model_bytes
+    assert model_bytes <= cut["stats"]["bytes"] <= 1.1 * model_bytes
+    assert set(ok.versions) == {41}
+    assert maxdiff(ok.logp_behav, teacher_logps(ckpts[new], PROMPT, ok.output_ids)) <= TOL
+    assert maxdiff(wrong.logp_behav, teacher_logps(ckpts[new], PROMPT, wrong.output_ids)) > 0.1
+    assert maxdiff(again.logp_behav, teacher_logps(ckpts[new], PROMPT, again.output_ids)) <= TOL
+
+
+def _two_workers(ckpt: str):
+    """A class's engine of vLLM tensor parallelism 2 serving ``ckpt``: its url, then it is stopped."""
+    proc, url = _serve(ckpt, ("--tensor-parallel-size", "2"))
+    yield url
+    stop_engine_process(proc)
+
+
 class TestTensorParallel:
     """An engine with vLLM tensor parallelism 2: both workers join the broadcast group (ranks 1 and 2)
-    and load the full tensors into their shards; disk updates reach both workers too."""
+    and load the full tensors into their shards, or (shards) only their slices; disk updates reach both
+    workers too."""
 
     @pytest.fixture(scope="class")
     def url(self, ckpts):
-        proc, url = _serve(ckpts["dense0"], ("--tensor-parallel-size", "2"))
-        yield url
-        stop_engine_process(proc)
+        yield from _two_workers(ckpts["dense0"])
 
     def test_generate_and_update_with_two_workers(self, url, ckpts):
         async def go(c):
@@ -397,6 +444,21 @@ class TestTensorParallel:
         assert maxdiff(on_disk.logp_behav, teacher_logps(ckpts["dense1"], PROMPT, on_disk.output_ids)) <= TOL
         assert set(by_bcast.versions) == {32}
         assert maxdiff(by_bcast.logp_behav, teacher_logps(ckpts["dense0"], PROMPT, by_bcast.output_ids)) <= TOL
+
+    def test_each_worker_receives_only_its_slices(self, url, ckpts):
+        sharded_round_trip(url, ckpts, "dense1", "dense0", "dense")
+
+
+class TestTensorParallelMoE:
+    """The same cut on the MoE model: experts split by vLLM's fused-MoE loader (w1/w3 rows, w2 columns),
+    the router gate and the norms whole to each worker."""
+
+    @pytest.fixture(scope="class")
+    def url(self, ckpts):
+        yield from _two_workers(ckpts["moe0"])
+
+    def test_each_worker_receives_only_its_slices(self, url, ckpts):
+        sharded_round_trip(url, ckpts, "moe1", "moe0", "moe")
 
 
 class TestMoE:

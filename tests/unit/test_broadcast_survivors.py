@@ -38,8 +38,8 @@ def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_p
     fakes = []
     make_group = weight_sync._make_group
 
-    def nccl_like_receivers(host, port, rank, world_size, backend, timeout_s, *rest):
-        pg, store, device = make_group(host, port, rank, world_size, backend, timeout_s, *rest)
+    def nccl_like_receivers(host, port, rank, world_size, backend, timeout_s, *rest, **kw):
+        pg, store, device = make_group(host, port, rank, world_size, backend, timeout_s, *rest, **kw)
         fakes.append(NcclSemanticsReceiverFake(pg, comm_timeout_s=timeout_s))  # only this process's ranks: receivers
         return fakes[-1], store, device
 

@@ -77,9 +77,9 @@ def test_publisher_packs_on_the_senders_device_and_writes_the_disk_copy_from_hos
         asyncio.run(pub.prepare(1))
         asyncio.run(pub.wait_written())
         assert trainer.asked == [False], "the export stays on the device"
-        assert pub._buckets and not any(payload.is_shared() for _, _, payload in pub._buckets)
+        assert pub._buckets and not any(payload.is_shared() for _, _, _, payload in pub._buckets)
         exported = load_file(str(Path(ckpt) / "model.safetensors"))
-        sent = {name: t for rows, _, payload in pub._buckets for name, t in unpack(rows, payload)}
+        sent = {name: t for _, rows, _, payload in pub._buckets for name, t in unpack(rows, payload)}
         written = load_file(str(tmp_path / "weights" / "v1" / "model.safetensors"))
         assert sent.keys() == written.keys() == exported.keys()
         assert all(torch.equal(sent[k], exported[k]) and torch.equal(written[k], exported[k]) for k in exported)

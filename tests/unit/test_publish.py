@@ -168,12 +168,12 @@ def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path, monkeypa
         assert written.keys() == fp32.keys()
         assert all(torch.equal(written[k], fp32[k].to(torch.bfloat16)) for k in fp32)
         assert json.loads((pub.weights_dir / "v3" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert {dtype for rows, _, _ in pub._buckets for _, _, dtype, _ in rows} == {"bfloat16"}  # what is sent
+    assert {row[2] for _, rows, _, _ in pub._buckets for row in rows} == {"bfloat16"}  # what is sent
     assert trainer.hf_config.get("dtype", "float32") == "float32"  # the trainer's own config is left alone
     # same dtype: the trainer's own export, untouched
     same = BroadcastPublisher(trainer, None, tmp_path / "same", engine_dtype="float32")
     asyncio.run(same.prepare(1))
-    assert {dtype for rows, _, _ in same._buckets for _, _, dtype, _ in rows} == {"float32"}
+    assert {row[2] for _, rows, _, _ in same._buckets for row in rows} == {"float32"}
     same.close()
 
 
@@ -200,7 +200,7 @@ def test_broadcast_prepare_packs_into_shared_buckets_without_a_second_copy(tmp_p
     and empties the exported list as it packs, so host memory never holds the model twice."""
     import torch
 
-    from megarl.publish import _pack_shared
+    from megarl.rollout.export_buckets import pack_shared as _pack_shared
     from megarl.rollout.weight_sync import rows_bytes
 
     tensors = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, 5)), ("c", torch.zeros(2, 2))]

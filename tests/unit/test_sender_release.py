@@ -23,13 +23,13 @@ class RecordingGroupStandIn:
 
     seen: list = []
 
-    def __init__(self, host, port, world_size, *, backend, timeout_s, group_id, secret, serve_rendezvous):
+    def __init__(self, host, port, world_size, *, backend, timeout_s, group_id, secret, serve_rendezvous, shards):
         self.group_id = group_id
 
     def connect(self) -> None:
         pass
 
-    def send_bucket(self, meta, payload) -> None:
+    def send_bucket(self, meta, payload, shard) -> None:
         RecordingGroupStandIn.seen.append(weakref.ref(payload))
 
     def end_stream(self) -> None:
@@ -46,7 +46,7 @@ def test_the_sender_drops_every_bucket_once_the_publish_is_sent():
     loop.start()
     info = {"host": "127.0.0.1", "port": 0, "world_size": 2, "backend": "gloo", "timeout_s": 5.0,
             "group_id": "g1", "secret": "s"}
-    buckets = [(bytes(8), torch.full((1024,), float(i))) for i in range(3)]
+    buckets = [(bytes(8), torch.full((1024,), float(i)), 0) for i in range(3)]
     parent.send(("send", info, buckets))
     replies = [parent.recv() for _ in range(len(buckets) + 2)]
     assert [r[0] for r in replies] == ["joined", "bucket", "bucket", "bucket", "done"]
