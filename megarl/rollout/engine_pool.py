@@ -41,14 +41,19 @@ from megarl.rollout.local_gpus import engine_gpu_env
 
 
 def engine_launch_kwargs(cfg: MegaRLConfig, ckpt: Path, i: int) -> dict[str, Any]:
-    """The arguments of :func:`launch_engine_process` for engine ``i`` of a run (all but its log path)."""
-    ro = cfg.rollout
+    """The arguments of :func:`launch_engine_process` for engine ``i`` of a run (all but its log path); an engine
+    of ``placement.engine_tp`` > 1 vLLM workers, as `megarl launch` starts it."""
+    ro, tp = cfg.rollout, cfg.placement.engine_tp
     routes = ["--routed-experts"] if wants_routed_experts(ro) else []
+    if tp > 1 and ro.backend != "vllm":
+        raise ConfigError(f"placement.engine_tp={tp} needs rollout.backend=vllm (the {ro.backend} engine runs one "
+                          f"worker); set placement.engine_tp=1")
+    workers = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     return {"checkpoint": str(ckpt), "backend": ro.backend, "port": ro.base_port + i if ro.base_port else None,
-            "extra_args": ["--dtype", cfg.engine_dtype, *routes], "kv_cache_gb": ro.kv_cache_gb,
+            "extra_args": ["--dtype", cfg.engine_dtype, *workers, *routes], "kv_cache_gb": ro.kv_cache_gb,
             "cpu_threads": ro.cpu_threads, "cpu_cores": cfg.placement.cpu_affinity.engines,
             # a GPU of its own on a multi-GPU machine, never the trainer's GPU 0
-            "env": {**(engine_gpu_env(i, ro.n_engines) or {}), **batch_invariant.engine_env(cfg)} or None}
+            "env": {**(engine_gpu_env(i, ro.n_engines, tp) or {}), **batch_invariant.engine_env(cfg)} or None}
 
 
 class EnginePool:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 from conftest import ENGINE_VARS, assert_exact_fp32, run_megarl
+from safetensors.torch import load_file
 
 MOE = ["model.init_model=configs/models/tiny_qwen3_moe.yaml", "rollout.routing_replay=true",
        "rollout.routing_replay_strict=true"]
@@ -77,15 +78,25 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     # configs/verify_vllm_cpu.yaml says how answers that run to the token cap keep generation the bottleneck,
     # so that every publish finds requests mid-answer. Started without VLLM_CPU_KVCACHE_SPACE and
     # OMP_NUM_THREADS (a new user's shell), the engine takes its KV cache and threads from rollout.kv_cache_gb
-    # and rollout.cpu_threads
+    # and rollout.cpu_threads. The engine has two tensor-parallel workers (placement.engine_tp=2) and every
+    # version reaches them by broadcast, each worker receiving only its slices (megarl/rollout/engine_shards.py):
+    # the fp32 engine oracle then checks every token against the trainer across those publishes
     report = tmp_path / "report.json"
     r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies", "snapshot",
                    "--steps", "10", "--output", str(report), f"model.checkpoint={tmp_path / 'text_model'}",
-                   "rollout.kv_cache_gb=2", timeout=600, unset=ENGINE_VARS)
+                   "rollout.kv_cache_gb=2", "placement.engine_tp=2", "rollout.weight_sync=broadcast", timeout=600,
+                   unset=ENGINE_VARS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "engines" / "engine0.log").read_text()
     s = json.loads(report.read_text())["strategies"]["snapshot"]
     assert_exact_fp32("snapshot", s)
+    records = [json.loads(line) for line in (tmp_path / "verify-snapshot" / "metrics.jsonl").read_text().splitlines()]
+    sent = [rec["weight_sync_bytes"] for rec in records if rec.get("weight_sync_bytes")]
+    model_bytes = sum(t.numel() * t.element_size()
+                      for t in load_file(str(tmp_path / "text_model" / "model.safetensors")).values())
+    # every publish went by broadcast, cut per worker: the model about once (not once per worker)
+    assert len(sent) >= 5 and all(model_bytes <= b <= 1.01 * model_bytes for b in sent), (sent, model_bytes)
+    assert not any(rec.get("weight_sync_fallbacks") for rec in records), records[-1]
     assert s["n_sequences"] == 40 and s["max_versions_per_sequence"] >= 2, s
     # publishes abort requests mid-answer (the resubmission re-prefills under the new weights), and
     # rollout.splice_at_tokens (configs/verify_cpu.yaml) holds every other group's 2 trajectories at 8 tokens
