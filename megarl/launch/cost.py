@@ -18,8 +18,10 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
   over two versions is scored twice), dedicated one on its own GPUs, and
   loglinear / linear one only when the loss's token count needs the anchor
   (loss.denominator=kept under a bounded mis/mask); behav none;
-- every publish sends the weights to every engine worker (each receives the
-  full tensors); dedicated also writes an HF checkpoint for its scorer, inside
+- every publish sends each engine the weights once: with ``rollout.shard_weight_sync`` (vLLM engines of
+  placement.engine_tp > 1 workers) each worker receives only its slices, the replicated tensors (norms,
+  router gates, KV heads shared by ranks) once per worker (megarl/rollout/engine_shards.py); without it
+  every worker receives the full tensors; dedicated also writes an HF checkpoint for its scorer, inside
   the publish; snapshot and interrupt_sync copy the new version to host memory
   inside the publish; interrupt_sync also scores the tokens still in flight;
 - the dedicated scorer's own costs: its GPU's peak (megarl/launch/memory.py: forward-only
@@ -47,6 +49,7 @@ from typing import Any
 from megarl.bench.fit import nonneg_lstsq
 from megarl.launch.memory import dedicated_memory
 from megarl.launch.placement import param_counts
+from megarl.rollout.engine_shards import hf_tensor_shapes, sent_elements, vllm_tp_rule
 
 STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated")
 #: strategies that swap other parameters into the trainer for a forward (trainer.use_params)
@@ -89,7 +92,13 @@ def layout(cfg, hf: dict, plan) -> dict[str, Any]:
     t = plan.trainer
     shard = (total - experts) / (t.tp * t.pp) + experts / (t.ep * t.tp * t.pp)
     largest = max(int(hf["vocab_size"]) * h / t.tp, 3 * h * int(hf.get("intermediate_size") or 0) / t.tp)
+    cut = cfg.rollout.shard_weight_sync and cfg.rollout.backend == "vllm"
+    received = {etp: sent_elements(hf_tensor_shapes(hf), vllm_tp_rule(hf, etp), etp) if cut and etp > 1
+                else total * etp for etp in {s.tp for s in plan.engines}}
     return {"params": total, "active_params": active, "shard_params": shard, "largest_tensor": largest,
+            # elements every engine receives per publish, summed over the engines; one engine's cut export
+            "published_params": sum(received[s.tp] for s in plan.engines) or total * cfg.rollout.n_engines,
+            "cut_params": max((v for etp, v in received.items() if cut and etp > 1), default=0),
             "dtype_bytes": 2 if cfg.model.dtype == "bfloat16" else FP32, "trainer_gpus": t.world_size,
             "ranks_per_node": t.ranks_per_node, "trainer_nodes": len(t.hosts),
             "engine_workers": sum(s.tp for s in plan.engines) or cfg.rollout.n_engines,
@@ -117,7 +126,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     rate = lay["trainer_gpus"] * a.peak_tflops * 1e12 * a.mfu
     pcie, link, disk = a.pcie_gb_s * 1e9, a.link_gb_s * 1e9, a.disk_gb_s * 1e9
     weights = lay["params"] * lay["dtype_bytes"]
-    publish_bytes = weights * lay["engine_workers"]
+    publish_bytes = lay["published_params"] * lay["dtype_bytes"]
     base_stall = a.stall_floor_s + weights / link
     in_flight = min(cfg.rollout.max_concurrency, (eta + 1) * cfg.trainer.batch_size)
     live_tokens = in_flight * (a.prompt_frac * cfg.data.max_prompt_len + a.response_frac
@@ -182,9 +191,9 @@ def render_costs(costs: dict[str, dict], lay: dict[str, Any], cfg, a: Assumption
              f"{step_tokens(cfg, a):,.0f} tokens per step",
              "  assumptions: " + ", ".join(f"{k}={v:g}" for k, v in asdict(a).items()),
              "", "| strategy | GPU GB / trainer GPU | host GB / trainer node | dedicated scorer | "
-             "fwd TFLOP / step | trainer fwd s / step | PCIe GB / GPU / step | network GB / publish | "
-             "stall s / publish |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "fwd TFLOP / step | trainer fwd s / step | PCIe GB / GPU / step | PCIe s / step (critical path) | "
+             "network GB / publish | stall s / publish |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in costs.items():
         ded = (f"{c['dedicated_gpus']} GPU, peak {_gb(c['dedicated_gpu_bytes'])} GB (weights "
                f"{_gb(c['dedicated_weights_bytes'])}, no gradients or optimizer); fwd "
@@ -193,7 +202,8 @@ def render_costs(costs: dict[str, dict], lay: dict[str, Any], cfg, a: Assumption
                if c["dedicated_gpus"] else "-")
         lines.append(f"| {name} | {_gb(c['gpu_bytes_per_trainer_gpu'])} | {_gb(c['host_bytes_per_trainer_node'])} | "
                      f"{ded} | {c['forward_flops_per_step'] / 1e12:.1f} | {c['trainer_forward_s_per_step']:.3f} | "
-                     f"{_gb(c['pcie_bytes_per_gpu_per_step'])} | {_gb(c['network_bytes_per_publish'])} | "
+                     f"{_gb(c['pcie_bytes_per_gpu_per_step'])} | {c['pcie_s_per_step']:.2f} | "
+                     f"{_gb(c['network_bytes_per_publish'])} | "
                      f"{c['stall_s_per_publish']:.2f} |")
     return "\n".join(lines)
 

@@ -65,7 +65,9 @@ def render() -> str:
     cols = [(config, *config_costs(config)) for config in CONFIGS]
     head = " | ".join(f"`{config}`, {lay['trainer_gpus']} trainer + {lay['engine_workers']} engine H100 on "
                       f"{nodes} nodes: baseline step {base:.1f} s, "
-                      f"disk copy {disk:.0f} s / publish (background)" for config, _, lay, base, disk, nodes in cols)
+                      f"network {costs['behav']['network_bytes_per_publish'] / 1e9:.0f} GB / publish, "
+                      f"disk copy {disk:.0f} s / publish (background)"
+                      for config, costs, lay, base, disk, nodes in cols)
     lines = [f"| strategy | {head} |", "|---|" + "---|" * len(cols)]
     for name in cost.STRATEGIES:
         lines.append(f"| {name} | " + " | ".join(cell(costs[name], base) for _, costs, _, base, _, _ in cols) + " |")

@@ -21,8 +21,11 @@ a rank's parameter shard is what megarl/launch/cost.py calls ``shard_params`` (d
   the host list always holds the whole model); ``disk`` writes an HF checkpoint from one host copy. With
   broadcast a version's buckets stay until its disk copy is written (megarl/rollout/disk_copy.py), so a disk
   slower than one step holds two exports between the next publish's prepare and its apply, and while the
-  export is packed one ``rollout.bucket_mb`` bucket exists beside it (megarl/publish.py ``_pack_shared``).
-  Counted: broadcast two exports and one bucket, disk one export.
+  export is packed one ``rollout.bucket_mb`` bucket exists beside it (megarl/rollout/export_buckets.py
+  ``pack_shared``). With ``rollout.shard_weight_sync`` and engines of several workers the send buckets
+  are the export cut per worker (megarl/rollout/engine_shards.py), a copy of their own: in host shared
+  memory on gloo, on the trainer's GPU under NCCL as far as its budget goes (counted whole, an upper bound).
+  Counted: broadcast two exports, the cut one and one bucket; disk one export.
 - **async save copies** (``logging.async_save``): a background checkpoint copies each rank's model and
   optimizer shards to host memory and holds them until the write ends, through the steps trained
   meanwhile (megarl/trainer/sharded_write.py): the GPU plan's weights (model.dtype) and optimizer (fp32
@@ -124,9 +127,12 @@ def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:
             notes.append("recovery.snapshot.storage=disk: versions on disk, two shard copies while it scores")
     export = param_counts(hf)[0] * (2 if cfg.engine_dtype == "bfloat16" else 4)
     if cfg.rollout.weight_sync == "broadcast":
-        publish = BROADCAST_EXPORTS * export + (max(int(cfg.rollout.bucket_mb), 1) << 20)
+        cut = lay["cut_params"] * export / param_counts(hf)[0]
+        publish = BROADCAST_EXPORTS * export + cut + (max(int(cfg.rollout.bucket_mb), 1) << 20)
         notes.append(f"publish: {BROADCAST_EXPORTS} exports of {export / GB:.1f} GB ({cfg.engine_dtype}; the "
-                     f"version still written to disk and the next) and one {cfg.rollout.bucket_mb} MB bucket")
+                     f"version still written to disk and the next)"
+                     + (f", the send buckets cut per engine worker ({cut / GB:.1f} GB)" if cut else "")
+                     + f" and one {cfg.rollout.bucket_mb} MB bucket")
     else:
         publish = export
         notes.append(f"publish: one export of {export / GB:.1f} GB ({cfg.engine_dtype})")

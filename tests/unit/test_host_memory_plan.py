@@ -110,9 +110,9 @@ def test_plan_and_launch_refuse_a_node_that_does_not_fit():
     args = ["--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "snapshot", "placement.host_memory_gb=400"]
     p = run("plan", *args)
     assert p.returncode == 1
-    assert "does not fit: host memory of a trainer node: 453.8 GB" in p.stderr
+    assert "does not fit: host memory of a trainer node: 514.9 GB" in p.stderr
     assert "placement.host_memory_gb=400" in p.stderr
-    assert "recovery copies (snapshot) 330.6, publish buckets 123.2" in p.stderr
+    assert "recovery copies (snapshot) 330.6, publish buckets 184.3" in p.stderr
     dry = run("launch", "--dry-run", *args)
     assert dry.returncode == 1 and "DOES NOT FIT: host memory" in dry.stdout and "--skip-memory-check" in dry.stderr
     assert run("plan", *args[:4]).returncode == 0  # the shipped config's 2048 GB
