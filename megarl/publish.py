@@ -247,7 +247,7 @@ class BroadcastPublisher:
                                                                      specs, version, weights=(str(current), version),
                                                                      weights_ready=functools.partial(
                                                                          self._written_for_engines, version))
-            stats = await self._sent(buckets)
+            stats = await self._sent(sum(rows_bytes(rows) for _, rows, _, _ in buckets))
         except EngineError as e:
             log.warning("version %d: broadcast failed (%s); the live engines load %s instead", version, e, current)
             self._abandon(f"version {version}: broadcast failed, load the disk copy")
@@ -304,12 +304,14 @@ class BroadcastPublisher:
             device = self._sender_device()
             self._proc = SenderProcess(self._broadcaster_cls, device.index if device is not None else None)
 
-    async def _sent(self, buckets: list) -> dict | None:
+    async def _sent(self, sent_bytes: int) -> dict | None:
         """The sender's stats once every engine that answered has the whole stream.
 
         An engine returns only after the end marker, so once the router call
         succeeded the sender is done or still waits on an engine lost during
         this publish (restarted from the disk copy); that group is dropped.
+        Nothing here may hold the buckets: a failure's traceback, which the future keeps until the next
+        publish, would keep them (a whole export of shared memory) alive with this frame.
         """
         if self._sending is None:  # no live engine: restarted ones load the disk copy
             return None
@@ -320,8 +322,7 @@ class BroadcastPublisher:
                         type(e).__name__, e)
             self._abandon("the broadcast to a lost engine did not complete")
             return None
-        return {"tensors": len(self._specs), "bytes": sum(rows_bytes(rows) for _, rows, _, _ in buckets),
-                "seconds": seconds}
+        return {"tensors": len(self._specs), "bytes": sent_bytes, "seconds": seconds}
 
     def _abandon(self, reason: str) -> None:
         """Call the publish off: the engines still receiving leave the broadcast at once (the abort mark of

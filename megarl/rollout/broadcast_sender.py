@@ -64,11 +64,14 @@ class SenderProcess:
         """
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._busy = fut
+        # the watcher lets go of the buckets once they are handed over: a failure's traceback, which the future
+        # keeps until the next publish, would otherwise hold a whole export (its shared memory) through it
+        message, steps = [("send", group_info, buckets)], len(buckets) + 2  # joined, each bucket, done
+        del buckets
 
         def run() -> None:
             try:
-                self._conn.send(("send", group_info, buckets))
-                steps = len(buckets) + 2  # joined, each bucket, done
+                self._conn.send(message.pop())
                 for step in range(steps):
                     msg = self._recv(timeout_s, step, steps)
                     if msg[0] == "error":

@@ -102,12 +102,15 @@ class TwoWorkerEnginesStandIn:
         self.engines, self.workers = engines, workers
         self.got: dict[int, dict[str, torch.Tensor]] = {}
         self.disk: list[int] = []
+        self._groups: dict[int, tuple] = {}  # rank -> (group id, group, device): kept while the group is, as vLLM's
 
     async def update_weights_from_broadcast(self, opener, specs, version, *, weights=None, weights_ready=None):
         info = opener([(i, 0, self.workers) for i in range(self.engines)])
 
         def worker(rank: int) -> None:
-            group, _store, device = join_weight_group({**info, "rank": rank})
+            if self._groups.get(rank, (None,))[0] != info["group_id"]:
+                self._groups[rank] = (info["group_id"], *join_weight_group({**info, "rank": rank})[::2])
+            _, group, device = self._groups[rank]
             self.got[rank] = {name: t.clone() for name, t in receive_named_tensors(group, device)}
 
         threads = [threading.Thread(target=worker, args=(1 + e * self.workers + t,), daemon=True)
