@@ -27,7 +27,9 @@ The slices follow vLLM's own loaders for the Qwen3 / Qwen3-MoE families
 anything else (norms, ``mlp.gate``)          -     the full tensor to every worker
 ==========================================  ====  ===================================================
 
-A dimension that k does not divide is sent whole (the worker's loader cuts it as before).
+A dimension that k does not divide is sent whole (the worker's loader cuts it as before), and so is
+every tensor of an architecture outside :data:`CUT_ARCHITECTURES` (those whose loaders these rules
+were checked against).
 
 The receiver widens each slice back into a zero tensor of the full shape
 (megarl/rollout/weight_sync.py :func:`~megarl.rollout.weight_sync.unpack`)
@@ -52,6 +54,9 @@ if TYPE_CHECKING:  # the rules are plain arithmetic: `megarl plan` prices a publ
 #: vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm/model_executor/layers/vocab_parallel_embedding.py)
 VOCAB_PADDING = 64
 
+#: architectures whose vLLM loaders the rules were checked against (tests/e2e/test_vllm_engine.py); others go whole
+CUT_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+
 #: ``(dim, start, length)`` of one worker's slice of one tensor
 Slice = tuple[int, int, int]
 #: ``rule(name, shape)``: one slice per worker, or None (every worker gets the full tensor)
@@ -62,7 +67,10 @@ _SUFFIX = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|do
 
 
 def vllm_tp_rule(hf: dict, k: int) -> ShardRule:
-    """The slices vLLM's Qwen3 / Qwen3-MoE loaders keep on each of ``k`` tensor-parallel workers (module doc)."""
+    """The slices vLLM's Qwen3 / Qwen3-MoE loaders keep on each of ``k`` tensor-parallel workers (module doc);
+    another architecture's tensors all go whole (a config without ``architectures`` is taken for Qwen3)."""
+    if not set(hf.get("architectures") or ["Qwen3ForCausalLM"]) <= CUT_ARCHITECTURES:
+        return lambda name, shape: None
     heads, kv = int(hf["num_attention_heads"]), int(hf["num_key_value_heads"])
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
     vocab = int(hf["vocab_size"])

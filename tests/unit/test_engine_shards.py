@@ -75,6 +75,13 @@ def test_what_the_rule_cannot_cut_goes_whole():
     assert vllm_tp_rule(QWEN3_30B, 4)("model.layers.0.some_adapter.weight", (4096, 2048)) is None
 
 
+def test_an_architecture_the_rules_were_not_checked_against_goes_whole():
+    other = vllm_tp_rule({**QWEN3_30B, "architectures": ["LlamaForCausalLM"]}, 4)
+    assert other("model.layers.0.self_attn.q_proj.weight", (4096, 2048)) is None
+    moe = vllm_tp_rule({**QWEN3_30B, "architectures": ["Qwen3MoeForCausalLM"]}, 4)
+    assert moe("model.layers.0.self_attn.q_proj.weight", (4096, 2048)) == [(0, t * 1024, 1024) for t in range(4)]
+
+
 @pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_moe"])
 def test_the_tensor_list_is_the_parameter_count(model):
     hf = yaml.safe_load((REPO / f"configs/models/{model}.yaml").read_text())
