@@ -9,8 +9,8 @@ export into k streams, stream t holding worker t's slices, so a publish
 moves the model about once per engine (the replicated tensors: norms, MoE
 router gates and KV heads shared by several ranks, once per worker).
 
-The slices follow vLLM's own loaders for the Qwen3 / Qwen3-MoE families
-(and the Qwen2 names they share), by HF tensor name:
+The slices follow vLLM's own loaders for the Qwen3 / Qwen3-MoE families, by
+HF tensor name:
 
 ==========================================  ====  ===================================================
 ``*.q_proj.{weight,bias}``                   0     rank t's heads: ``t * H*d/k`` (QKVParallelLinear)
@@ -36,8 +36,8 @@ The receiver widens each slice back into a zero tensor of the full shape
 and hands that to vLLM's unchanged loader, which reads exactly the slice
 it was sent: correctness rests on vLLM's loaders, and a slice rule that
 disagreed with them would load zeros, which tests/e2e/test_vllm_engine.py
-shows as log-probs far from the HF model's (its negative control shifts
-one rule). Only the bytes on the wire shrink; a worker holds one full
+shows as log-probs far from the HF model's (its negative control swaps the
+two workers' slices). Only the bytes on the wire shrink; a worker holds one full
 tensor at a time while it loads (the loader may keep one layer's).
 
 Engine expert parallelism (vLLM's ``enable_expert_parallel``) is not used by
@@ -45,6 +45,7 @@ megarl's engines; with it the expert tensors would be cut by expert instead.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
@@ -98,10 +99,11 @@ def vllm_tp_rule(hf: dict, k: int) -> ShardRule:
             if shape[0] != vocab:
                 return None
             padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-            per = padded // k if padded % k == 0 else None
-            if per is None:
+            if padded % k:
                 return None
-            return [(0, min(t * per, vocab), min((t + 1) * per, vocab) - min(t * per, vocab)) for t in range(k)]
+            per = padded // k
+            starts = [min(t * per, vocab) for t in range(k + 1)]
+            return [(0, starts[t], starts[t + 1] - starts[t]) for t in range(k)]
         if kind in ("o_proj", "down_proj"):
             return even(1, shape[1]) if param == "weight" and len(shape) == 2 else None
         return even(0, shape[0])  # q_proj, gate_proj, up_proj
@@ -162,9 +164,7 @@ def sent_elements(shapes: Iterable[tuple[str, tuple[int, ...]]], rule: ShardRule
     """Elements one engine of ``k`` workers receives for ``shapes`` under ``rule`` (k x a tensor sent whole)."""
     total = 0
     for name, shape in shapes:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         slices = rule(name, shape) if k > 1 else None
         total += k * numel if slices is None else sum(numel // shape[d] * n for d, _, n in slices)
     return total

@@ -151,7 +151,6 @@ def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = 
     return CollectiveExport(exported, lambda t: t.to(target) if t.is_floating_point() else t), hf
 
 
-
 def pack_shared(tensors: list, bucket_bytes: int) -> list:
     """The tensors packed into shared-memory buckets, emptying ``tensors`` as they are packed: host memory
     holds one copy of the model plus one bucket at most, not two copies."""
