@@ -53,53 +53,41 @@ def test_math_with_python_agent_end_to_end(tmp_path):
     assert "<tools>" in sample["prompt"] and '"name": "python"' in sample["prompt"]
 
 
-def test_an_agent_in_another_process_trains_through_the_http_endpoint(tmp_path):
-    # each episode runs tests/e2e/agent_http_probe.py: three key probes, then the example calculator agent
-    # (the official openai package, a tool of its own) against the run's endpoint
-    run_dir, probe = tmp_path / "run", tmp_path / "probe.jsonl"
-    r = run_megarl("train", "--config", "configs/tiny_agent_cpu.yaml", "--output-dir", str(run_dir),
-                   f"model.checkpoint={tmp_path / 'ckpt'}", "trainer.total_steps=2", "rollout.backend=hf",
-                   "rollout.workflow=agent_http", "agent.tools=[]", "eval.path=", "logging.progress=none",
-                   "logging.tensorboard=false",
-                   f"agent.command={sys.executable} tests/e2e/agent_http_probe.py {probe}", timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    steps = [x for x in _lines(run_dir / "metrics.jsonl") if "reward_mean" in x]
-    assert len(steps) == 2
-    # every episode's completions were recorded token-exactly (a mismatch fails its group: n_dropped)
-    assert sum(x["n_dropped"] for x in steps) == 0
-    assert all(x["n_reward_failed"] == x["n_agent_failed"] for x in steps)
-    assert sum(x["n_agent_failed"] for x in steps) < sum(x["n_reward_calls"] for x in steps) / 2
-    assert sum(x["n_agent_turns"] for x in steps) >= sum(x["n_reward_calls"] for x in steps) >= 2 * 16
-    probes = [p for p in _lines(probe) if "no_key" in p]
-    assert len(probes) >= 2 * 16
-    assert all({k: p[k] for k in ("no_key", "unknown_key", "own_key")} == {"no_key": 401, "unknown_key": 401,
-                                                                           "own_key": 200} for p in probes)
-    # the key of an episode that has ended is refused (episodes of the second step find keys of the first's)
-    finished = [p["finished_key"] for p in probes if "finished_key" in p]
-    assert finished and set(finished) == {401}, finished
-    sample = _lines(run_dir / "samples.jsonl")[0]
-    assert '"name": "add"' in sample["prompt"] and "What is 2 + 3?" in sample["prompt"]
-
-
 def test_an_agent_in_another_process_is_recovered_exactly_on_spliced_episodes(tmp_path):
-    # the example calculator agent (official openai package, a tool of its own) as agent.command; the odd
-    # groups' episodes are held at their 4th token until the next publish (rollout.splice_at_tokens). With 4
-    # agents at once, group 1's two start beside group 0's and are held at version 0, long before group 0's
-    # episodes end and the first publish; with eta 2 group 1 is due at step 3, so it is trained by then
-    report = tmp_path / "report.json"
+    # each episode runs tests/e2e/agent_http_probe.py: three key probes, then the example calculator agent (the
+    # official openai package, a tool of its own) against the run's endpoint. The odd groups' episodes are held
+    # at their 4th token until the next publish (rollout.splice_at_tokens). With 4 agents at once, group 1's two
+    # start beside group 0's and are held at version 0, long before group 0's episodes end and the first publish;
+    # with eta 2 group 1 is due at step 3, so it is trained by then
+    report, probe = tmp_path / "report.json", tmp_path / "probe.jsonl"
     r = run_megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
                    "snapshot,interrupt_sync,dedicated", "--steps", "3", "--output", str(report),
                    f"model.checkpoint={tmp_path / 'text_model'}", "rollout.workflow=agent_http", "agent.tools=[]",
-                   f"agent.command={sys.executable} configs/agents/calculator_agent.py", "rollout.splice_at_tokens=4",
-                   "rollout.max_concurrency=4", "rollout.max_new_tokens=48", "agent.max_tokens=768",
-                   timeout=900)
+                   f"agent.command={sys.executable} tests/e2e/agent_http_probe.py {probe}",
+                   "rollout.splice_at_tokens=4", "rollout.max_concurrency=4", "rollout.max_new_tokens=48",
+                   "agent.max_tokens=768", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for name, s in json.loads(report.read_text())["strategies"].items():
+    strategies = json.loads(report.read_text())["strategies"]
+    episodes = 0
+    for name, s in strategies.items():
         assert_exact_fp32(name, s)
         assert s["n_spliced_sequences"] >= 2 and s["max_versions_per_sequence"] >= 2, (name, s)
         steps = [x for x in _lines(tmp_path / f"verify-{name}" / "metrics.jsonl") if "reward_mean" in x]
         # every completion was recorded token-exactly (a mismatch fails its group: n_dropped)
         assert sum(x["n_dropped"] for x in steps) == 0 and sum(x["n_splice_holds"] for x in steps) >= 2
+        assert all(x["n_reward_failed"] == x["n_agent_failed"] for x in steps)
+        assert sum(x["n_agent_turns"] for x in steps) >= sum(x["n_reward_calls"] for x in steps) > 0
+        episodes += sum(x["n_reward_calls"] for x in steps)
+    # every episode's command was refused without a key and with a made-up one, and served with its own
+    probes = [p for p in _lines(probe) if "no_key" in p]
+    assert len(probes) >= episodes
+    assert all({k: p[k] for k in ("no_key", "unknown_key", "own_key")} == {"no_key": 401, "unknown_key": 401,
+                                                                           "own_key": 200} for p in probes)
+    # the key of an episode that has ended is refused (later episodes find an earlier one's)
+    finished = [p["finished_key"] for p in probes if "finished_key" in p]
+    assert finished and set(finished) == {401}, finished
+    # the tools the agent sent with its requests reached the chat template
+    assert '"name": "add"' in _lines(tmp_path / "verify-snapshot" / "samples.jsonl")[0]["prompt"]
 
 
 def test_an_agent_service_that_brings_its_rows_trains_the_run(tmp_path):

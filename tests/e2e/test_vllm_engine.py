@@ -1,7 +1,7 @@
 """The real `megarl engine` (vLLM CPU) over HTTP against HF teacher-forced log-probs, fp32.
 
-One engine process per model (dense, then MoE), shared by the tests of its
-class: a vLLM engine costs ~20-35 s and ~3 GB to start. Measurements (start
+One engine process per class (dense; dense with two tensor-parallel workers; MoE with two), shared by the
+tests of its class: a vLLM engine costs ~20-35 s and ~3 GB to start. Measurements (start
 time, tokens/s, update times) are printed with a ``MEASURE`` prefix (-s).
 These engines and `megarl generate` start without VLLM_CPU_KVCACHE_SPACE and
 OMP_NUM_THREADS, as in a new user's shell: the flags' defaults must do.
@@ -166,13 +166,6 @@ ENGINE_CORE = max(os.sched_getaffinity(0))
 @pytest.fixture(scope="class")
 def dense_url(ckpts):
     proc, url = _serve(ckpts["dense0"], extra_args=("--cpu-cores", str(ENGINE_CORE)))
-    yield url
-    stop_engine_process(proc)
-
-
-@pytest.fixture(scope="class")
-def moe_url(ckpts):
-    proc, url = _serve(ckpts["moe0"])
     yield url
     stop_engine_process(proc)
 
@@ -449,22 +442,14 @@ class TestTensorParallel:
         sharded_round_trip(url, ckpts, "dense1", "dense0", "dense")
 
 
-class TestTensorParallelMoE:
-    """The same cut on the MoE model: experts split by vLLM's fused-MoE loader (w1/w3 rows, w2 columns),
-    the router gate and the norms whole to each worker."""
+class TestMoE:
+    """The MoE model on an engine of vLLM tensor parallelism 2: log-probs at two temperatures, then after a disk
+    update and a full broadcast; then the cut per worker: experts split by vLLM's fused-MoE loader (w1/w3 rows,
+    w2 columns), the router gate and the norms whole to each worker."""
 
     @pytest.fixture(scope="class")
     def url(self, ckpts):
         yield from _two_workers(ckpts["moe0"])
-
-    def test_each_worker_receives_only_its_slices(self, url, ckpts):
-        sharded_round_trip(url, ckpts, "moe1", "moe0", "moe")
-
-
-class TestMoE:
-    @pytest.fixture
-    def url(self, moe_url):
-        return moe_url
 
     def test_logp_and_updates_match_hf(self, url, ckpts):
         async def go(c):
@@ -483,6 +468,9 @@ class TestMoE:
         assert maxdiff(on_disk.logp_behav, teacher_logps(ckpts["moe1"], PROMPT, on_disk.output_ids)) <= TOL
         assert set(by_bcast.versions) == {2}
         assert maxdiff(by_bcast.logp_behav, teacher_logps(ckpts["moe0"], PROMPT, by_bcast.output_ids)) <= TOL
+
+    def test_each_worker_receives_only_its_slices(self, url, ckpts):
+        sharded_round_trip(url, ckpts, "moe1", "moe0", "moe")
 
 
 # -- process and CLI errors (no model loaded) ----------------------------------------------------
