@@ -7,9 +7,21 @@ average of theta, updated after every optimizer step (n starts at 0)::
 
 so theta_k, theta_{k-1}, ... weigh 1, beta, beta^2, ... normalized (beta=0.5
 over theta = 1, 2, 3 gives phi = 1, 1.6667, 2.4286). The first batch, before any
-step, initializes phi from theta_0 through the same update. phi is kept in fp32
-on the host (bf16 would swallow the (1-beta)*theta increments). The anchor is
-one forward with ``trainer.use_params(phi)``.
+step, initializes phi from theta_0 through the same update. The anchor is one
+forward with ``trainer.use_params(phi)``.
+
+Where phi lives. By default in the dtype of the weights the forward uses (bf16
+on a bf16 run, at half an fp32 copy's bytes) and on the host. A bf16 phi is
+updated in fp32 and rounded stochastically (recovery/_stochastic_round.py):
+rounding to nearest would swallow every ``theta/n_new`` increment below half a
+bf16 unit and leave phi stuck up to ``0.5 * n_new`` units behind theta; rounded
+stochastically it is theta's average in expectation, with a spread of about
+one unit (the anchor forward rounds phi to bf16 anyway). The draws are seeded
+by the version folded in, so DP replicas and a resumed run round alike.
+``phi_dtype: float32`` keeps the fp32 average (twice the host bytes).
+``phi_on_gpu: true`` keeps phi on the trainer's device: no host copy and no
+PCIe traffic per step, at one more shard of GPU memory plus the swap's saved
+copy (`megarl plan` counts both and refuses a layout it no longer fits).
 
 Default decay. The EWMA's centre of mass lies beta/(1-beta) optimizer steps in
 the past; it is placed mid-window, at S/2 steps for a staleness window of S
@@ -38,7 +50,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -46,6 +58,7 @@ from megarl.losses import PolicyLossConfig
 from megarl.losses.policy import policy_loss
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 from recovery._scoring import forward, params_nbytes
+from recovery._stochastic_round import fold_seed, round_to_bf16
 from recovery.base import RecoveryStrategy
 from recovery.registry import register
 
@@ -64,6 +77,10 @@ class EwmaConfig:
     """Reset phi <- theta when the active-token fraction under the EWMA anchor falls below tau (0 = never reset)."""
     auto_reset: bool = True
     """false = never reset, whatever the active fraction (the ablation in which the train-inference mask can collapse; the active fraction is still logged as ewma/active_frac_pre and active_frac)."""
+    phi_dtype: Literal["param", "float32"] = "param"
+    """param = phi in the dtype of the weights the forward uses (bf16 on bf16 runs, updated with stochastic rounding; fp32 on fp32 runs); float32 = an fp32 average whatever the run's dtype (twice the bytes on bf16 runs)."""
+    phi_on_gpu: bool = False
+    """Keep phi on the trainer's device instead of host memory: no PCIe copies per step, one more parameter shard (plus the swap's saved copy) of GPU memory; `megarl plan` says whether it fits."""
 
 
 def default_beta(window: int, steps_per_version: int = 1) -> float:
@@ -73,14 +90,22 @@ def default_beta(window: int, steps_per_version: int = 1) -> float:
 
 
 def ewma_update(phi: dict[str, torch.Tensor] | None, n: float, theta: dict[str, torch.Tensor],
-                beta: float) -> tuple[dict[str, torch.Tensor], float]:
-    """One bias-corrected EWMA step (in place on phi); returns (phi, n_new)."""
+                beta: float, *, dtype: torch.dtype = torch.float32,
+                generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], float]:
+    """One bias-corrected EWMA step (in place on phi); returns (phi, n_new). A new phi is theta in ``dtype``
+    on theta's device; a bf16 phi is updated in fp32 and rounded stochastically with ``generator``."""
     n_new = beta * n + 1.0
     if phi is None or n == 0:
-        return {k: t.detach().to(torch.float32).clone() for k, t in theta.items()}, n_new
+        return {k: t.detach().to(dtype, copy=True) for k, t in theta.items()}, n_new
     keep, take = beta * n / n_new, 1.0 / n_new
     for k, p in phi.items():
-        p.mul_(keep).add_(theta[k].to(torch.float32), alpha=take)
+        x = theta[k].to(p.device, torch.float32)
+        if p.dtype == torch.bfloat16:
+            if generator is None:
+                raise ValueError("a bf16 phi is rounded stochastically: pass a generator")
+            p.copy_(round_to_bf16(p.to(torch.float32).mul_(keep).add_(x, alpha=take), generator))
+        else:
+            p.mul_(keep).add_(x, alpha=take)
     return phi, n_new
 
 
@@ -119,9 +144,20 @@ class Ewma(RecoveryStrategy):
         return default_beta(cfg.window, steps)
 
     # -- the average -------------------------------------------------------------
+    def _phi_dtype(self) -> torch.dtype:
+        bf16 = self.cfg.phi_dtype == "param" and self.ctx.trainer.dtype == "bfloat16"
+        return torch.bfloat16 if bf16 else torch.float32
+
     def _fold_in_theta(self) -> None:
         trainer = self.ctx.trainer
-        self._phi, self._n = ewma_update(self._phi, self._n, trainer.get_params(), self.beta)
+        theta = trainer.get_params(device=None if self.cfg.phi_on_gpu else "cpu")
+        device = next(iter(theta.values())).device
+        if self._phi is not None and next(iter(self._phi.values())).device != device:  # a restored phi
+            self._phi = {k: t.to(device) for k, t in self._phi.items()}
+        gen = torch.Generator(device=device)
+        gen.manual_seed(fold_seed(0, trainer.version))
+        self._phi, self._n = ewma_update(self._phi, self._n, theta, self.beta, dtype=self._phi_dtype(),
+                                         generator=gen)
         self._phi_version = trainer.version
 
     def _reset(self) -> None:
@@ -172,11 +208,14 @@ class Ewma(RecoveryStrategy):
 
     # -- state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"phi": None if self._phi is None else {k: t.clone() for k, t in self._phi.items()},
+        return {"phi": None if self._phi is None else {k: t.to("cpu", copy=True) for k, t in self._phi.items()},
                 "n": self._n, "phi_version": self._phi_version, "n_resets": self.n_resets, "beta": self.beta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._phi = state["phi"]
+        phi = state["phi"]
+        # in this run's dtype (a checkpoint of phi_dtype=float32 too); it moves to the trainer's device at its
+        # next fold when phi_on_gpu
+        self._phi = None if phi is None else {k: t.to(self._phi_dtype()) for k, t in phi.items()}
         self._n = float(state["n"])
         self._phi_version = state["phi_version"]
         self.n_resets = int(state["n_resets"])

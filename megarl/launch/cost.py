@@ -8,11 +8,13 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
 
 - every kept copy of parameters is a CPU copy of a trainer rank's shard in the
   forward's dtype (``trainer.get_params``: bf16 on bf16 runs, exact): snapshot keeps the versions a
-  batch spans (eta+1 at most), interrupt_sync one version; ewma keeps its phi in fp32 (bf16 would
-  swallow its small increments); a scoring forward under other parameters swaps them in and back
-  (``trainer.use_params``: one more copy in host memory, 3 shard copies over PCIe, ewma's phi
-  crossing in fp32, and the largest tensor once in fp32 on the GPU); the copies run synchronously,
-  on the critical path;
+  batch spans (eta+1 at most), interrupt_sync one version; ewma keeps its phi in the forward's dtype
+  too (bf16 rounded stochastically; ``recovery.ewma.phi_dtype=float32``: fp32), on the host or, with
+  ``recovery.ewma.phi_on_gpu``, on the trainer's GPU (:func:`ewma_phi`); a scoring forward under other
+  parameters swaps them in and back (``trainer.use_params``: one more copy in host memory, 3 shard
+  copies over PCIe, and the largest tensor once in fp32 on the GPU; a phi on the GPU is swapped on the
+  device: the saved copy on the GPU, nothing over PCIe); the copies run synchronously, on the critical
+  path;
 - recompute, ewma and interrupt_sync run one forward over the batch per step,
   snapshot one per distinct version over the rows holding it (a row spliced
   over two versions is scored twice), dedicated one on its own GPUs, and
@@ -105,6 +107,15 @@ def layout(cfg, hf: dict, plan) -> dict[str, Any]:
             "dedicated_gpus": max(cfg.placement.dedicated_tp, 1)}
 
 
+def ewma_phi(cfg) -> tuple[int, bool]:
+    """(bytes per parameter of ewma's phi, whether it lives on the trainer's GPU) under ``cfg``: the forward's
+    dtype unless ``recovery.ewma.phi_dtype=float32`` (recovery/ewma.py), ``recovery.ewma.phi_on_gpu``."""
+    opt = cfg.recovery.options.get("ewma")
+    get = (lambda k, d: opt.get(k, d)) if isinstance(opt, dict) else (lambda k, d: getattr(opt, k, d))
+    bf16 = cfg.model.dtype == "bfloat16" and (get("phi_dtype", "param") or "param") == "param"
+    return (2 if bf16 else FP32), bool(get("phi_on_gpu", False))
+
+
 def step_tokens(cfg, a: Assumptions) -> float:
     """Prompt + response tokens of one batch."""
     return cfg.trainer.batch_size * (a.prompt_frac * cfg.data.max_prompt_len + a.response_frac
@@ -117,9 +128,10 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     ``table``: the activation table of the scorer's memory (megarl/launch/memory.py; default the measured one)."""
     lay = layout(cfg, hf, plan)
     eta, every = cfg.rollout.eta, cfg.trainer.publish_every
-    # a kept version is a copy in the forward's dtype (trainer.get_params); ewma's phi accumulates in fp32
+    # a kept version is a copy in the forward's dtype (trainer.get_params); ewma's phi: ewma_phi
     shard_b = lay["shard_params"] * lay["dtype_bytes"]
-    shard32 = lay["shard_params"] * FP32
+    phi_b, phi_on_gpu = ewma_phi(cfg)
+    phi = lay["shard_params"] * phi_b
     tokens = step_tokens(cfg, a)
     fwd = 2.0 * lay["active_params"] * tokens
     versions = a.versions_per_batch or eta + 1
@@ -132,7 +144,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     live_tokens = in_flight * (a.prompt_frac * cfg.data.max_prompt_len + a.response_frac
                                * cfg.rollout.max_new_tokens / 2)  # half-way through their answers
     swap = 3 * shard_b  # save the current shard, load the other one, restore (host <-> GPU)
-    swap_phi = 2 * shard_b + shard32  # ewma loads its fp32 phi
+    swap_phi = 0.0 if phi_on_gpu else 2 * shard_b + phi  # ewma loads its phi (on the GPU: no PCIe)
     per = {
         # name: (held copies, forward FLOPs on the trainer, FLOPs on dedicated GPUs, swaps per step,
         #        shard copies to host per step, extra stall s per publish, extra bytes per publish)
@@ -140,7 +152,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
         "loglinear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "linear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "recompute": (0, fwd, 0.0, 0, 0, 0.0, 0),
-        "ewma": (1, fwd, 0.0, 1, 1, 0.0, 0),
+        "ewma": (1, fwd, 0.0, 1, 0 if phi_on_gpu else 1, 0.0, 0),
         "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, shard_b / pcie, 0),
         "interrupt_sync": (1, fwd, 0.0, 2, 1 / every,
                            shard_b / pcie + swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
@@ -153,12 +165,14 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     out = {}
     for name, (held, flops, ded_flops, swaps, to_host, stall_extra, extra_bytes) in per.items():
         transient = 1 if name in SWAPPING else 0
+        on_gpu = name == "ewma" and phi_on_gpu  # phi and the swap's saved copy on the GPU, not the host
         ded_s = ded_flops / (lay["dedicated_gpus"] * a.peak_tflops * 1e12 * a.mfu)
         ded = name == "dedicated"
         out[name] = {
-            "gpu_bytes_per_trainer_gpu": lay["largest_tensor"] * FP32 if name in SWAPPING else 0.0,
-            "host_bytes_per_trainer_node": (held * (shard32 if name == "ewma" else shard_b)
-                                            + transient * shard_b) * lay["ranks_per_node"],
+            "gpu_bytes_per_trainer_gpu": (lay["largest_tensor"] * FP32 if name in SWAPPING else 0.0)
+            + (phi + shard_b if on_gpu else 0.0),
+            "host_bytes_per_trainer_node": 0.0 if on_gpu else (held * (phi if name == "ewma" else shard_b)
+                                                               + transient * shard_b) * lay["ranks_per_node"],
             "held_copies": held,
             "dedicated_gpus": lay["dedicated_gpus"] if name == "dedicated" else 0,
             "dedicated_gpu_bytes": scorer.peak if ded else 0.0,

@@ -10,7 +10,8 @@ a rank's parameter shard is what megarl/launch/cost.py calls ``shard_params`` (d
 
 - **recovery copies**: the recovery strategy's host copies, from the cost model
   (:func:`megarl.launch.cost.strategy_costs`, ``host_bytes_per_trainer_node``): snapshot's kept
-  versions (eta + 1), ewma's fp32 average, interrupt_sync's kept version, each a copy of the rank's shard,
+  versions (eta + 1), ewma's average phi (none on the host with recovery.ewma.phi_on_gpu), interrupt_sync's
+  kept version, each a copy of the rank's shard in the forward's dtype (phi: recovery.ewma.phi_dtype),
   plus the copy a forward under other parameters saves the current ones to (``trainer.use_params``).
   snapshot with ``recovery.snapshot.storage=disk`` keeps its versions on disk: two shard copies while it
   scores (the version read back and use_params' copy of the current parameters).
@@ -34,7 +35,7 @@ a rank's parameter shard is what megarl/launch/cost.py calls ``shard_params`` (d
   that data-parallel ranks share, so the ranks that are not its main replica copy fewer weights.
 - **async save strategy copies** (``logging.async_save``): the same checkpoint's host copy of the
   strategy's kept parameter state (its state_dict: snapshot's versions, read back from disk with
-  storage=disk; ewma's fp32 average; interrupt_sync's kept version), held until the write ends.
+  storage=disk; ewma's phi, wherever it lives; interrupt_sync's kept version), held until the write ends.
 
 Not counted: the processes themselves (Python, torch, CUDA's host allocations, data and reward workers),
 engines sharing the trainer nodes (``placement.engine_nodes=0``), the page cache, and the strategy
@@ -119,7 +120,7 @@ def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:
         notes.append(f"recovery.name={name} is not in the cost model: its host copies are not counted")
         recovery = kept = 0.0
     else:
-        per_copy = shard * (cost.FP32 if name == "ewma" else lay["dtype_bytes"])
+        per_copy = shard * (cost.ewma_phi(cfg)[0] if name == "ewma" else lay["dtype_bytes"])
         kept = c["held_copies"] * per_copy * rpn  # the strategy's state: what a checkpoint copies
         recovery = c["host_bytes_per_trainer_node"]
         if name == "snapshot" and _storage(cfg) == "disk":

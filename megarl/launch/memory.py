@@ -18,6 +18,9 @@ Trainer GPU (bf16 or fp32 parameters, Megatron DDP, Adam):
 - logits: what the loss keeps per token and vocabulary entry (measured) plus the bf16 logits and their
   fp32 copy alive while it runs (:data:`LOGITS_TRANSIENT`); with the entropy bonus (``loss.entropy_coef``
   or ``loss.entropy_target``) also what its path keeps (measured: an fp32 copy of the logits and its graph).
+- recovery: what the recovery strategy puts on the GPU (:func:`recovery_gpu_bytes`): a strategy that swaps
+  other parameters in (ewma, snapshot, interrupt_sync) has the largest tensor in fp32 there for a moment;
+  ewma with ``recovery.ewma.phi_on_gpu`` keeps its phi and, while it scores, the saved current parameters.
 - runtime: CUDA context, NCCL buffers and allocator slack (:data:`RUNTIME_RESERVE`, assumed).
 Engine GPU: vLLM takes :data:`VLLM_UTILIZATION` of the device: its weight shard, the KV cache the rest.
 Dedicated scorer GPU: forward-only weights (no gradients, no optimizer) and, one after the other (no graph is
@@ -130,6 +133,21 @@ def model_state_bytes(cfg, hf: dict, t) -> dict[str, float]:
             "optimizer": opt_bytes * (dense / (t.dp if dist else 1) + experts / (t.expert_dp if dist else 1))}
 
 
+def recovery_gpu_bytes(cfg, hf: dict, t, recovery: str | None = None) -> float:
+    """The recovery strategy's bytes on one trainer GPU (module doc); ``recovery``: another strategy's name."""
+    from megarl.launch.cost import FP32, SWAPPING, ewma_phi  # cost.py imports this module
+
+    name = recovery or cfg.recovery.name
+    if name not in SWAPPING:
+        return 0.0
+    h, inter = int(hf["hidden_size"]), int(hf.get("intermediate_size") or 0)
+    out = max(int(hf["vocab_size"]) * h, 3 * h * inter) / t.tp * FP32
+    phi_b, on_gpu = ewma_phi(cfg)
+    if name == "ewma" and on_gpu:
+        out += sum(_shards(hf, t)) * (phi_b + (2 if cfg.model.dtype == "bfloat16" else 4))
+    return out
+
+
 def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batch_tokens: int | None = None,
                    table: dict[str, Any] | None = None, entropy: bool | None = None) -> GpuMemory:
     """Peak of one trainer GPU (module doc); ``recompute`` / ``micro_batch_tokens`` / ``entropy`` (the entropy
@@ -163,6 +181,7 @@ def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batc
         **model_state_bytes(cfg, hf, t),
         "activations": acts,
         "logits": tokens * vocab * per_entry,
+        "recovery": recovery_gpu_bytes(cfg, hf, t),
         "runtime": RUNTIME_RESERVE,
     }, notes)
 
@@ -264,6 +283,13 @@ def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float) -> list[str]:
         peak = trainer_memory(cfg, hf, t, entropy=False).peak
         if peak <= gpu_bytes:
             fixes.append(f"loss.entropy_coef=0 with loss.entropy_target=null (no entropy bonus: {peak / GB:.1f} GB)")
+    from megarl.launch.cost import ewma_phi  # cost.py imports this module
+
+    if cfg.recovery.name == "ewma" and ewma_phi(cfg)[1]:
+        peak = trainer_memory(cfg, hf, t).peak - recovery_gpu_bytes(cfg, hf, t) + recovery_gpu_bytes(
+            cfg, hf, t, "snapshot")  # phi on the host: only the swap's fp32 tensor stays
+        if peak <= gpu_bytes:
+            fixes.append(f"recovery.ewma.phi_on_gpu=false (phi in host memory: {peak / GB:.1f} GB)")
     fixes.append("more GPUs per model copy (parallel.tp with sequence_parallel, parallel.pp, parallel.ep)")
     return fixes
 

@@ -56,8 +56,8 @@ class ScoringTrainer(Protocol):
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, L-1] log-probs of ``batch``'s tokens under the current parameters (no grad)."""
 
-    def get_params(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copies of this rank's parameters."""
+    def get_params(self, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
+        """Detached copies of this rank's parameters on ``device`` (None: where the parameters are)."""
 
     def set_params(self, params: dict[str, torch.Tensor]) -> None:
         """Load ``params`` (as from :meth:`get_params`)."""

@@ -35,7 +35,6 @@ divided by it before the log-softmax (megarl/models/entropy.py ``install``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from typing import Callable, Iterator
@@ -56,6 +55,7 @@ from megarl.trainer.metrics import reduce_metrics
 from megarl.trainer.microbatch import MicroBatch, plan_microbatches
 from megarl.trainer.packing import linear_weight_from_hf, resolve_layout
 from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
+from megarl.trainer.param_copies import ParamCopies
 
 # megatron.core is imported inside the methods that use it: only after init_parallel() has run
 # megarl.platform.prepare_megatron() (the CPU adaptations and the TransformerEngine guard come first).
@@ -68,7 +68,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class MegatronTrainer:
+class MegatronTrainer(ParamCopies):
     """Policy trainer on megatron-core (dense Qwen3 and Qwen3-MoE; TP/PP/EP/DP).
 
     ``recompute`` (none, selective, full) trades backward compute for activation memory
@@ -335,43 +335,6 @@ class MegatronTrainer:
         while hasattr(module, "module"):
             module = module.module
         return module
-
-    def get_params(self) -> dict[str, torch.Tensor]:
-        """Detached CPU clones of this rank's local parameters (megatron names), in their own dtype.
-
-        The weights the forward uses (bf16 ones under bf16, not the optimizer's fp32 main parameters): a
-        bf16 copy is exact at half an fp32 one's bytes; an accumulating strategy (ewma) converts to fp32.
-        """
-        return {n: p.detach().cpu().clone() for n, p in self._module().named_parameters()}
-
-    @torch.no_grad()
-    def _copy_in(self, params: dict[str, torch.Tensor]) -> None:
-        own = dict(self._module().named_parameters())
-        if set(own) != set(params):
-            raise InputError(f"params do not match the model: missing {sorted(set(own) - set(params))[:3]}, "
-                             f"unexpected {sorted(set(params) - set(own))[:3]}")
-        for n, p in own.items():
-            p.copy_(params[n])
-
-    def set_params(self, params: dict[str, torch.Tensor]) -> None:
-        """Load ``params`` (as from :meth:`get_params`) into the model and the optimizer's master copies.
-
-        Under bf16 the model rounds them to bf16 and the fp32 main parameters are set to those
-        rounded values (megatron's ``reload_model_params``).
-        """
-        self._copy_in(params)
-        if self.optimizer is not None:
-            self.optimizer.reload_model_params()  # no-op for fp32 params (no separate master copy)
-
-    @contextlib.contextmanager
-    def use_params(self, params: dict[str, torch.Tensor]):
-        """Score with ``params`` inside the block; the model's own parameters come back afterwards."""
-        saved = self.get_params()
-        self._copy_in(params)
-        try:
-            yield self
-        finally:
-            self._copy_in(saved)
 
     def load_hf_checkpoint(self, ckpt_dir: str) -> None:
         """Load the weights of an HF checkpoint (as :meth:`save_hf_checkpoint` writes) into this rank's shards;

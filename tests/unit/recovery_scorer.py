@@ -58,8 +58,9 @@ class HFScorerForTests:
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
-    def get_params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().to("cpu", torch.float32).clone() for n, p in self.model.named_parameters()}
+    def get_params(self, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
+        return {n: p.detach().to(p.device if device is None else device, torch.float32, copy=True)
+                for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def set_params(self, params: dict[str, torch.Tensor]) -> None:

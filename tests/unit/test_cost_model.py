@@ -43,6 +43,23 @@ def setup():
     return cfg, plan
 
 
+def test_ewma_phi_in_fp32_or_on_the_gpu(setup):
+    cfg, plan = setup
+    cfg.recovery.options["ewma"] = {"phi_dtype": "float32"}
+    try:
+        ewma = cost.strategy_costs(cfg, HF, plan, SLOW)["ewma"]
+        # fp32 phi + the saved bf16 copy: (880 + 440) x 2 ranks; a swap 2 x 440 + 880 B, theta's copy 440 B
+        assert ewma["host_bytes_per_trainer_node"] == 2640 and ewma["pcie_bytes_per_gpu_per_step"] == 1760 + 440
+        cfg.recovery.options["ewma"] = {"phi_on_gpu": True}
+        ewma = cost.strategy_costs(cfg, HF, plan, SLOW)["ewma"]
+        # nothing on the host, nothing over PCIe; on the GPU the swap's fp32 tensor (96 x 4), the bf16 phi and
+        # the bf16 copy of the current parameters the swap saves (440 + 440)
+        assert ewma["host_bytes_per_trainer_node"] == 0 and ewma["pcie_bytes_per_gpu_per_step"] == 0
+        assert ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4 + 880 and ewma["pcie_s_per_step"] == 0
+    finally:
+        cfg.recovery.options.pop("ewma", None)
+
+
 def test_layout(setup):
     cfg, plan = setup
     lay = cost.layout(cfg, HF, plan)
@@ -57,17 +74,17 @@ def test_costs_hand_computed(setup):
     c = cost.strategy_costs(cfg, HF, plan, SLOW)
     # weights 220 x 2 B = 440 B to each of 2 engines; stall 0.5 + 440 / 1000; rate 2 GPUs x 500 FLOP/s;
     # a forward over the batch: 2 x 220 x 80 = 35200 FLOPs; a rank's bf16 shard 440 B (fp32: 880 B); a swap
-    # 3 x 440 B (ewma's: 2 x 440 + 880 B, its phi in fp32)
+    # 3 x 440 B (ewma's phi is bf16 too: the same)
     for name in cost.STRATEGIES:
         assert c[name]["network_bytes_per_publish"] == (1760 if name == "dedicated" else 880)
     assert c["behav"] == {**c["behav"], "forward_flops_per_step": 0.0, "host_bytes_per_trainer_node": 0.0,
                           "pcie_bytes_per_gpu_per_step": 0.0, "stall_s_per_publish": approx(0.94)}
     assert c["loglinear"]["forward_flops_per_step"] == 0.0  # the default loss needs no anchor forward
     assert c["recompute"]["trainer_forward_s_per_step"] == approx(35.2)
-    ewma = c["ewma"]  # fp32 phi + the swap's saved bf16 copy, per rank, 2 ranks: (880 + 440) x 2
-    assert ewma["host_bytes_per_trainer_node"] == 2640 and ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4
-    # one swap (1760 B) and theta's bf16 copy to host for phi's update (440 B)
-    assert ewma["pcie_bytes_per_gpu_per_step"] == 1760 + 440 and ewma["pcie_s_per_step"] == approx(2.2)
+    ewma = c["ewma"]  # bf16 phi + the swap's saved bf16 copy, per rank, 2 ranks: (440 + 440) x 2
+    assert ewma["host_bytes_per_trainer_node"] == 1760 and ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4
+    # one swap (1320 B) and theta's bf16 copy to host for phi's update (440 B)
+    assert ewma["pcie_bytes_per_gpu_per_step"] == 1320 + 440 and ewma["pcie_s_per_step"] == approx(1.76)
     snap = c["snapshot"]  # eta + 1 = 3 bf16 versions held + 1 swap copy; 2 stale versions swapped in; spliced twice
     assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 4 * 440 * 2
     assert snap["forward_flops_per_step"] == approx(35200 * 1.4)

@@ -51,8 +51,14 @@ def test_terms_by_hand():
     assert snap.async_save_copies == snap.async_save_strategy_copies == 0
     assert snap.total == 4_074_496 + 2_067_200 and snap.other_nodes == 4_074_496
     assert snap.problems == []  # host_memory_gb 0: not checked
-    # ewma: its fp32 average (127,328 x 4 B x 4 ranks) and the swap's bf16 copy
-    assert host_memory.host_memory(config("ewma"), HF, plan()).recovery_copies == 2_037_248 + COPY_SET
+    # ewma: its bf16 average (127,328 x 2 B x 4 ranks) and the swap's bf16 copy; with phi_dtype=float32 its
+    # fp32 average (127,328 x 4 B x 4 ranks); with phi_on_gpu nothing on the host
+    assert host_memory.host_memory(config("ewma"), HF, plan()).recovery_copies == 2 * COPY_SET
+    cfg = config("ewma")
+    cfg.recovery.options["ewma"] = {"phi_dtype": "float32"}
+    assert host_memory.host_memory(cfg, HF, plan()).recovery_copies == 2_037_248 + COPY_SET
+    cfg.recovery.options["ewma"] = {"phi_on_gpu": True}
+    assert host_memory.host_memory(cfg, HF, plan()).recovery_copies == 0
     assert host_memory.host_memory(config("loglinear"), HF, plan()).recovery_copies == 0
     # the disk publisher holds one export, no bucket
     assert host_memory.host_memory(config(weight_sync="disk"), HF, plan()).publish_buckets == 509_312

@@ -140,3 +140,24 @@ def test_the_readme_quotes_the_plans_peaks():
     for config_file, gb in zip(("configs/qwen3_4b_h100.yaml", "configs/qwen3_30b_a3b_h100.yaml"), quoted.groups()):
         peak = float(re.search(r"trainer GPU: peak ([\d.]+) GB", plan("--config", config_file).stdout).group(1))
         assert round(peak) == int(gb), (config_file, peak, gb)
+
+
+def test_the_recovery_strategys_gpu_bytes_by_hand():
+    # a strategy that swaps parameters in holds the largest tensor in fp32 for a moment: the embedding,
+    # 1000 x 64 x 4 B (the MLP's 3 x 64 x 100 is smaller); ewma with phi_on_gpu adds its bf16 phi and the bf16
+    # copy of the current parameters the swap saves: PARAMS x (2 + 2) B
+    cfg = config()
+    assert memory.trainer_memory(cfg, HF, layout(), table=TABLE).parts["recovery"] == 0.0  # behav: nothing
+    cfg.recovery.name = "snapshot"
+    assert memory.trainer_memory(cfg, HF, layout(), table=TABLE).parts["recovery"] == 256_000
+    cfg.recovery.name = "ewma"
+    cfg.recovery.options["ewma"] = {"phi_on_gpu": True}
+    on = memory.trainer_memory(cfg, HF, layout(), table=TABLE)
+    assert on.parts["recovery"] == 256_000 + PARAMS * 4
+    cfg.recovery.options["ewma"] = {"phi_on_gpu": True, "phi_dtype": "float32"}  # fp32 phi: PARAMS x (4 + 2)
+    assert memory.trainer_memory(cfg, HF, layout(), table=TABLE).parts["recovery"] == 256_000 + PARAMS * 6
+    # a GPU it no longer fits: refused, naming the key that moves phi back to the host (the fixes are priced
+    # with the shipped activation table)
+    peak = memory.trainer_memory(cfg, HF, layout()).peak
+    fixes = memory._trainer_fixes(cfg, HF, layout(), peak - 1)
+    assert any(f.startswith("recovery.ewma.phi_on_gpu=false (phi in host memory") for f in fixes)

@@ -16,6 +16,7 @@ from recovery_scorer import LoopState, drive_history, make_traj, rewind, tiny_ch
 
 from megarl.types import TrainBatch
 from recovery import verifier
+from recovery._stochastic_round import fold_seed
 from recovery.dedicated import Dedicated, DedicatedConfig
 from recovery.ewma import Ewma, EwmaConfig, ewma_update
 from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
@@ -87,13 +88,27 @@ def test_ewma_megatron(trainer):
     strat = Ewma(EwmaConfig(beta=0.5, tau=0.0), loop.context(trainer))
     batch, trajs, _ = drive_history(strat, trainer, loop, step=real_step)
     strat.anchor(batch, trajs)  # phi <- theta_8
-    phi, n = ewma_update(None, 0.0, trainer.get_params(), 0.5)
+    # phi in the run's dtype: a bf16 run's phi is bf16, its fold rounded stochastically with the draws of the
+    # version folded in (recovery/ewma.py); beside it the fp32 average, which a bf16 phi follows within bf16 noise
+    dtype = torch.bfloat16 if trainer.dtype == "bfloat16" else torch.float32
+    phi, n = ewma_update(None, 0.0, trainer.get_params(), 0.5, dtype=dtype)
+    phi32, _ = ewma_update(None, 0.0, trainer.get_params(), 0.5)
     real_step(trainer)
     strat.after_optimizer_step(trainer.version, {})
-    phi, n = ewma_update(phi, n, trainer.get_params(), 0.5)
+    gen = torch.Generator()
+    gen.manual_seed(fold_seed(0, trainer.version))
+    phi, n = ewma_update(phi, n, trainer.get_params(), 0.5, dtype=dtype, generator=gen)
+    phi32, _ = ewma_update(phi32, 1.0, trainer.get_params(), 0.5)
     with trainer.use_params(phi):
         expected = trainer.logprobs(batch)
-    assert torch.allclose(strat.anchor(batch, trajs).logp_anchor, expected, atol=1e-6)
+    with trainer.use_params(phi32):
+        from_fp32 = trainer.logprobs(batch)
+    got = strat.anchor(batch, trajs).logp_anchor
+    assert torch.allclose(got, expected, atol=1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(expected, from_fp32)
+    else:  # a bf16 forward's gap between two bf16 roundings of the same average: well under behav's 1e-2 scale
+        assert 0 < float((got - from_fp32).abs().max()) < 2e-2
 
 
 def test_dedicated_megatron_child(trainer, ckpt, tmp_path):
