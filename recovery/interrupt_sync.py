@@ -94,7 +94,9 @@ class InterruptSync(RecoveryStrategy):
         if trainer.version != version:
             raise RuntimeError(f"interrupt_sync: weights of version {version} published while the trainer is at "
                                f"version {trainer.version}")
-        self._kept = trainer.get_params()
+        if self._kept is not None:
+            trainer.release_params(self._kept)  # the new copy reuses its buffers
+        self._kept = trainer.keep_params()
         self._kept_version = version
         self._interrupted.clear()
         self._report()
@@ -135,6 +137,7 @@ class InterruptSync(RecoveryStrategy):
 
     # -- state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        self.ctx.trainer.params_ready()
         return {"kept_version": self._kept_version,
                 "kept": None if self._kept is None else {k: t.clone() for k, t in self._kept.items()}}
 

@@ -2,8 +2,10 @@
 
 At ``on_weights_published(v)`` the trainer's parameters are version v (the loop
 publishes right after an optimizer step), so a copy is taken then: in CPU
-memory (pinned when CUDA is present) or as safetensors under
-``<run_dir>/snapshots``. A version is freed as soon as no live token references
+memory (``trainer.keep_params``: the buffers of a freed version serve the next
+one, pinned when CUDA is present, and the copy runs beside the trainer's next
+work until the next optimizer step; megarl/trainer/host_copies.py) or as
+safetensors under ``<run_dir>/snapshots``. A version is freed as soon as no live token references
 it and it is not the version the engines generate with (garbage collection
 after every publish and after every train batch), so at most eta+1 versions are
 held.
@@ -69,13 +71,14 @@ class Snapshot(RecoveryStrategy):
         nbytes = params_nbytes(params)
         with self.meter.time("snapshot_save_s"):
             if self.cfg.storage == "disk":
+                self.ctx.trainer.params_ready()
                 path = self._dir() / f"v{version}.rank{global_rank()}.safetensors"
                 save_file({k: t.contiguous() for k, t in params.items()}, str(path))
                 self._held[version] = str(path)
                 self.meter.add("bytes_moved", nbytes)
             else:
-                if torch.cuda.is_available():
-                    params = {k: t.pin_memory() for k, t in params.items()}
+                if torch.cuda.is_available():  # a restored version: pinned like the kept ones
+                    params = {k: t if t.is_pinned() else t.pin_memory() for k, t in params.items()}
                 self._held[version] = params
         self._nbytes[version] = nbytes
 
@@ -97,6 +100,8 @@ class Snapshot(RecoveryStrategy):
         self._nbytes.pop(version)
         if self.cfg.storage == "disk":
             Path(held).unlink(missing_ok=True)
+        else:
+            self.ctx.trainer.release_params(held)  # its buffers take the next kept version
 
     def _collect_garbage(self) -> None:
         keep = set(self.ctx.live_versions())
@@ -124,7 +129,7 @@ class Snapshot(RecoveryStrategy):
                                f"that produced them")
         self._published = version
         if version not in self._held:
-            self._store(version, trainer.get_params())
+            self._store(version, trainer.keep_params())
         self._collect_garbage()
 
     def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
@@ -152,6 +157,7 @@ class Snapshot(RecoveryStrategy):
     # -- state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Self-contained: the parameters of every held version (read back from disk if stored there)."""
+        self.ctx.trainer.params_ready()
         return {"published": self._published,
                 "versions": {v: {k: t.clone() for k, t in self._load(v).items()} for v in self.held_versions}}
 

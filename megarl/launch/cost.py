@@ -13,8 +13,10 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
   ``recovery.ewma.phi_on_gpu``, on the trainer's GPU (:func:`ewma_phi`); a scoring forward under other
   parameters swaps them in and back (``trainer.use_params``: one more copy in host memory, 3 shard
   copies over PCIe, and the largest tensor once in fp32 on the GPU; a phi on the GPU is swapped on the
-  device: the saved copy on the GPU, nothing over PCIe); the copies run synchronously, on the critical
-  path;
+  device: the saved copy on the GPU, nothing over PCIe); swaps and ewma's copy of theta for its fold run
+  synchronously, on the critical path; the copy snapshot and interrupt_sync keep of each published version
+  (``trainer.keep_params``: reused pinned buffers, a side stream; megarl/trainer/host_copies.py) overlaps
+  the next update and reaches the critical path only by what it takes beyond that update;
 - recompute, ewma and interrupt_sync run one forward over the batch per step,
   snapshot one per distinct version over the rows holding it (a row spliced
   over two versions is scored twice), dedicated one on its own GPUs, and
@@ -153,9 +155,9 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
         "linear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "recompute": (0, fwd, 0.0, 0, 0, 0.0, 0),
         "ewma": (1, fwd, 0.0, 1, 0 if phi_on_gpu else 1, 0.0, 0),
-        "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, shard_b / pcie, 0),
+        "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, 0.0, 0),
         "interrupt_sync": (1, fwd, 0.0, 2, 1 / every,
-                           shard_b / pcie + swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
+                           swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
         # its checkpoint is written inside the publish (on_weights_published) and read by the scorer after
         "dedicated": (0, 0.0, fwd, 0, 0, weights / disk, 2 * weights),
     }
@@ -185,6 +187,10 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
             "dedicated_critical_s_per_step": max(ded_s + load_s / every - train_s, 0.0) if ded else 0.0,
             "pcie_bytes_per_gpu_per_step": swaps * (swap_phi if name == "ewma" else swap) + to_host * shard_b,
             "pcie_s_per_step": (swaps * (swap_phi if name == "ewma" else swap) + to_host * shard_b) / pcie,
+            # a kept version's copy (snapshot, interrupt_sync) overlaps the next update (module doc)
+            "pcie_critical_s_per_step": (swaps * (swap_phi if name == "ewma" else swap)
+                                         + (to_host * shard_b if name == "ewma" else 0.0)) / pcie
+            + (to_host * max(shard_b / pcie - train_s, 0.0) if name in ("snapshot", "interrupt_sync") else 0.0),
             "network_bytes_per_publish": publish_bytes + extra_bytes,
             "stall_s_per_publish": base_stall + stall_extra,
         }
@@ -205,7 +211,7 @@ def render_costs(costs: dict[str, dict], lay: dict[str, Any], cfg, a: Assumption
              f"{step_tokens(cfg, a):,.0f} tokens per step",
              "  assumptions: " + ", ".join(f"{k}={v:g}" for k, v in asdict(a).items()),
              "", "| strategy | GPU GB / trainer GPU | host GB / trainer node | dedicated scorer | "
-             "fwd TFLOP / step | trainer fwd s / step | PCIe GB / GPU / step | PCIe s / step (critical path) | "
+             "fwd TFLOP / step | trainer fwd s / step | PCIe GB / GPU / step | PCIe s / step (on the critical path) | "
              "network GB / publish | stall s / publish |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in costs.items():
@@ -216,7 +222,8 @@ def render_costs(costs: dict[str, dict], lay: dict[str, Any], cfg, a: Assumption
                if c["dedicated_gpus"] else "-")
         lines.append(f"| {name} | {_gb(c['gpu_bytes_per_trainer_gpu'])} | {_gb(c['host_bytes_per_trainer_node'])} | "
                      f"{ded} | {c['forward_flops_per_step'] / 1e12:.1f} | {c['trainer_forward_s_per_step']:.3f} | "
-                     f"{_gb(c['pcie_bytes_per_gpu_per_step'])} | {c['pcie_s_per_step']:.2f} | "
+                     f"{_gb(c['pcie_bytes_per_gpu_per_step'])} | {c['pcie_s_per_step']:.2f} "
+                     f"({c['pcie_critical_s_per_step']:.2f}) | "
                      f"{_gb(c['network_bytes_per_publish'])} | "
                      f"{c['stall_s_per_publish']:.2f} |")
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 One row per strategy and one column per shipped GPU config, each cell what `megarl plan --config CFG --cost`
 predicts with its default assumptions: the seconds a strategy adds to a step on the critical path (its
-trainer forwards, its host<->GPU copies, which megarl runs synchronously today, and for dedicated the part
+trainer forwards, the part of its host<->GPU copies on the critical path (swaps and ewma's fold: all; the
+kept copy of a published version: what the next update does not hide), and for dedicated the part
 of the scorer's time the trainer's update does not hide) as a share of the baseline step (the update
 itself: forward and backward over the batch, 3 forwards' FLOPs), the host memory per trainer node, the
 PCIe bytes per GPU, the stall per publish, and, in the header, the disk copy every publish writes in the
@@ -45,14 +46,15 @@ def config_costs(config: str) -> tuple[dict, dict, float, float, int]:
 
 def critical_s(c: dict) -> float:
     """Seconds a strategy adds to a step on the critical path (module doc)."""
-    return c["trainer_forward_s_per_step"] + c["pcie_s_per_step"] + c["dedicated_critical_s_per_step"]
+    return c["trainer_forward_s_per_step"] + c["pcie_critical_s_per_step"] + c["dedicated_critical_s_per_step"]
 
 
 def cell(c: dict, baseline: float) -> str:
     extra = critical_s(c)
     parts = [f"+{extra:.2f} s / step ({extra / baseline:.0%})" if extra > 0 else "+0 s / step"]
     if c["pcie_bytes_per_gpu_per_step"]:
-        parts.append(f"PCIe {c['pcie_bytes_per_gpu_per_step'] / 1e9:.0f} GB / GPU ({c['pcie_s_per_step']:.1f} s)")
+        parts.append(f"PCIe {c['pcie_bytes_per_gpu_per_step'] / 1e9:.0f} GB / GPU ({c['pcie_s_per_step']:.1f} s, "
+                     f"{c['pcie_critical_s_per_step']:.1f} on the critical path)")
     if c["host_bytes_per_trainer_node"]:
         parts.append(f"host {c['host_bytes_per_trainer_node'] / 1e9:.0f} GB / node")
     if c["dedicated_gpus"]:

@@ -280,6 +280,7 @@ class MegatronTrainer(ParamCopies):
                   "non-finite grad norm" if found_inf or not math.isfinite(grad_norm) else None)
         if reason is None:
             self._clip(grad_norm)
+            self.before_param_write()  # kept host copies of these parameters finish first
             self.optimizer.step_with_ready_grads()
             self.version += 1
         else:
@@ -327,6 +328,7 @@ class MegatronTrainer(ParamCopies):
     def load_state(self, in_dir: str) -> None:
         """Inverse of :meth:`save_state` into this trainer's layout (a directory of the earlier per-rank
         format: the same layout only); CheckpointError names what is missing or does not fit."""
+        self.before_param_write()
         load_reshardable(self, in_dir)
 
     # -- weights ------------------------------------------------------------------------
@@ -339,6 +341,7 @@ class MegatronTrainer(ParamCopies):
     def load_hf_checkpoint(self, ckpt_dir: str) -> None:
         """Load the weights of an HF checkpoint (as :meth:`save_hf_checkpoint` writes) into this rank's shards;
         the optimizer is left as it is (a scorer of old versions has none)."""
+        self.before_param_write()
         load_hf_weights(self.model, ckpt_dir, self.hf_config, self.config)
 
     def export_hf_weights(self, *, to_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -3,7 +3,10 @@
 A mixin of :class:`~megarl.trainer.megatron_trainer.MegatronTrainer` (it needs ``_module()``, the model
 chunk whose ``named_parameters`` are this rank's local shards, and ``optimizer``). The copies are of the
 weights the forward uses, in their own dtype: bf16 under bf16 (not the optimizer's fp32 main parameters),
-exact at half an fp32 copy's bytes.
+exact at half an fp32 copy's bytes. :meth:`ParamCopies.get_params` copies now, into new tensors;
+:meth:`ParamCopies.keep_params` is for copies a strategy keeps across steps: reused host buffers, filled on
+a side stream on CUDA (megarl/trainer/host_copies.py), so every write of the parameters goes through
+:meth:`ParamCopies.before_param_write` first.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import contextlib
 import torch
 
 from megarl.errors import InputError
+from megarl.trainer.host_copies import HostCopyPool
 
 
 class ParamCopies:
@@ -27,8 +31,32 @@ class ParamCopies:
         return {n: p.detach().to(p.device if device is None else device, copy=True)
                 for n, p in self._module().named_parameters()}
 
+    def _host_copies(self) -> HostCopyPool:
+        if getattr(self, "_host_copy_pool", None) is None:
+            self._host_copy_pool = HostCopyPool()
+        return self._host_copy_pool
+
+    def keep_params(self) -> dict[str, torch.Tensor]:
+        """A host copy of this rank's parameters to keep across steps (module doc); give it back with
+        :meth:`release_params` when it is no longer needed, read it on the host after :meth:`params_ready`."""
+        return self._host_copies().copy(self._module().named_parameters())
+
+    def release_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Return a :meth:`keep_params` copy's buffers for the next one."""
+        self._host_copies().release(params)
+
+    def params_ready(self) -> None:
+        """Wait until every :meth:`keep_params` copy is complete (before reading one on the host)."""
+        self._host_copies().ready()
+
+    def before_param_write(self) -> None:
+        """Every write of the parameters (optimizer step, swap, load) first waits, on the device, for the
+        kept copies still being taken."""
+        self._host_copies().before_write()
+
     @torch.no_grad()
     def _copy_in(self, params: dict[str, torch.Tensor]) -> None:
+        self.before_param_write()
         own = dict(self._module().named_parameters())
         if set(own) != set(params):
             raise InputError(f"params do not match the model: missing {sorted(set(own) - set(params))[:3]}, "

@@ -62,6 +62,16 @@ class HFScorerForTests:
         return {n: p.detach().to(p.device if device is None else device, torch.float32, copy=True)
                 for n, p in self.model.named_parameters()}
 
+    def keep_params(self) -> dict[str, torch.Tensor]:
+        self.n_kept = getattr(self, "n_kept", 0) + 1
+        return self.get_params()
+
+    def release_params(self, params: dict[str, torch.Tensor]) -> None:
+        self.n_released = getattr(self, "n_released", 0) + 1
+
+    def params_ready(self) -> None:
+        pass  # get_params copies synchronously
+
     @torch.no_grad()
     def set_params(self, params: dict[str, torch.Tensor]) -> None:
         for n, p in self.model.named_parameters():

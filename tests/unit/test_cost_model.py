@@ -89,9 +89,16 @@ def test_costs_hand_computed(setup):
     assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 4 * 440 * 2
     assert snap["forward_flops_per_step"] == approx(35200 * 1.4)
     assert snap["pcie_bytes_per_gpu_per_step"] == 2 * 1320 + 440
-    assert snap["stall_s_per_publish"] == approx(0.94 + 0.44)  # the new version copied to host in the publish
-    # interrupt_sync: copy + swap in the publish, and a forward over 8 in-flight requests x (5 + 15 / 2) tokens
-    assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 0.44 + 1.32 + 2 * 220 * 100 / 1000)
+    # the new version's host copy (440 B, 0.44 s) runs beside the next update (3 forwards' FLOPs: 105.6 s), so
+    # neither the publish nor the step waits for it; the swaps do wait (2 x 1320 B)
+    assert snap["stall_s_per_publish"] == approx(0.94)
+    assert snap["pcie_s_per_step"] == approx(2 * 1.32 + 0.44) and snap["pcie_critical_s_per_step"] == approx(2.64)
+    assert ewma["pcie_critical_s_per_step"] == approx(1.76)  # the swap and theta's copy for the fold: all of it
+    # with GPUs 1000x faster the update takes 0.1056 s and the copy's remaining 0.3344 s are waited for
+    fast = cost.strategy_costs(cfg, HF, plan, cost.Assumptions(**{**SLOW.__dict__, "peak_tflops": 1e-6}))
+    assert fast["snapshot"]["pcie_critical_s_per_step"] == approx(2.64 + 0.44 - 0.1056)
+    # interrupt_sync: a swap in the publish, and a forward over 8 in-flight requests x (5 + 15 / 2) tokens
+    assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 1.32 + 2 * 220 * 100 / 1000)
     ded = c["dedicated"]  # its forward on its own GPU; its checkpoint (440 B) written inside the publish
     assert ded["dedicated_gpus"] == 1 and ded["dedicated_weights_bytes"] == 440
     assert ded["trainer_forward_s_per_step"] == 0 and ded["dedicated_forward_s_per_step"] == approx(70.4)

@@ -67,12 +67,34 @@ def check(anchor, batch, params, trainer):
         assert (trainer.logprobs(batch)[v7] - truth[v7]).abs().max() > 1e-4
 
 
-def test_snapshot_megatron(trainer, tmp_path):
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_snapshot_megatron(trainer, tmp_path, storage):
     loop = LoopState()
-    strat = Snapshot(SnapshotConfig(storage="disk"), loop.context(trainer, run_dir=tmp_path))
+    strat = Snapshot(SnapshotConfig(storage=storage), loop.context(trainer, run_dir=tmp_path))
     batch, trajs, params = drive_history(strat, trainer, loop, extra_step=True, step=real_step)
     check(strat.anchor(batch, trajs), batch, params, trainer)
     strat.close()
+
+
+def test_kept_copies_reuse_their_buffers(trainer):
+    # keep_params fills reused host buffers: a released copy's buffers take the next one, values of the new
+    # version, nothing allocated again
+    pool = trainer._host_copies()
+    pool.clear()  # the buffers earlier tests' strategies gave back
+    first = trainer.keep_params()
+    assert all(torch.equal(first[k], v) for k, v in trainer.get_params().items())
+    ptrs, allocated = {k: t.data_ptr() for k, t in first.items()}, pool.allocated
+    trainer.release_params(first)
+    real_step(trainer)
+    second = trainer.keep_params()
+    # (tensors of one shape share a free list: the same buffers, maybe under other names)
+    assert {t.data_ptr() for t in second.values()} == set(ptrs.values()) and pool.allocated == allocated
+    assert all(torch.equal(second[k], v) for k, v in trainer.get_params().items())
+    other = trainer.keep_params()  # while second is held: buffers of its own
+    assert not set(t.data_ptr() for t in other.values()) & set(ptrs.values())
+    assert pool.allocated == allocated + len(ptrs)
+    trainer.release_params(second)
+    trainer.release_params(other)
 
 
 def test_interrupt_sync_megatron(trainer):
