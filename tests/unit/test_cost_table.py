@@ -15,6 +15,6 @@ def test_critical_path_seconds_add_forwards_copies_and_the_scorers_excess():
     assert cost_table.critical_s({**c, "pcie_critical_s_per_step": 0.375}) == 1.625
     row = {**c, "pcie_bytes_per_gpu_per_step": 2e9, "host_bytes_per_trainer_node": 3e9, "dedicated_gpus": 0,
            "stall_s_per_publish": 0.4}
-    assert cost_table.cell(row, baseline=3.5) == ("+1.75 s / step (50%); PCIe 2 GB / GPU (0.5 s, 0.5 on the critical path); "
-                                                  "host 3 GB / node; "
-                                                  "stall 0.4 s / publish")
+    assert cost_table.cell(row, baseline=3.5) == (
+        "+1.75 s / step (50%); PCIe 2 GB / GPU (0.5 s, 0.5 on the critical path); host 3 GB / node; "
+        "stall 0.4 s / publish")
