@@ -34,7 +34,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -43,9 +42,10 @@ import torch
 
 from megarl.errors import EngineError
 from megarl.launch.roles import current_role
-from megarl.models.bridge import write_hf_checkpoint
 from megarl.rollout.broadcast_sender import SenderProcess
+from megarl.rollout.bucket_pool import DISK, SENDER, SharedBucketPool
 from megarl.rollout.disk_copy import DiskCopy
+from megarl.rollout.disk_publisher import DiskPublisher, _remove_other_versions
 from megarl.rollout.engine_shards import vllm_tp_rule
 from megarl.rollout.export_buckets import (
     consume_export,
@@ -53,50 +53,12 @@ from megarl.rollout.export_buckets import (
     engine_weights,
     pack_export,
     pack_shared,
-    recorded_dtype,
     shard_buckets,
     stream_engine_weights,
 )
 from megarl.rollout.weight_sync import WeightBroadcaster, rows_bytes
 
 log = logging.getLogger("megarl.publish")
-
-
-class DiskPublisher:
-    """Weights to engines through safetensors on (shared) disk: export, then load."""
-
-    def __init__(self, trainer, router, weights_dir: Path, *, engine_dtype: str | None = None) -> None:
-        self.trainer = trainer
-        self.router = router
-        self.weights_dir = weights_dir
-        self.engine_dtype = engine_dtype
-
-    async def prepare(self, version: int) -> None:
-        out = self.weights_dir / f"v{version}"
-        if not self.engine_dtype or self.engine_dtype == recorded_dtype(self.trainer.exported_hf_config()):
-            await asyncio.to_thread(self.trainer.save_hf_checkpoint, str(out))
-            return
-        tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
-        await asyncio.to_thread(write_hf_checkpoint, dict(tensors), out, hf)
-
-    async def apply(self, version: int) -> dict:
-        """Every engine loads ``version``; returns the step record's ``weight_sync_bytes`` and engine phases."""
-        current = self.weights_dir / f"v{version}"
-        phases = await self.router.update_weights_from_disk(str(current), version)
-        _remove_other_versions(self.weights_dir, current)
-        return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors")), **(phases or {})}
-
-    async def wait_written(self) -> None:
-        """The published version is on disk (here it is the transport: written before the engines load it)."""
-
-    def close(self) -> None:
-        pass
-
-
-def _remove_other_versions(weights_dir: Path, current: Path) -> None:
-    for old in weights_dir.glob("v*"):
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 class BroadcastPublisher:
@@ -130,7 +92,8 @@ class BroadcastPublisher:
     The sending itself runs in a process of its own (megarl/rollout/broadcast_sender.py),
     which holds the group's communicator: under NCCL a lost engine aborts that process, not
     this one, and a step past its deadline gets it killed. ``prepare`` packs the export into
-    shared-memory buckets the sender reads without a copy, and starts the sender off the stall.
+    shared-memory buckets the sender reads without a copy (the buckets of a former publish once its sender
+    and disk copy are done with them: megarl/rollout/bucket_pool.py), and starts the sender off the stall.
     Under NCCL on CUDA the export stays on the trainer's GPU and is packed into device buckets
     there (as far as :func:`~megarl.rollout.export_buckets.device_budget` allows), which the
     sender broadcasts from that device; the disk copy is written from pinned host copies of them
@@ -168,27 +131,37 @@ class BroadcastPublisher:
         self._proc: SenderProcess | None = None
         self._sending: concurrent.futures.Future | None = None
         self._copy = DiskCopy()  # the disk copy's writer
+        #: shared-memory buckets reused from publish to publish (megarl/rollout/bucket_pool.py); the leases of the
+        #: prepared version: its export (released by the sender in apply and by the disk copy when its write
+        #: ends) and its buckets cut per worker (the sender's alone)
+        self._pool = SharedBucketPool()
+        self._leases: tuple = ()
         #: bytes of device buckets where the device is not CUDA (a CPU test of the device flow)
         self.device_budget = 0
 
     async def prepare(self, version: int) -> None:
         self._buckets = None  # the previous version's export is not needed here any more (its disk copy may still
         # read it: a publish does not wait for the disk, megarl/rollout/disk_copy.py)
+        for lease in self._leases:  # prepared and never applied: the sender will not read them
+            lease.release(SENDER)
+        lease, cut = self._pool.lease(), self._pool.lease((SENDER,))
+        self._leases = (lease, cut)
         device = self._sender_device()
         if device is None:
             tensors, hf = await asyncio.to_thread(engine_weights, self.trainer, self.engine_dtype)
-            self._buckets = host = await asyncio.to_thread(pack_shared, tensors, self.bucket_bytes)
+            self._buckets = host = await asyncio.to_thread(pack_shared, tensors, self.bucket_bytes, lease.alloc)
             del tensors  # emptied by the packing: the buckets hold the only copy from here on
         else:  # CUDA + NCCL: packed on the trainer's GPU as the export streams (megarl/rollout/export_buckets.py)
-            self._buckets, host, hf = await asyncio.to_thread(self._pack_on_device, device)
+            self._buckets, host, hf = await asyncio.to_thread(self._pack_on_device, device, lease.alloc)
         self._specs = [(row[0], row[1], row[2]) for rows, _, _ in host for row in rows]
         self._cut = await self._engine_workers()
         if self._cut > 1:  # the device buckets go as they are cut; the host ones are the disk copy's
             self._buckets = await asyncio.to_thread(shard_buckets, self._buckets, vllm_tp_rule(hf, self._cut),
-                                                    self._cut, consume=device is not None)
+                                                    self._cut, consume=device is not None, alloc=cut.alloc)
         else:
             self._buckets = [(0, *b) for b in self._buckets]
-        self._copy.start(self.weights_dir / f"v{version}", host, hf, version)
+        self._copy.start(self.weights_dir / f"v{version}", host, hf, version,
+                         on_end=functools.partial(lease.release, DISK))
         self._ensure_sender()
 
     async def _engine_workers(self) -> int:
@@ -204,10 +177,11 @@ class BroadcastPublisher:
         counts = {int(h.get("n_workers", 1)) for h in engines if h.get("ok", True)}
         return counts.pop() if len(counts) == 1 and min(counts) > 1 else 1
 
-    def _pack_on_device(self, device: torch.device) -> tuple[list, list, dict]:
+    def _pack_on_device(self, device: torch.device, alloc) -> tuple[list, list, dict]:
         tensors, hf = stream_engine_weights(self.trainer, self.engine_dtype, to_host=False)
         budget = device_budget(device) if device.type == "cuda" else self.device_budget
-        return *consume_export(tensors, lambda stream: pack_export(stream, self.bucket_bytes, device, budget)), hf
+        return *consume_export(tensors, lambda stream: pack_export(stream, self.bucket_bytes, device, budget,
+                                                                   alloc)), hf
 
     def _sender_device(self) -> torch.device | None:
         """The device the sender broadcasts from: the trainer's GPU under NCCL, None (host) under gloo."""
@@ -232,6 +206,7 @@ class BroadcastPublisher:
         ``weight_sync_groups`` (groups made so far), ``weight_sync_fallbacks`` (publishes that went by disk)
         and the engines' stall phases."""
         buckets, self._buckets = self._buckets, None
+        leases, self._leases = self._leases, ()
         if buckets is None:
             raise RuntimeError(f"BroadcastPublisher.apply({version}) without prepare({version})")
         current = self.weights_dir / f"v{version}"
@@ -262,6 +237,9 @@ class BroadcastPublisher:
         _remove_other_versions(self.weights_dir, current)
         buckets = None  # the device buckets go before the next train step (the sender has let go of them too)
         release_ipc_blocks()
+        # the sender sent them or was killed (_abandon): it reads them no more; the disk copy releases its own hold
+        for lease in leases:
+            lease.release(SENDER)
         return {"weight_sync_bytes": stats["bytes"] if stats else 0, "weight_sync_groups": self.n_groups,
                 "weight_sync_fallbacks": self.n_fallbacks, **(phases or {})}
 
@@ -346,6 +324,7 @@ class BroadcastPublisher:
         self._proc = None
         self._close_group()
         self._copy.join()  # a copy being written is finished, not left half-way
+        self._pool.clear()
 
 
 def release_ipc_blocks() -> None:

@@ -26,6 +26,9 @@ a rank's parameter shard is what megarl/launch/cost.py calls ``shard_params`` (d
   ``pack_shared``). With ``rollout.shard_weight_sync`` and engines of several workers the send buckets
   are the export cut per worker (megarl/rollout/engine_shards.py), a copy of their own: in host shared
   memory on gloo, on the trainer's GPU under NCCL as far as its budget goes (counted whole, an upper bound).
+  The broadcast publisher keeps these shared-memory buckets between publishes and packs the next
+  version into them (megarl/rollout/bucket_pool.py), so the same bytes stay held from the first publish
+  on rather than coming and going with each.
   Counted: broadcast two exports, the cut one and one bucket; disk one export.
 - **async save copies** (``logging.async_save``): a background checkpoint copies each rank's model and
   optimizer shards to host memory and holds them until the write ends, through the steps trained

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from multiprocessing import resource_sharer
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the tensor reducers that share memory, not copy it
@@ -51,6 +52,7 @@ class SenderProcess:
         self.proc.start()
         child.close()
         self._busy: concurrent.futures.Future | None = None
+        self._shares = (0, 0)  # the fd shares of the last message (unclaimed_shares)
 
     def alive(self) -> bool:
         return self.proc.is_alive() and (self._busy is None or self._busy.done())
@@ -71,7 +73,9 @@ class SenderProcess:
 
         def run() -> None:
             try:
-                self._conn.send(message.pop())
+                first = shared_fd_key()
+                self._conn.send(message.pop())  # pickling shares each bucket's fd (claimed when the sender reads)
+                self._shares = (first, shared_fd_key())
                 for step in range(steps):
                     msg = self._recv(timeout_s, step, steps)
                     if msg[0] == "error":
@@ -99,11 +103,13 @@ class SenderProcess:
                               "NCCL aborts the process that holds a failed communicator)") from None
 
     def kill(self) -> None:
-        """Stop the sender now; the group's sockets close with it."""
+        """Stop the sender now; the group's sockets close with it. The shares of a message it had not read yet
+        are closed (:func:`close_unclaimed_shares`): they would hold that publish's shared memory for good."""
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5.0)
         self._conn.close()
+        close_unclaimed_shares(*self._shares)
 
     def close(self) -> None:
         """Let an idle sender leave its group cleanly; kill it otherwise."""
@@ -114,6 +120,29 @@ class SenderProcess:
             except OSError:
                 pass
         self.kill()
+
+
+def shared_fd_key() -> int:
+    """The key of the newest file descriptor this process offered another one (multiprocessing's resource
+    sharer, which torch's ``file_descriptor`` sharing of CPU tensors goes through)."""
+    return resource_sharer._resource_sharer._key
+
+
+def close_unclaimed_shares(first: int, last: int) -> int:
+    """Close the offered descriptors with keys in ``(first, last]`` that no process fetched; how many.
+
+    Sending a shared-memory tensor to another process offers a duplicate of its descriptor, which the
+    resource sharer keeps open until the receiver fetches it while unpickling. A sender killed before it
+    read its message never fetches them, and each duplicate then keeps its bucket's shared memory for the
+    life of this process. multiprocessing has no public call for this: its private ``_cache`` (key ->
+    (send, close)), ``_key`` and ``_lock`` are used here, and tests/unit/test_publish_memory.py fails if
+    they change."""
+    sharer = resource_sharer._resource_sharer
+    with sharer._lock:
+        gone = [sharer._cache.pop(k) for k in range(first + 1, last + 1) if k in sharer._cache]
+    for _send, close in gone:
+        close()
+    return len(gone)
 
 
 def _serve(conn, broadcaster_cls, device_index: int | None) -> None:

@@ -55,14 +55,18 @@ class Superseded(Exception):
 class _Job:
     """One version's copy: where, from what, and how it ended."""
 
-    def __init__(self, out: Path, buckets: list, hf: dict, version: int) -> None:
+    def __init__(self, out: Path, buckets: list, hf: dict, version: int, on_end: Callable[[], None] | None) -> None:
         self.out, self.buckets, self.hf, self.version = Path(out), buckets, hf, version
+        self.on_end = on_end
         self.stop = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
 
     def end(self, error: BaseException | None = None) -> None:
         self.error, self.buckets = error, None  # the buckets go with the write
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()  # nothing here reads the buckets any more
         self.done.set()
 
 
@@ -83,10 +87,12 @@ class DiskCopy:
         #: copies stopped or dropped because a newer version was published
         self.n_superseded = 0
 
-    def start(self, out: Path, buckets: list, hf: dict, version: int) -> None:
+    def start(self, out: Path, buckets: list, hf: dict, version: int,
+              on_end: Callable[[], None] | None = None) -> None:
         """Write ``buckets`` as ``out`` (a ``v{version}`` directory) in the background, after the write in
-        progress if there is one (module doc)."""
-        job = _Job(out, buckets, hf, version)
+        progress if there is one (module doc); ``on_end()`` once the buckets are no longer read (the write
+        ended: written, failed, stopped or dropped)."""
+        job = _Job(out, buckets, hf, version, on_end)
         with self._lock:
             if self._queued is not None:  # never started, and now older than the newest
                 self._drop(self._queued)

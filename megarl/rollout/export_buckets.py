@@ -89,19 +89,21 @@ def device_budget(device: torch.device, share: float = DEVICE_SHARE) -> int:
 
 
 def pack_export(named_tensors, bucket_bytes: int, device: torch.device | None = None,
-                budget: int = 0) -> tuple[list, list]:
+                budget: int = 0, alloc=None) -> tuple[list, list]:
     """``(send buckets, host buckets)`` of an export, both ``(meta rows, meta bytes, payload)`` in the same order.
 
     ``device`` None: every bucket in host shared memory, the same list twice. Otherwise the buckets go
     to ``device`` while they fit ``budget`` bytes, the others to host shared memory; the host list
     holds those and a pinned copy of each device bucket (pinned where CUDA is, so the copies run
-    asynchronously; plain host memory on a CPU-only test of the same flow).
+    asynchronously; plain host memory on a CPU-only test of the same flow). ``alloc``: the shared buffers of
+    the host buckets (:func:`pack_shared`).
     """
     send, on_device, used = [], [], 0
     for group in group_tensors(named_tensors, bucket_bytes):
         size = payload_bytes(group)
         here = device is not None and used + size <= budget
-        send.append(pack(group, device, share=False) if here else pack(group, torch.device("cpu"), share=True))
+        send.append(pack(group, device, share=False) if here else
+                    pack(group, torch.device("cpu"), share=True, alloc=alloc))
         on_device.append(here)
         used += size if here else 0
     if device is None:
@@ -151,23 +153,27 @@ def stream_engine_weights(trainer, engine_dtype: str | None, *, to_host: bool = 
     return CollectiveExport(exported, lambda t: t.to(target) if t.is_floating_point() else t), hf
 
 
-def pack_shared(tensors: list, bucket_bytes: int) -> list:
+def pack_shared(tensors: list, bucket_bytes: int, alloc=None) -> list:
     """The tensors packed into shared-memory buckets, emptying ``tensors`` as they are packed: host memory
-    holds one copy of the model plus one bucket at most, not two copies."""
-    return list(iter_buckets(_emptied(tensors), bucket_bytes, share=True))
+    holds one copy of the model plus one bucket at most, not two copies. ``alloc``: where the buffers come
+    from (a lease of megarl/rollout/bucket_pool.py; None: new ones)."""
+    return list(iter_buckets(_emptied(tensors), bucket_bytes, share=True, alloc=alloc))
 
 
-def shard_buckets(buckets: list, rule: ShardRule, k: int, *, consume: bool = False) -> list:
+def shard_buckets(buckets: list, rule: ShardRule, k: int, *, consume: bool = False, alloc=None) -> list:
     """``(shard, meta rows, meta bytes, payload)`` to send: each bucket of ``buckets`` (``(rows, meta bytes,
     payload)``) cut into one bucket per engine worker (megarl/rollout/engine_shards.py), in bucket order and
     worker order within, so the k workers load side by side. Packed where the payload lives (host payloads
     in shared memory, for the sender process). ``consume``: ``buckets`` is emptied as it is cut, so each of
-    its payloads can go once cut (device buckets: one bucket more at a time, not the model twice)."""
+    its payloads can go once cut (device buckets: one bucket more at a time, not the model twice). ``alloc``:
+    the host buckets' shared buffers (:func:`pack_shared`)."""
     out = []
     for rows, _meta, payload in (_emptied(buckets) if consume else iter(buckets)):
         named = list(unpack(rows, payload))
         for t in range(k):
-            out.append((t, *pack(shard_rows(named, rule, t), payload.device, share=payload.device.type == "cpu")))
+            host = payload.device.type == "cpu"
+            out.append((t, *pack(shard_rows(named, rule, t), payload.device, share=host,
+                                 alloc=alloc if host else None)))
         del named, payload
     return out
 

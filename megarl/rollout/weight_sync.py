@@ -209,17 +209,18 @@ class WeightBroadcaster:
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 device=None, share: bool = False) -> Iterator[tuple[list, torch.Tensor, torch.Tensor]]:
+                 device=None, share: bool = False, alloc=None) -> Iterator[tuple[list, torch.Tensor, torch.Tensor]]:
     """Pack tensors into buckets of at most ``bucket_bytes``: ``(meta rows, meta bytes, payload)`` each.
 
     One tensor larger than ``bucket_bytes`` gets a bucket of its own (:func:`plan_buckets` says which
     tensors share one, and where each sits). ``device``: where each payload is assembled (None: where
     the first tensor of the bucket lives), so a GPU trainer packs on its GPU. ``share``: host payloads
     go to shared memory as they are made, so handing them to another process
-    (megarl/rollout/broadcast_sender.py) copies nothing.
+    (megarl/rollout/broadcast_sender.py) copies nothing; ``alloc(nbytes)`` gives those shared buffers
+    (reused ones: megarl/rollout/bucket_pool.py) instead of new ones.
     """
     for bucket in group_tensors(named_tensors, bucket_bytes):
-        yield pack(bucket, device, share)
+        yield pack(bucket, device, share, alloc)
 
 
 def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -268,16 +269,20 @@ def _rows(sized: list) -> tuple[list, int]:
     return meta, offset
 
 
-def pack(bucket: list[tuple[str, torch.Tensor]], device=None, share: bool = False) -> tuple[list, torch.Tensor,
-                                                                                             torch.Tensor]:
+def pack(bucket: list[tuple[str, torch.Tensor]], device=None, share: bool = False,
+         alloc=None) -> tuple[list, torch.Tensor, torch.Tensor]:
     """One bucket's ``(meta rows, meta bytes, payload)`` (:func:`iter_buckets`)."""
     meta, offset = _rows([(name, t.shape, dtype_name(t.dtype), _nbytes(t)) for name, t in bucket])
     for row, (_name, t) in zip(meta, bucket):
         if hasattr(t, "megarl_slice"):  # one worker's part (megarl/rollout/engine_shards.py)
             row.extend(t.megarl_slice)  # [full shape, dim, start]
-    payload = torch.empty(offset, dtype=torch.uint8, device=device if device is not None else bucket[0][1].device)
-    if share and payload.device.type == "cpu":
-        payload.share_memory_()  # still empty: nothing to copy yet
+    where = torch.device(device if device is not None else bucket[0][1].device)
+    if share and where.type == "cpu" and alloc is not None:
+        payload = alloc(offset)  # a shared buffer of a former publish: every tensor's bytes are written below
+    else:
+        payload = torch.empty(offset, dtype=torch.uint8, device=where)
+        if share and payload.device.type == "cpu":
+            payload.share_memory_()  # still empty: nothing to copy yet
     for (_name, t), row in zip(bucket, meta):
         off = row[3]
         flat = t.contiguous().reshape(-1).view(torch.uint8)

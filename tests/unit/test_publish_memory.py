@@ -1,6 +1,7 @@
 """A broadcast publish gives its shared memory back: after publish N (N = 1..3) the node's shared memory (the
-Shmem line of /proc/meminfo, where the buckets the sender process reads live) is back at its level before the
-first publish.
+Shmem line of /proc/meminfo, where the buckets the sender process reads live) is where publish 1 left it (the
+buckets kept for the next publish: megarl/rollout/bucket_pool.py, nothing allocated again) and back at its
+level before the first publish once the publisher closes.
 
 The real BroadcastPublisher, its spawned sender process and its disk copy publish an 84 MB model to two engines
 of two workers each (the cut buckets) or of one (the whole buckets); the engines are receiving threads
@@ -44,47 +45,62 @@ def shmem() -> int:
     raise AssertionError("no Shmem line in /proc/meminfo")
 
 
-def publish_three_times(tmp_path, workers: int, keep: list | None = None) -> tuple[int, list, list]:
-    """(baseline, shared memory after each prepare, after each publish); ``keep`` collects each publish's
-    buckets (the negative control: a publisher that keeps them)."""
+def publish_three_times(tmp_path, workers: int) -> dict:
+    """Shared memory before (``base``), after each prepare and each publish, after ``close``, and the pool's
+    bytes allocated and free after each publish."""
     router = TwoWorkerEnginesStandIn(2, workers)
     pub = BroadcastPublisher(RandomExporter(), router, tmp_path / "weights", timeout_s=60)
     pub.bucket_bytes = 16 * MB
     gc.collect()
-    base, prepared, after = shmem(), [], []
+    out = {"base": shmem(), "prepared": [], "after": [], "allocated": [], "free": []}
 
     async def go():
         for version in (1, 2, 3):
             await pub.prepare(version)
-            if keep is not None:
-                keep.append(pub._buckets)
-            prepared.append(shmem())
+            out["prepared"].append(shmem())
             await pub.apply(version)
             await pub.wait_written()
             router.got.clear()
             gc.collect()
             await asyncio.sleep(0.2)  # the sender's acknowledgement reaches it after it let go of the buckets
-            after.append(shmem())
+            out["after"].append(shmem())
+            out["allocated"].append(pub._pool.bytes_allocated)
+            out["free"].append(pub._pool.free_bytes())
     try:
         asyncio.run(go())
     finally:
         pub.close()
-    return base, prepared, after
+    gc.collect()
+    out["closed"] = shmem()
+    return out
 
 
 @pytest.mark.parametrize("workers", [2, 1], ids=["cut per worker", "whole"])
-def test_shared_memory_is_back_at_its_baseline_after_each_publish(tmp_path, workers):
-    base, prepared, after = publish_three_times(tmp_path, workers)
-    # the measurement sees a publish's buckets: the export (the disk copy reads it) and, cut, the send buckets
-    assert all(p - base >= MODEL_BYTES * (2 if workers > 1 else 1) * 0.9 for p in prepared), (base, prepared)
-    assert all(a - base < 16 * MB for a in after), \
-        f"shared memory {[round((a - base) / MB) for a in after]} MB above its baseline after publishes 1-3"
+def test_shared_memory_is_reused_and_back_at_its_baseline_after_close(tmp_path, workers):
+    m = publish_three_times(tmp_path, workers)
+    base, sets = m["base"], 2 if workers > 1 else 1  # the export (the disk copy reads it) and, cut, the send buckets
+    # the measurement sees a publish's buckets
+    assert all(p - base >= MODEL_BYTES * sets * 0.9 for p in m["prepared"]), (base, m["prepared"])
+    # publish 1 allocates one set; publishes 2 and 3 reuse it (the disk copy ended before the next prepare)
+    assert m["allocated"][0] >= MODEL_BYTES * sets and m["allocated"] == [m["allocated"][0]] * 3, m["allocated"]
+    assert m["free"] == m["allocated"], "every buffer is back in the pool once the sender and the disk copy let go"
+    # between publishes shared memory holds that one set and no more; closing gives it back
+    assert all(abs(a - base - m["allocated"][0]) < 16 * MB for a in m["after"]), \
+        f"shared memory {[round((a - base) / MB) for a in m['after']]} MB above its baseline after publishes 1-3, " \
+        f"the pool holds {m['allocated'][0] / MB:.0f} MB"
+    assert m["closed"] - base < 16 * MB, f"{(m['closed'] - base) / MB:.0f} MB still held after close"
 
 
-def test_the_check_sees_buckets_left_behind(tmp_path):
-    kept: list = []
-    base, _, after = publish_three_times(tmp_path, 2, keep=kept)
-    assert after[-1] - base > 2 * MODEL_BYTES, "three publishes' kept buckets are not seen"
+def test_the_check_sees_buckets_left_behind(tmp_path, monkeypatch):
+    # the negative control: holders that never let go (a lease never released) leave each publish's buckets
+    # behind, and the pool must allocate anew for every publish
+    import megarl.rollout.bucket_pool
+
+    held: list = []
+    monkeypatch.setattr(megarl.rollout.bucket_pool.Lease, "release", lambda self, holder: held.append(self))
+    m = publish_three_times(tmp_path, 2)
+    assert m["after"][-1] - m["base"] > 5 * MODEL_BYTES, "three publishes' buckets left behind are not seen"
+    assert m["allocated"][2] >= 3 * m["allocated"][0] * 0.99 and m["free"] == [0, 0, 0]
 
 
 class EnginesLostBeforeJoiningStandIn(TwoWorkerEnginesStandIn):
@@ -111,8 +127,27 @@ def test_a_failed_publish_gives_its_shared_memory_back_too(tmp_path):
     try:
         out = asyncio.run(go())
         gc.collect()
-        left = shmem() - base
+        allocated, free = pub._pool.bytes_allocated, pub._pool.free_bytes()
     finally:
         pub.close()
+    gc.collect()
+    left = shmem() - base
     assert out["weight_sync_bytes"] == 0  # nothing was sent
+    assert allocated > 0 and free == allocated, "the killed sender's hold on the buckets was not released"
     assert left < 16 * MB, f"{left / MB:.0f} MB of the failed publish's shared memory is still held"
+
+
+def test_the_resource_sharer_internals_close_unclaimed_shares_uses_are_there():
+    """megarl/rollout/broadcast_sender.py closes a killed sender's unfetched descriptors through
+    multiprocessing's private resource sharer: this fails when upstream renames what it uses."""
+    from multiprocessing import resource_sharer
+
+    from megarl.rollout.broadcast_sender import close_unclaimed_shares, shared_fd_key
+
+    sharer = resource_sharer._resource_sharer
+    assert isinstance(sharer._cache, dict) and isinstance(sharer._key, int) and hasattr(sharer._lock, "acquire")
+    closed = []
+    first = shared_fd_key()
+    key = sharer.register(lambda conn, pid: None, lambda: closed.append(1))[1]
+    assert shared_fd_key() == key == first + 1
+    assert close_unclaimed_shares(first, key) == 1 and closed == [1] and key not in sharer._cache
