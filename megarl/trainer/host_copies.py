@@ -72,8 +72,8 @@ class HostCopyPool:
         self._pending.clear()
 
     def release(self, params: dict[str, torch.Tensor]) -> None:
-        """Give a kept copy's buffers back for the next one; the caller holds no other reference to them."""
-        self.ready()
+        """Give a kept copy's buffers back for the next one; the caller holds no other reference to them. No
+        wait: a copy still filling one of them runs on the side stream, before any later copy into it."""
         for t in params.values():
             self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
