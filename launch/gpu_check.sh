@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# GPU checks of megarl on one GPU with the tiny model, < 5 min (see tests/gpu/gpu_check.py for what each does):
-#   env, rendezvous (NCCL through launch/torchrun.sh), vllm_parity (official vLLM wheel generate +
-#   logprobs vs the Megatron trainer), broadcast_gloo / broadcast_nccl (trainer step -> weights into
-#   the GPU engine -> parity), te_spec (TransformerEngine layer spec, if installed), bf16_step.
+# GPU checks of megarl on one GPU, mostly with the tiny model, ~10 min on an H200 (see tests/gpu/gpu_check.py
+# for what each does): env, rendezvous (NCCL through launch/torchrun.sh), megatron_parity (Megatron vs HF),
+#   vllm_parity (official vLLM wheel generate + logprobs vs the Megatron trainer), broadcast_gloo /
+#   broadcast_nccl / hf_broadcast / hf_broadcast_nccl (trainer step -> weights into the GPU engine -> parity),
+#   te_spec (TransformerEngine layer spec, if installed), bf16_step, train_loop, verify_recovery,
+#   plan_vs_peak (the memory plan vs a measured bf16 step on a 2-layer, full-width Qwen3-30B-A3B: writes a
+#   ~7.5 GB random checkpoint first, the slowest check), publish_memory (three broadcast publishes leave GPU
+#   and shared memory at their baseline), cuda_ipc (CUDA-IPC buckets to a second process, freed after),
+#   te_grouped_gemm (the MoE's experts as TE's grouped GEMM, if TE is installed).
 # Every check runs in its own process with a time limit and prints PASS, SKIP or FAIL; the script
 # exits 1 if any check failed.
 #
@@ -10,7 +15,8 @@
 #   bash launch/gpu_check.sh vllm_parity     some checks
 #   bash launch/gpu_check.sh --self-test     no GPU: syntax, the APIs the checks call, the harness itself
 #
-# Environment: PYTHON (default .venv/bin/python), GPU_CHECK_TIMEOUT (s per check, default 150),
+# Environment: PYTHON (default .venv/bin/python), GPU_CHECK_TIMEOUT (s per check, default 240: room for
+# plan_vs_peak's checkpoint; the others take far less),
 # GPU_CHECK_WORKDIR (scratch; default a new temp dir), GPU_CHECK_FORCE_NCCL=1 (try NCCL on one GPU).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,7 +24,7 @@ cd "$ROOT"
 PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 PATH="$(dirname "$PY"):$PATH"
 export PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-TIMEOUT=${GPU_CHECK_TIMEOUT:-150}
+TIMEOUT=${GPU_CHECK_TIMEOUT:-240}
 WORK=${GPU_CHECK_WORKDIR:-$(mktemp -d "${TMPDIR:-/tmp}/megarl-gpu-check.XXXXXX")}
 mkdir -p "$WORK"
 

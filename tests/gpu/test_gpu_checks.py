@@ -15,7 +15,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 #: seconds one check may take (GPU_CHECK_TIMEOUT, as launch/gpu_check.sh reads it)
-TIMEOUT_S = float(os.environ.get("GPU_CHECK_TIMEOUT", "150"))
+TIMEOUT_S = float(os.environ.get("GPU_CHECK_TIMEOUT", "240"))
 
 
 def _checks() -> list[str]:
