@@ -45,7 +45,7 @@ from megarl.launch.roles import current_role
 from megarl.rollout.broadcast_sender import SenderProcess
 from megarl.rollout.bucket_pool import DISK, SENDER, SharedBucketPool
 from megarl.rollout.disk_copy import DiskCopy
-from megarl.rollout.disk_publisher import DiskPublisher, _remove_other_versions
+from megarl.rollout.disk_publisher import DiskPublisher, remove_other_versions
 from megarl.rollout.engine_shards import vllm_tp_rule
 from megarl.rollout.export_buckets import (
     consume_export,
@@ -234,7 +234,7 @@ class BroadcastPublisher:
             log.info("version %d: broadcast %d tensors, %.2f MB to %d engine(s) in %.3f s", version,
                      stats["tensors"], stats["bytes"] / 1e6, len(self._members or ()), time.perf_counter() - t0)
         await self._copy.settled_before(version)  # stopped within one piece, so nothing renames it back below
-        _remove_other_versions(self.weights_dir, current)
+        remove_other_versions(self.weights_dir, current)
         buckets = None  # the device buckets go before the next train step (the sender has let go of them too)
         release_ipc_blocks()
         # the sender sent them or was killed (_abandon): it reads them no more; the disk copy releases its own hold

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megarl.bench.fit import nonneg_lstsq
-from megarl.launch.memory import dedicated_memory
+from megarl.launch.memory import dedicated_memory, largest_tensor
 from megarl.launch.placement import param_counts
 from megarl.rollout.engine_shards import hf_tensor_shapes, sent_elements, vllm_tp_rule
 
@@ -95,7 +95,7 @@ def layout(cfg, hf: dict, plan) -> dict[str, Any]:
     experts = layers * n_exp * 3 * h * int(hf["moe_intermediate_size"]) if n_exp else 0
     t = plan.trainer
     shard = (total - experts) / (t.tp * t.pp) + experts / (t.ep * t.tp * t.pp)
-    largest = max(int(hf["vocab_size"]) * h / t.tp, 3 * h * int(hf.get("intermediate_size") or 0) / t.tp)
+    largest = largest_tensor(hf, t.tp)
     cut = cfg.rollout.shard_weight_sync and cfg.rollout.backend == "vllm"
     received = {etp: sent_elements(hf_tensor_shapes(hf), vllm_tp_rule(hf, etp), etp) if cut and etp > 1
                 else total * etp for etp in {s.tp for s in plan.engines}}
@@ -109,13 +109,19 @@ def layout(cfg, hf: dict, plan) -> dict[str, Any]:
             "dedicated_gpus": max(cfg.placement.dedicated_tp, 1)}
 
 
+def recovery_option(cfg, strategy: str, key: str, default: Any) -> Any:
+    """``recovery.<strategy>.<key>`` of ``cfg`` (a dict from YAML or the strategy's config object), ``default``
+    when the config has no such section or value."""
+    opt = cfg.recovery.options.get(strategy)
+    value = opt.get(key) if isinstance(opt, dict) else getattr(opt, key, None)
+    return default if value in (None, "") else value
+
+
 def ewma_phi(cfg) -> tuple[int, bool]:
     """(bytes per parameter of ewma's phi, whether it lives on the trainer's GPU) under ``cfg``: the forward's
     dtype unless ``recovery.ewma.phi_dtype=float32`` (recovery/ewma.py), ``recovery.ewma.phi_on_gpu``."""
-    opt = cfg.recovery.options.get("ewma")
-    get = (lambda k, d: opt.get(k, d)) if isinstance(opt, dict) else (lambda k, d: getattr(opt, k, d))
-    bf16 = cfg.model.dtype == "bfloat16" and (get("phi_dtype", "param") or "param") == "param"
-    return (2 if bf16 else FP32), bool(get("phi_on_gpu", False))
+    bf16 = cfg.model.dtype == "bfloat16" and recovery_option(cfg, "ewma", "phi_dtype", "param") == "param"
+    return (2 if bf16 else FP32), bool(recovery_option(cfg, "ewma", "phi_on_gpu", False))
 
 
 def step_tokens(cfg, a: Assumptions) -> float:
@@ -166,6 +172,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     load_s = weights / disk  # the scorer reads each version's checkpoint before it scores with it
     out = {}
     for name, (held, flops, ded_flops, swaps, to_host, stall_extra, extra_bytes) in per.items():
+        swapped = swaps * (swap_phi if name == "ewma" else swap)  # bytes over PCIe for its swaps
         transient = 1 if name in SWAPPING else 0
         on_gpu = name == "ewma" and phi_on_gpu  # phi and the swap's saved copy on the GPU, not the host
         ded_s = ded_flops / (lay["dedicated_gpus"] * a.peak_tflops * 1e12 * a.mfu)
@@ -185,11 +192,10 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
             "dedicated_forward_s_per_step": ded_s,
             "dedicated_load_s_per_publish": load_s if ded else 0.0,
             "dedicated_critical_s_per_step": max(ded_s + load_s / every - train_s, 0.0) if ded else 0.0,
-            "pcie_bytes_per_gpu_per_step": swaps * (swap_phi if name == "ewma" else swap) + to_host * shard_b,
-            "pcie_s_per_step": (swaps * (swap_phi if name == "ewma" else swap) + to_host * shard_b) / pcie,
+            "pcie_bytes_per_gpu_per_step": swapped + to_host * shard_b,
+            "pcie_s_per_step": (swapped + to_host * shard_b) / pcie,
             # a kept version's copy (snapshot, interrupt_sync) overlaps the next update (module doc)
-            "pcie_critical_s_per_step": (swaps * (swap_phi if name == "ewma" else swap)
-                                         + (to_host * shard_b if name == "ewma" else 0.0)) / pcie
+            "pcie_critical_s_per_step": (swapped + (to_host * shard_b if name == "ewma" else 0.0)) / pcie
             + (to_host * max(shard_b / pcie - train_s, 0.0) if name in ("snapshot", "interrupt_sync") else 0.0),
             "network_bytes_per_publish": publish_bytes + extra_bytes,
             "stall_s_per_publish": base_stall + stall_extra,

@@ -107,9 +107,7 @@ class HostMemory:
 
 def _storage(cfg) -> str:
     """recovery.snapshot.storage (cpu when the config has no snapshot section)."""
-    opt = cfg.recovery.options.get("snapshot")
-    value = opt.get("storage") if isinstance(opt, dict) else getattr(opt, "storage", None)
-    return value or "cpu"
+    return cost.recovery_option(cfg, "snapshot", "storage", "cpu")
 
 
 def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:

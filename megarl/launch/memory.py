@@ -133,17 +133,22 @@ def model_state_bytes(cfg, hf: dict, t) -> dict[str, float]:
             "optimizer": opt_bytes * (dense / (t.dp if dist else 1) + experts / (t.expert_dp if dist else 1))}
 
 
-def recovery_gpu_bytes(cfg, hf: dict, t, recovery: str | None = None) -> float:
-    """The recovery strategy's bytes on one trainer GPU (module doc); ``recovery``: another strategy's name."""
+def largest_tensor(hf: dict, tp: int) -> float:
+    """Elements of a trainer rank's largest parameter tensor: the (vocab) embedding or the fused MLP, over tp."""
+    h = int(hf["hidden_size"])
+    return max(int(hf["vocab_size"]) * h, 3 * h * int(hf.get("intermediate_size") or 0)) / tp
+
+
+def recovery_gpu_bytes(cfg, hf: dict, t, *, phi_on_gpu: bool | None = None) -> float:
+    """The recovery strategy's bytes on one trainer GPU (module doc); ``phi_on_gpu`` overrides
+    ``recovery.ewma.phi_on_gpu``."""
     from megarl.launch.cost import FP32, SWAPPING, ewma_phi  # cost.py imports this module
 
-    name = recovery or cfg.recovery.name
-    if name not in SWAPPING:
+    if cfg.recovery.name not in SWAPPING:
         return 0.0
-    h, inter = int(hf["hidden_size"]), int(hf.get("intermediate_size") or 0)
-    out = max(int(hf["vocab_size"]) * h, 3 * h * inter) / t.tp * FP32
+    out = largest_tensor(hf, t.tp) * FP32
     phi_b, on_gpu = ewma_phi(cfg)
-    if name == "ewma" and on_gpu:
+    if cfg.recovery.name == "ewma" and (on_gpu if phi_on_gpu is None else phi_on_gpu):
         out += sum(_shards(hf, t)) * (phi_b + (2 if cfg.model.dtype == "bfloat16" else 4))
     return out
 
@@ -286,8 +291,8 @@ def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float) -> list[str]:
     from megarl.launch.cost import ewma_phi  # cost.py imports this module
 
     if cfg.recovery.name == "ewma" and ewma_phi(cfg)[1]:
-        peak = trainer_memory(cfg, hf, t).peak - recovery_gpu_bytes(cfg, hf, t) + recovery_gpu_bytes(
-            cfg, hf, t, "snapshot")  # phi on the host: only the swap's fp32 tensor stays
+        peak = (trainer_memory(cfg, hf, t).peak - recovery_gpu_bytes(cfg, hf, t)
+                + recovery_gpu_bytes(cfg, hf, t, phi_on_gpu=False))
         if peak <= gpu_bytes:
             fixes.append(f"recovery.ewma.phi_on_gpu=false (phi in host memory: {peak / GB:.1f} GB)")
     fixes.append("more GPUs per model copy (parallel.tp with sequence_parallel, parallel.pp, parallel.ep)")

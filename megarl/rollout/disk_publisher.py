@@ -31,7 +31,7 @@ class DiskPublisher:
         """Every engine loads ``version``; returns the step record's ``weight_sync_bytes`` and engine phases."""
         current = self.weights_dir / f"v{version}"
         phases = await self.router.update_weights_from_disk(str(current), version)
-        _remove_other_versions(self.weights_dir, current)
+        remove_other_versions(self.weights_dir, current)
         return {"weight_sync_bytes": sum(f.stat().st_size for f in current.glob("*.safetensors")), **(phases or {})}
 
     async def wait_written(self) -> None:
@@ -41,7 +41,7 @@ class DiskPublisher:
         pass
 
 
-def _remove_other_versions(weights_dir: Path, current: Path) -> None:
+def remove_other_versions(weights_dir: Path, current: Path) -> None:
     for old in weights_dir.glob("v*"):
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
