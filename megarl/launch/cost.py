@@ -53,12 +53,10 @@ from typing import Any
 from megarl.bench.fit import nonneg_lstsq
 from megarl.launch.memory import dedicated_memory, largest_tensor
 from megarl.launch.placement import param_counts
+from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi
 from megarl.rollout.engine_shards import hf_tensor_shapes, sent_elements, vllm_tp_rule
 
 STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated")
-#: strategies that swap other parameters into the trainer for a forward (trainer.use_params)
-SWAPPING = ("ewma", "snapshot", "interrupt_sync")
-FP32 = 4
 
 
 @dataclass
@@ -107,21 +105,6 @@ def layout(cfg, hf: dict, plan) -> dict[str, Any]:
             "ranks_per_node": t.ranks_per_node, "trainer_nodes": len(t.hosts),
             "engine_workers": sum(s.tp for s in plan.engines) or cfg.rollout.n_engines,
             "dedicated_gpus": max(cfg.placement.dedicated_tp, 1)}
-
-
-def recovery_option(cfg, strategy: str, key: str, default: Any) -> Any:
-    """``recovery.<strategy>.<key>`` of ``cfg`` (a dict from YAML or the strategy's config object), ``default``
-    when the config has no such section or value."""
-    opt = cfg.recovery.options.get(strategy)
-    value = opt.get(key) if isinstance(opt, dict) else getattr(opt, key, None)
-    return default if value in (None, "") else value
-
-
-def ewma_phi(cfg) -> tuple[int, bool]:
-    """(bytes per parameter of ewma's phi, whether it lives on the trainer's GPU) under ``cfg``: the forward's
-    dtype unless ``recovery.ewma.phi_dtype=float32`` (recovery/ewma.py), ``recovery.ewma.phi_on_gpu``."""
-    bf16 = cfg.model.dtype == "bfloat16" and recovery_option(cfg, "ewma", "phi_dtype", "param") == "param"
-    return (2 if bf16 else FP32), bool(recovery_option(cfg, "ewma", "phi_on_gpu", False))
 
 
 def step_tokens(cfg, a: Assumptions) -> float:

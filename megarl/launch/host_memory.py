@@ -55,6 +55,7 @@ from megarl.errors import ConfigError
 from megarl.launch import cost
 from megarl.launch.memory import GB, model_state_bytes
 from megarl.launch.placement import param_counts
+from megarl.launch.recovery_bytes import ewma_phi, recovery_option
 
 #: exports of the weights a broadcast publish can hold at once: the version its disk copy still writes and the next
 BROADCAST_EXPORTS = 2
@@ -107,7 +108,7 @@ class HostMemory:
 
 def _storage(cfg) -> str:
     """recovery.snapshot.storage (cpu when the config has no snapshot section)."""
-    return cost.recovery_option(cfg, "snapshot", "storage", "cpu")
+    return recovery_option(cfg, "snapshot", "storage", "cpu")
 
 
 def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:
@@ -121,7 +122,7 @@ def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:
         notes.append(f"recovery.name={name} is not in the cost model: its host copies are not counted")
         recovery = kept = 0.0
     else:
-        per_copy = shard * (cost.ewma_phi(cfg)[0] if name == "ewma" else lay["dtype_bytes"])
+        per_copy = shard * (ewma_phi(cfg)[0] if name == "ewma" else lay["dtype_bytes"])
         kept = c["held_copies"] * per_copy * rpn  # the strategy's state: what a checkpoint copies
         recovery = c["host_bytes_per_trainer_node"]
         if name == "snapshot" and _storage(cfg) == "disk":

@@ -41,6 +41,7 @@ import yaml
 
 from megarl.errors import ConfigError
 from megarl.launch.placement import param_counts
+from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi
 
 TABLE = Path(__file__).with_name("activation_table.yaml")
 GB = 1e9
@@ -142,7 +143,6 @@ def largest_tensor(hf: dict, tp: int) -> float:
 def recovery_gpu_bytes(cfg, hf: dict, t, *, phi_on_gpu: bool | None = None) -> float:
     """The recovery strategy's bytes on one trainer GPU (module doc); ``phi_on_gpu`` overrides
     ``recovery.ewma.phi_on_gpu``."""
-    from megarl.launch.cost import FP32, SWAPPING, ewma_phi  # cost.py imports this module
 
     if cfg.recovery.name not in SWAPPING:
         return 0.0
@@ -288,7 +288,6 @@ def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float) -> list[str]:
         peak = trainer_memory(cfg, hf, t, entropy=False).peak
         if peak <= gpu_bytes:
             fixes.append(f"loss.entropy_coef=0 with loss.entropy_target=null (no entropy bonus: {peak / GB:.1f} GB)")
-    from megarl.launch.cost import ewma_phi  # cost.py imports this module
 
     if cfg.recovery.name == "ewma" and ewma_phi(cfg)[1]:
         peak = (trainer_memory(cfg, hf, t).peak - recovery_gpu_bytes(cfg, hf, t)
