@@ -265,6 +265,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         await self.publisher.prepare(new_version)
         t0 = time.perf_counter()
         self.generation.close()
+        in_flight = self.generation.n_inflight  # what this publish finds mid-answer (0: the engines were idle)
         old = self.version
         if self.cfg.rollout.interruptible:
             await self.router.abort_all()
@@ -285,7 +286,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.gen_stall_s += t1 - t0
         return {"publish_s": t1 - t_prep, "weight_export_s": t0 - t_prep, "publish_stall_s": t1 - t0,
                 "publish_drain_s": t_stopped - t0, "publish_recovery_s": t_sync - t_stopped,
-                "weight_sync_s": t_loaded - t_sync, **(synced or {})}
+                "weight_sync_s": t_loaded - t_sync, "n_publish_inflight": in_flight, **(synced or {})}
 
     # -- training ------------------------------------------------------------------
 

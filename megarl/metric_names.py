@@ -29,7 +29,8 @@ _ACTOR = {"loss", "pg_loss", "approx_kl", "clip_frac_high", "clip_frac_low", "du
 _ROLLOUT_PREFIXES = ("n_engine", "n_reward", "staleness_", "response_len", "n_agent", "n_tool",
                      "weight_sync_bytes", "weight_sync_groups", "weight_sync_fallbacks")
 _ROLLOUT = {"reward_mean", "reward_std", "n_spliced", "n_interrupted", "n_splice_holds", "n_dropped", "n_filtered",
-            "n_kept", "n_seqs", "n_routes_missing", "tokens", "version_lag_hist", "n_engines_live"}
+            "n_kept", "n_seqs", "n_routes_missing", "n_publish_inflight", "tokens", "version_lag_hist",
+            "n_engines_live"}
 
 #: megarl's dashboard name -> verl's name for the same quantity (where verl logs one)
 VERL_EQUIVALENTS = {

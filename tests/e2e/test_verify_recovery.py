@@ -101,7 +101,12 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     # publishes abort requests mid-answer (the resubmission re-prefills under the new weights), and
     # rollout.splice_at_tokens (configs/verify_cpu.yaml) holds every other group's 2 trajectories at 8 tokens
     # until a publish: both kinds of splice are there
-    assert s["n_interrupted"] > 0 and s["n_splice_holds"] > 0 and s["n_spliced_across_update"] >= 2, s
+    # (on failure the steps say why: requests in flight at each publish, how many came back aborted, the times)
+    steps = [{k: rec[k] if isinstance(rec[k], int) else round(rec[k], 3) for k in
+              ("step", "n_publish_inflight", "n_interrupted", "n_splice_holds", "wait_batch_s", "train_step_s",
+               "weight_export_s", "publish_drain_s", "engine_abort_s") if k in rec} for rec in records]
+    assert s["n_interrupted"] > 0, ("no publish aborted a request mid-answer", steps)
+    assert s["n_splice_holds"] > 0 and s["n_spliced_across_update"] >= 2, (s, steps)
 
 
 def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(ckpt, tmp_path):
