@@ -23,9 +23,9 @@ STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "
 GRID_EFFECT = {
     "behav": "anchor = logp_behav, the exact one within the gap; no forward, no copy; the grids' baseline",
     "recompute": "anchored at this step's weights: no gain on the grids, most tokens down-weighted at eta 8",
-    "loglinear": "follows the policy; fast early, then stalled on the agent grid and ended below behav on the MoE grid",
-    "linear": "follows the policy; reached the threshold in half behav's steps at eta 8 (dense grid)",
-    "ewma": "follows the policy; half behav's steps to the threshold at eta 8, above behav on the MoE grid",
+    "loglinear": "follows the policy; fast early, then ended below behav on the MoE grid (5 seeds)",
+    "linear": "follows the policy; 0.57x behav's steps to the threshold at eta 8 (dense grid)",
+    "ewma": "follows the policy; 0.5-0.65x behav's steps to the threshold at eta 8, above behav on the MoE grid",
 }
 
 

@@ -19,12 +19,11 @@ Agentic RL"):
    mean token lag of at most :data:`STALE_LAG` optimizer steps behav (no
    cost; its anchor is the exact one within r_d); above it an anchor that
    follows the policy (megarl's grids at eta 8: ewma reached the reward
-   threshold in about half behav's steps and ended above behav on the MoE
-   grid at 5 seeds): ewma when it fits in memory and its measured own time
-   per step is at most :data:`EWMA_COST_SHARE` of its step, else linear (no
-   forward; half the steps on the dense grid). loglinear is never chosen: it
-   stalled in two of three seeds of the agent grid and ended below behav on
-   the MoE grid.
+   threshold in 0.5-0.65x behav's steps on every grid and ended above behav
+   on the MoE grid at 5 seeds): ewma when it fits in memory and its measured
+   own time per step is at most :data:`EWMA_COST_SHARE` of its step, else
+   linear (no forward; 0.57x behav's steps on the dense grid). loglinear is
+   never chosen: it ended below behav on the MoE grid at 5 seeds.
 4. :func:`routing_replay`: for an MoE model, turn routing replay on when the
    trainer's own routers choose other experts than the engine's at the same
    version for more than :data:`FLIP_SHARE` of the tokens.
