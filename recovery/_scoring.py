@@ -23,11 +23,13 @@ def versions_in(batch: TrainBatch) -> list[int]:
     return sorted(int(v) for v in torch.unique(batch.versions[policy_mask(batch)]).tolist())
 
 
-def forward(trainer: Any, batch: TrainBatch, params: dict[str, torch.Tensor] | None) -> torch.Tensor:
-    """``trainer.logprobs(batch)`` under ``params`` (None = the trainer's current params, no swap)."""
+def forward(trainer: Any, batch: TrainBatch, params: dict[str, torch.Tensor] | None,
+            saved: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """``trainer.logprobs(batch)`` under ``params`` (None = the trainer's current params, no swap); ``saved``: a
+    copy of the current params the caller holds, restored after the forward (``trainer.use_params``)."""
     if params is None:
         return trainer.logprobs(batch)
-    with trainer.use_params(params):
+    with trainer.use_params(params, saved):
         return trainer.logprobs(batch)
 
 

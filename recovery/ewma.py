@@ -23,6 +23,22 @@ by the version folded in, so DP replicas and a resumed run round alike.
 PCIe traffic per step, at one more shard of GPU memory plus the swap's saved
 copy (`megarl plan` counts both and refuses a layout it no longer fits).
 
+Folding. Each optimizer step's theta is folded in by the next anchor (nothing
+writes the parameters in between), not right after the step, and a host phi
+is folded on the trainer's device while the anchor swaps it in
+(``trainer.use_params_from``): per tensor, theta goes to the host (the copy the
+swap restores), phi comes to the device, the fold runs there and its result is
+both the tensor the forward uses and, copied back, the host phi of the next
+step. Four shard copies over PCIe per step (theta out and back, phi in and
+out) and no arithmetic on the host, where folding every parameter of a rank
+with stochastic rounding runs at ~75 M elements/s per CPU thread (seconds per
+step at 30B). Bit for bit the host fold's result: the same fp32 arithmetic and
+draws in the same order. A phi on the trainer's device (``phi_on_gpu``) is
+folded there, and the swap restores the copy of theta the fold took. A
+checkpoint taken between a step and the next anchor holds phi without that
+step's theta (``phi_version`` says which it holds); the resumed run folds it
+in at its first anchor, from the same restored theta and with the same seed.
+
 Default decay. The EWMA's centre of mass lies beta/(1-beta) optimizer steps in
 the past; it is placed mid-window, at S/2 steps for a staleness window of S
 optimizer steps, giving ``beta = S/(S + 2)`` (design.md §3 writes S = M*W: W
@@ -97,16 +113,28 @@ def ewma_update(phi: dict[str, torch.Tensor] | None, n: float, theta: dict[str, 
     n_new = beta * n + 1.0
     if phi is None or n == 0:
         return {k: t.detach().to(dtype, copy=True) for k, t in theta.items()}, n_new
-    keep, take = beta * n / n_new, 1.0 / n_new
+    keep, take = fold_weights(beta, n)
     for k, p in phi.items():
-        x = theta[k].to(p.device, torch.float32)
-        if p.dtype == torch.bfloat16:
-            if generator is None:
-                raise ValueError("a bf16 phi is rounded stochastically: pass a generator")
-            p.copy_(round_to_bf16(p.to(torch.float32).mul_(keep).add_(x, alpha=take), generator))
-        else:
-            p.mul_(keep).add_(x, alpha=take)
+        p.copy_(fold_tensor(p, theta[k].to(p.device), keep, take, generator))
     return phi, n_new
+
+
+def fold_weights(beta: float, n: float) -> tuple[float, float]:
+    """(keep, take) of one fold after n: ``phi_new = keep*phi + take*theta``."""
+    n_new = beta * n + 1.0
+    return beta * n / n_new, 1.0 / n_new
+
+
+def fold_tensor(phi: torch.Tensor, theta: torch.Tensor, keep: float, take: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """``keep*phi + take*theta`` computed in fp32 on theta's device, in phi's dtype (a new tensor there); a bf16
+    result is rounded stochastically with ``generator`` (drawn on theta's device)."""
+    x = phi.to(theta.device, torch.float32, copy=True).mul_(keep).add_(theta.to(torch.float32), alpha=take)
+    if phi.dtype != torch.bfloat16:
+        return x.to(phi.dtype)
+    if generator is None:
+        raise ValueError("a bf16 phi is rounded stochastically: pass a generator")
+    return round_to_bf16(x, generator)
 
 
 @register
@@ -128,6 +156,8 @@ class Ewma(RecoveryStrategy):
         #: trainer version of the last theta folded into phi
         self._phi_version: int | None = None
         self.n_resets = 0
+        #: optimizer steps whose theta no anchor folded in (after_optimizer_step)
+        self.n_missed_folds = 0
 
     @staticmethod
     def _resolve_beta(cfg: EwmaConfig, ctx: Any) -> float:
@@ -148,7 +178,8 @@ class Ewma(RecoveryStrategy):
         bf16 = self.cfg.phi_dtype == "param" and self.ctx.trainer.dtype == "bfloat16"
         return torch.bfloat16 if bf16 else torch.float32
 
-    def _fold_in_theta(self) -> None:
+    def _fold_in_theta(self) -> dict[str, torch.Tensor]:
+        """Fold the trainer's current theta into phi; returns the copy of theta it took (where phi lives)."""
         trainer = self.ctx.trainer
         theta = trainer.get_params(device=None if self.cfg.phi_on_gpu else "cpu")
         device = next(iter(theta.values())).device
@@ -159,6 +190,7 @@ class Ewma(RecoveryStrategy):
         self._phi, self._n = ewma_update(self._phi, self._n, theta, self.beta, dtype=self._phi_dtype(),
                                          generator=gen)
         self._phi_version = trainer.version
+        return theta
 
     def _reset(self) -> None:
         self._phi, self._n = None, 0.0
@@ -178,16 +210,54 @@ class Ewma(RecoveryStrategy):
 
     # -- hooks -------------------------------------------------------------------
     def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
-        if self._phi is None:
-            return  # the first anchor initializes phi from the theta it sees
-        self._fold_in_theta()
+        # the fold of the step's theta waits for the next anchor (module doc, "Folding"), which the loop calls
+        # before every optimizer step; a step without one leaves a theta out of the average
+        if self._phi is not None and self._phi_version is not None and self._phi_version < version - 1:
+            self.n_missed_folds += 1
+            self.meter.add("n_missed_folds", 1.0)
+            if self.n_missed_folds == 1:
+                warnings.warn(f"recovery.ewma: optimizer step {version} came without an anchor since version "
+                              f"{self._phi_version}: the theta of version {version - 1} was not folded into phi",
+                              stacklevel=2)
+
+    def _phi_on_host(self) -> bool:
+        return self._phi is not None and next(iter(self._phi.values())).device.type == "cpu"
+
+    def _forward_folding(self, batch: TrainBatch) -> torch.Tensor:
+        """The anchor forward with phi swapped in, folding the trainer's current theta into the host phi on the
+        trainer's device as each tensor goes in (module doc, "Folding")."""
+        trainer = self.ctx.trainer
+        keep, take = fold_weights(self.beta, self._n)
+        gen: list[torch.Generator] = []
+
+        def fold(name: str, theta: torch.Tensor) -> torch.Tensor:
+            if not gen:  # on the parameters' device, seeded by the version folded in (as _fold_in_theta's)
+                gen.append(torch.Generator(device=theta.device))
+                gen[0].manual_seed(fold_seed(0, trainer.version))
+            new = fold_tensor(self._phi[name], theta, keep, take, gen[0])
+            self._phi[name].copy_(new)  # the host phi, for the next step
+            return new
+
+        with trainer.use_params_from(fold):
+            logp = trainer.logprobs(batch)
+        self._n, self._phi_version = self.beta * self._n + 1.0, trainer.version
+        return logp
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
         with self.meter.time("recovery_s"):
-            if self._phi is None:
-                self._fold_in_theta()
+            # the theta of the last optimizer step is folded in here, by the anchor, not right after the step
+            # (module doc, "Folding")
+            theta, logp = None, None
             with torch.no_grad():
-                logp = forward(self.ctx.trainer, batch, self._phi_params())
+                if self._phi is None:
+                    self._fold_in_theta()  # phi = theta_0
+                elif self._phi_version != self.ctx.trainer.version and self._phi_on_host():
+                    logp = self._forward_folding(batch)
+                elif self._phi_version != self.ctx.trainer.version:  # phi on the trainer's device: fold there;
+                    theta = self._fold_in_theta()  # the swap restores the copy the fold took
+                if logp is None:
+                    logp = forward(self.ctx.trainer, batch, self._phi_params(), saved=theta)
+                del theta
                 active = self._active_frac(batch, logp)
                 reset = self.cfg.auto_reset and self.cfg.tau > 0 and active < self.cfg.tau
                 if reset:

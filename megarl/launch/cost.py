@@ -13,8 +13,9 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
   ``recovery.ewma.phi_on_gpu``, on the trainer's GPU (:func:`ewma_phi`); a scoring forward under other
   parameters swaps them in and back (``trainer.use_params``: one more copy in host memory, 3 shard
   copies over PCIe, and the largest tensor once in fp32 on the GPU; a phi on the GPU is swapped on the
-  device: the saved copy on the GPU, nothing over PCIe); swaps and ewma's copy of theta for its fold run
-  synchronously, on the critical path; the copy snapshot and interrupt_sync keep of each published version
+  device: the saved copy on the GPU, nothing over PCIe); ewma folds a host phi on the GPU during its swap
+  (4 shard copies: theta out and back, phi in and out; no host arithmetic); swaps run synchronously, on the
+  critical path; the copy snapshot and interrupt_sync keep of each published version
   (``trainer.keep_params``: reused pinned buffers, a side stream; megarl/trainer/host_copies.py) overlaps
   the next update and reaches the critical path only by what it takes beyond that update;
 - recompute, ewma and interrupt_sync run one forward over the batch per step,
@@ -135,7 +136,9 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     live_tokens = in_flight * (a.prompt_frac * cfg.data.max_prompt_len + a.response_frac
                                * cfg.rollout.max_new_tokens / 2)  # half-way through their answers
     swap = 3 * shard_b  # save the current shard, load the other one, restore (host <-> GPU)
-    swap_phi = 0.0 if phi_on_gpu else 2 * shard_b + phi  # ewma loads its phi (on the GPU: no PCIe)
+    # ewma (recovery/ewma.py, "Folding"): theta out and back, phi in, and the phi folded on the GPU back out;
+    # a phi on the GPU: no PCIe
+    swap_phi = 0.0 if phi_on_gpu else 2 * shard_b + 2 * phi
     per = {
         # name: (held copies, forward FLOPs on the trainer, FLOPs on dedicated GPUs, swaps per step,
         #        shard copies to host per step, extra stall s per publish, extra bytes per publish)
@@ -143,7 +146,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
         "loglinear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "linear": (0, fwd if interpolation_forward else 0.0, 0.0, 0, 0, 0.0, 0),
         "recompute": (0, fwd, 0.0, 0, 0, 0.0, 0),
-        "ewma": (1, fwd, 0.0, 1, 0 if phi_on_gpu else 1, 0.0, 0),
+        "ewma": (1, fwd, 0.0, 1, 0, 0.0, 0),
         "snapshot": (versions, fwd * (1 + a.spliced_frac), 0.0, versions - 1, 1 / every, 0.0, 0),
         "interrupt_sync": (1, fwd, 0.0, 2, 1 / every,
                            swap / pcie + 2.0 * lay["active_params"] * live_tokens / rate, 0),
@@ -178,7 +181,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
             "pcie_bytes_per_gpu_per_step": swapped + to_host * shard_b,
             "pcie_s_per_step": (swapped + to_host * shard_b) / pcie,
             # a kept version's copy (snapshot, interrupt_sync) overlaps the next update (module doc)
-            "pcie_critical_s_per_step": (swapped + (to_host * shard_b if name == "ewma" else 0.0)) / pcie
+            "pcie_critical_s_per_step": swapped / pcie
             + (to_host * max(shard_b / pcie - train_s, 0.0) if name in ("snapshot", "interrupt_sync") else 0.0),
             "network_bytes_per_publish": publish_bytes + extra_bytes,
             "stall_s_per_publish": base_stall + stall_extra,

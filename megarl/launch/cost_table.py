@@ -2,7 +2,7 @@
 
 One row per strategy and one column per shipped GPU config, each cell what `megarl plan --config CFG --cost`
 predicts with its default assumptions: the seconds a strategy adds to a step on the critical path (its
-trainer forwards, the part of its host<->GPU copies on the critical path (swaps and ewma's fold: all; the
+trainer forwards, the part of its host<->GPU copies on the critical path (swaps, ewma's with its fold: all; the
 kept copy of a published version: what the next update does not hide), and for dedicated the part
 of the scorer's time the trainer's update does not hide) as a share of the baseline step (the update
 itself: forward and backward over the batch, 3 forwards' FLOPs), the host memory per trainer node, the

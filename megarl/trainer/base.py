@@ -38,6 +38,10 @@ class TrainerProtocol(Protocol):
     def exported_hf_config(self) -> dict:
         """config.json of the exported weights (their dtype included)."""
 
+    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor]) -> AbstractContextManager:
+        """Score inside the block with ``make(name, p)`` in place of each parameter ``p`` (made on its device from
+        the current values); the current ones are saved on the host and come back afterwards."""
+
     def save_hf_checkpoint(self, out_dir: str) -> Any:
         """An HF checkpoint of the current weights in ``out_dir`` (rank 0 writes)."""
 
@@ -72,8 +76,14 @@ class ScoringTrainer(Protocol):
     def set_params(self, params: dict[str, torch.Tensor]) -> None:
         """Load ``params`` (as from :meth:`get_params`)."""
 
-    def use_params(self, params: dict[str, torch.Tensor]) -> AbstractContextManager:
-        """Score with ``params`` inside the block; the trainer's own parameters come back afterwards."""
+    def use_params(self, params: dict[str, torch.Tensor],
+                   saved: dict[str, torch.Tensor] | None = None) -> AbstractContextManager:
+        """Score with ``params`` inside the block; the trainer's own parameters come back afterwards (from
+        ``saved`` when the caller already holds a copy of them: no second copy is taken)."""
+
+    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor]) -> AbstractContextManager:
+        """Score inside the block with ``make(name, p)`` in place of each parameter ``p`` (made on its device from
+        the current values); the current ones are saved on the host and come back afterwards."""
 
     def save_hf_checkpoint(self, out_dir: str) -> Any:
         """An HF checkpoint of the current weights in ``out_dir`` (a scorer process loads versions from it)."""

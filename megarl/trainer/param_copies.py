@@ -11,6 +11,7 @@ a side stream on CUDA (megarl/trainer/host_copies.py), so every write of the par
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -75,12 +76,31 @@ class ParamCopies:
             self.optimizer.reload_model_params()  # no-op for fp32 params (no separate master copy)
 
     @contextlib.contextmanager
-    def use_params(self, params: dict[str, torch.Tensor]):
-        """Score with ``params`` inside the block; the model's own parameters come back afterwards (saved where
-        ``params`` are: on the device for a copy kept there, so the swap moves nothing over PCIe)."""
-        first = next(iter(params.values()), None)
-        here = first is not None and first.device == next(self._module().parameters()).device
-        saved = self.get_params(device=None if here else "cpu")
+    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor]):
+        """Score inside the block with parameters made on the device, tensor by tensor, from the current ones:
+        ``make(name, p)`` returns the values for ``p`` (on its device, read before ``p`` is overwritten). The
+        current ones are saved on the host first and come back afterwards (ewma folds its host phi this way,
+        recovery/ewma.py)."""
+        self.before_param_write()
+        saved = {}
+        with torch.no_grad():
+            for n, p in self._module().named_parameters():
+                saved[n] = p.detach().to("cpu", copy=True)
+                p.copy_(make(n, p.detach()))
+        try:
+            yield self
+        finally:
+            self._copy_in(saved)
+
+    @contextlib.contextmanager
+    def use_params(self, params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor] | None = None):
+        """Score with ``params`` inside the block; the model's own parameters come back afterwards: from
+        ``saved``, a copy of them the caller already holds (ewma's fold just took one), else from a copy taken
+        here, where ``params`` are (on the device for a copy kept there, so the swap moves nothing over PCIe)."""
+        if saved is None:
+            first = next(iter(params.values()), None)
+            here = first is not None and first.device == next(self._module().parameters()).device
+            saved = self.get_params(device=None if here else "cpu")
         self._copy_in(params)
         try:
             yield self

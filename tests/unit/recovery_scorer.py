@@ -59,6 +59,7 @@ class HFScorerForTests:
         return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
     def get_params(self, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
+        self.n_copies = getattr(self, "n_copies", 0) + 1  # copies of the parameters taken (PCIe on a GPU)
         return {n: p.detach().to(p.device if device is None else device, torch.float32, copy=True)
                 for n, p in self.model.named_parameters()}
 
@@ -78,10 +79,23 @@ class HFScorerForTests:
             p.copy_(params[n])
 
     @contextmanager
-    def use_params(self, params: dict[str, torch.Tensor]):
+    def use_params(self, params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor] | None = None):
         self.n_swaps += 1
-        saved = self.get_params()
+        saved = self.get_params() if saved is None else saved
         self.set_params(params)
+        try:
+            yield
+        finally:
+            self.set_params(saved)
+
+    @contextmanager
+    def use_params_from(self, make):
+        self.n_swaps += 1
+        saved = {}
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                saved[n] = p.detach().to("cpu", copy=True)
+                p.copy_(make(n, p.detach()))
         try:
             yield
         finally:

@@ -89,6 +89,7 @@ def _run(ckpt, cfg: EwmaConfig, dtype: str):
     strat.anchor(batch, trajs)
     trainer.fake_step()
     strat.after_optimizer_step(trainer.version, {})
+    strat.anchor(batch, trajs)  # folds the step's theta in
     return trainer, loop, strat, batch, trajs
 
 
@@ -115,3 +116,45 @@ def test_phi_on_gpu_keeps_phi_where_the_parameters_are(ckpt):
     assert torch.equal(a[2].anchor(a[3], a[4]).logp_anchor, b[2].anchor(b[3], b[4]).logp_anchor)
     device = next(a[0].model.parameters()).device
     assert {t.device for t in a[2]._phi.values()} == {device}
+
+
+def test_the_fold_inside_the_swap_is_the_host_fold_bit_for_bit_and_takes_no_other_copy(ckpt):
+    # a host phi is folded on the parameters' device while the anchor swaps it in (recovery/ewma.py, "Folding"):
+    # the same phi as folding on the host after each step, and theta leaves the device once per step, in the
+    # swap (before, the fold took a copy of its own: one more shard over PCIe per step, and host arithmetic)
+    trainer = HFScorerForTests(ckpt, version=7)
+    trainer.dtype = "bfloat16"
+    loop = LoopState()
+    strat = Ewma(EwmaConfig(beta=0.5, tau=0.0), loop.context(trainer))
+    batch, trajs, _ = drive_history(strat, trainer, loop)
+    strat.anchor(batch, trajs)  # phi = theta
+    ref, n = ewma_update(None, 0.0, trainer.get_params(), 0.5, dtype=torch.bfloat16)
+    for _ in range(3):
+        trainer.fake_step()
+        strat.after_optimizer_step(trainer.version, {})
+        gen = torch.Generator()
+        gen.manual_seed(fold_seed(0, trainer.version))
+        ref, n = ewma_update(ref, n, trainer.get_params(), 0.5, dtype=torch.bfloat16, generator=gen)
+        copies, swaps = trainer.n_copies, trainer.n_swaps
+        with trainer.use_params(ref):
+            expected = trainer.logprobs(batch)
+        got = strat.anchor(batch, trajs)
+        assert trainer.n_copies == copies + 1 and trainer.n_swaps == swaps + 2  # the use_params above only
+        assert all(torch.equal(strat._phi[k], ref[k]) for k in ref) and strat._n == n
+        assert torch.equal(got.logp_anchor, expected)
+    assert not torch.equal(got.logp_anchor, trainer.logprobs(batch))  # the average, not theta
+
+
+def test_a_checkpoint_between_a_step_and_its_fold_resumes_to_the_same_phi(ckpt):
+    # a checkpoint after a step holds phi without that step's theta (the next anchor folds it in): the resumed
+    # strategy folds it in from the same theta with the same draws
+    trainer, loop, strat, batch, trajs = _run(ckpt, EwmaConfig(beta=0.5, tau=0.0), "bfloat16")
+    trainer.fake_step()
+    strat.after_optimizer_step(trainer.version, {})
+    state = strat.state_dict()
+    assert state["phi_version"] == trainer.version - 1
+    resumed = Ewma(EwmaConfig(beta=0.5, tau=0.0), loop.context(trainer))
+    resumed.load_state_dict(state)
+    a, b = strat.anchor(batch, trajs), resumed.anchor(batch, trajs)
+    assert torch.equal(a.logp_anchor, b.logp_anchor) and a.metrics["ewma/n"] == b.metrics["ewma/n"] == 1.75
+    assert all(torch.equal(strat._phi[k], resumed._phi[k]) for k in strat._phi)

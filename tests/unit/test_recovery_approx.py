@@ -100,7 +100,9 @@ def test_ewma_anchor_is_forward_with_phi(ckpt):
     a0 = strat.anchor(batch, trajs)
     assert torch.equal(a0.logp_anchor, trainer.logprobs(batch)) and a0.metrics["ewma/n"] == 1.0
     thetas = [trainer.get_params()]
-    for _ in range(2):
+    for i in range(2):  # as the loop runs: an anchor before every step (each folds the step before it in)
+        if i:
+            strat.anchor(batch, trajs)
         trainer.fake_step()
         strat.after_optimizer_step(trainer.version, {})
         thetas.append(trainer.get_params())
@@ -116,6 +118,20 @@ def test_ewma_anchor_is_forward_with_phi(ckpt):
     assert strat.overhead()["extra_param_copies"] == 1
 
 
+def test_ewma_warns_of_a_step_whose_theta_no_anchor_folded(ckpt):
+    trainer = HFScorerForTests(ckpt, version=7)
+    loop = LoopState()
+    strat = Ewma(EwmaConfig(beta=0.5, tau=0.0), loop.context(trainer))
+    batch, trajs, _ = drive_history(strat, trainer, loop)
+    strat.anchor(batch, trajs)
+    trainer.fake_step()
+    strat.after_optimizer_step(trainer.version, {})  # the next anchor would fold this theta: nothing missed
+    trainer.fake_step()
+    with pytest.warns(UserWarning, match="was not folded"):
+        strat.after_optimizer_step(trainer.version, {})
+    assert strat.n_missed_folds == 1
+
+
 def test_ewma_auto_reset_takes_effect_for_the_triggering_batch(ckpt):
     # a tight behaviour mask: the engine's logp_behav (-1.0 - 0.1 i) is far from the model's,
     # so w = exp(anchor - behav) falls outside [0.9, 1.1] and almost no token is active
@@ -127,7 +143,7 @@ def test_ewma_auto_reset_takes_effect_for_the_triggering_batch(ckpt):
     strat.anchor(batch, trajs)
     trainer.fake_step()
     strat.after_optimizer_step(trainer.version, {})
-    assert strat.state_dict()["n"] == 1.5
+    assert strat.state_dict()["n"] == 1.0  # the step's theta is folded in by the next anchor
     res = strat.anchor(batch, trajs)
     assert res.metrics["ewma/reset"] == 1.0 and res.metrics["ewma/active_frac_pre"] < 0.5
     assert strat.state_dict()["n"] == 1.0 and strat.n_resets >= 1
