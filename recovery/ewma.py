@@ -129,7 +129,8 @@ def fold_tensor(phi: torch.Tensor, theta: torch.Tensor, keep: float, take: float
                 generator: torch.Generator | None) -> torch.Tensor:
     """``keep*phi + take*theta`` computed in fp32 on theta's device, in phi's dtype (a new tensor there); a bf16
     result is rounded stochastically with ``generator`` (drawn on theta's device)."""
-    x = phi.to(theta.device, torch.float32, copy=True).mul_(keep).add_(theta.to(torch.float32), alpha=take)
+    # moved in its own dtype, widened where theta is (a cast before the move would double the bytes over PCIe)
+    x = phi.to(theta.device, copy=True).to(torch.float32).mul_(keep).add_(theta.to(torch.float32), alpha=take)
     if phi.dtype != torch.bfloat16:
         return x.to(phi.dtype)
     if generator is None:
