@@ -38,10 +38,6 @@ class TrainerProtocol(Protocol):
     def exported_hf_config(self) -> dict:
         """config.json of the exported weights (their dtype included)."""
 
-    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor]) -> AbstractContextManager:
-        """Score inside the block with ``make(name, p)`` in place of each parameter ``p`` (made on its device from
-        the current values); the current ones are saved on the host and come back afterwards."""
-
     def save_hf_checkpoint(self, out_dir: str) -> Any:
         """An HF checkpoint of the current weights in ``out_dir`` (rank 0 writes)."""
 
