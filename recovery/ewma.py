@@ -110,19 +110,18 @@ def ewma_update(phi: dict[str, torch.Tensor] | None, n: float, theta: dict[str, 
                 generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], float]:
     """One bias-corrected EWMA step (in place on phi); returns (phi, n_new). A new phi is theta in ``dtype``
     on theta's device; a bf16 phi is updated in fp32 and rounded stochastically with ``generator``."""
-    n_new = beta * n + 1.0
+    keep, take, n_new = fold_weights(beta, n)
     if phi is None or n == 0:
         return {k: t.detach().to(dtype, copy=True) for k, t in theta.items()}, n_new
-    keep, take = fold_weights(beta, n)
     for k, p in phi.items():
         p.copy_(fold_tensor(p, theta[k].to(p.device), keep, take, generator))
     return phi, n_new
 
 
-def fold_weights(beta: float, n: float) -> tuple[float, float]:
-    """(keep, take) of one fold after n: ``phi_new = keep*phi + take*theta``."""
+def fold_weights(beta: float, n: float) -> tuple[float, float, float]:
+    """(keep, take, n_new) of one fold after n: ``phi_new = keep*phi + take*theta``."""
     n_new = beta * n + 1.0
-    return beta * n / n_new, 1.0 / n_new
+    return beta * n / n_new, 1.0 / n_new, n_new
 
 
 def fold_tensor(phi: torch.Tensor, theta: torch.Tensor, keep: float, take: float,
@@ -186,12 +185,16 @@ class Ewma(RecoveryStrategy):
         device = next(iter(theta.values())).device
         if self._phi is not None and next(iter(self._phi.values())).device != device:  # a restored phi
             self._phi = {k: t.to(device) for k, t in self._phi.items()}
-        gen = torch.Generator(device=device)
-        gen.manual_seed(fold_seed(0, trainer.version))
         self._phi, self._n = ewma_update(self._phi, self._n, theta, self.beta, dtype=self._phi_dtype(),
-                                         generator=gen)
+                                         generator=self._fold_generator(device))
         self._phi_version = trainer.version
         return theta
+
+    def _fold_generator(self, device: torch.device) -> torch.Generator:
+        """The stochastic rounding's draws of the fold of the trainer's current version, on ``device``."""
+        gen = torch.Generator(device=device)
+        gen.manual_seed(fold_seed(0, self.ctx.trainer.version))
+        return gen
 
     def _reset(self) -> None:
         self._phi, self._n = None, 0.0
@@ -228,20 +231,18 @@ class Ewma(RecoveryStrategy):
         """The anchor forward with phi swapped in, folding the trainer's current theta into the host phi on the
         trainer's device as each tensor goes in (module doc, "Folding")."""
         trainer = self.ctx.trainer
-        keep, take = fold_weights(self.beta, self._n)
-        gen: list[torch.Generator] = []
+        keep, take, n_new = fold_weights(self.beta, self._n)
+        gen: list[torch.Generator] = []  # made at the first tensor, on the parameters' device
 
         def fold(name: str, theta: torch.Tensor) -> torch.Tensor:
-            if not gen:  # on the parameters' device, seeded by the version folded in (as _fold_in_theta's)
-                gen.append(torch.Generator(device=theta.device))
-                gen[0].manual_seed(fold_seed(0, trainer.version))
+            gen[:] = gen or [self._fold_generator(theta.device)]
             new = fold_tensor(self._phi[name], theta, keep, take, gen[0])
             self._phi[name].copy_(new)  # the host phi, for the next step
             return new
 
         with trainer.use_params_from(fold):
             logp = trainer.logprobs(batch)
-        self._n, self._phi_version = self.beta * self._n + 1.0, trainer.version
+        self._n, self._phi_version = n_new, trainer.version
         return logp
 
     def anchor(self, batch: TrainBatch, trajs: list[Trajectory]) -> AnchorResult:
