@@ -134,7 +134,8 @@ def test_the_fold_inside_the_swap_is_the_host_fold_bit_for_bit_and_takes_no_othe
         strat.after_optimizer_step(trainer.version, {})
         gen = torch.Generator()
         gen.manual_seed(fold_seed(0, trainer.version))
-        ref, n = ewma_update(ref, n, trainer.get_params(), 0.5, dtype=torch.bfloat16, generator=gen)
+        before, n_before, theta = {k: t.clone() for k, t in ref.items()}, n, trainer.get_params()
+        ref, n = ewma_update(ref, n, theta, 0.5, dtype=torch.bfloat16, generator=gen)
         copies, swaps = trainer.n_copies, trainer.n_swaps
         with trainer.use_params(ref):
             expected = trainer.logprobs(batch)
@@ -143,6 +144,11 @@ def test_the_fold_inside_the_swap_is_the_host_fold_bit_for_bit_and_takes_no_othe
         assert all(torch.equal(strat._phi[k], ref[k]) for k in ref) and strat._n == n
         assert torch.equal(got.logp_anchor, expected)
     assert not torch.equal(got.logp_anchor, trainer.logprobs(batch))  # the average, not theta
+    # negative control: the same fold with another version's draws is not what the strategy holds
+    other = torch.Generator()
+    other.manual_seed(fold_seed(0, trainer.version + 1))
+    wrong, _ = ewma_update(before, n_before, theta, 0.5, dtype=torch.bfloat16, generator=other)
+    assert not all(torch.equal(strat._phi[k], wrong[k]) for k in wrong)
 
 
 def test_a_checkpoint_between_a_step_and_its_fold_resumes_to_the_same_phi(ckpt):
