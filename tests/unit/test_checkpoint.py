@@ -174,13 +174,25 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path):
 
 
 # -- the loop's state ----------------------------------------------------------------------
+def _unfinished(log):
+    """Trajectories an engine log leaves unfinished: a request with no answer yet, or an answer cut by an abort
+    (a publish's interrupt: it is resubmitted with the partial answer)."""
+    last = {}
+    for kind, tid, *rest in log:
+        last[tid] = kind == "start" or rest[1] == "abort"
+    return [t for t, open_ in last.items() if open_]
+
+
 # a trainer faster than generation is cut with groups in flight (redone under new ids); a slower one with a
 # full buffer (carried over): each case is asserted non-empty where it is made sure of
 @pytest.mark.parametrize("seed,slow_trainer", [(0, False), (1, False), (2, True), (3, True)])
 def test_loop_state_round_trip_loses_nothing(seed, slow_trainer):
     delay = 0.03 if slow_trainer else 0.0
-    c1, t1, ck1, j1 = make_controller(seed, train_delay_s=delay)
-    asyncio.run(c1.train(8))  # "killed" after step 8; checkpoints at 3 and 6 (and 8, the end)
+    for attempt in range(5):  # the fast trainer's case needs work unfinished at the cut: timing decides, so retry
+        c1, t1, ck1, j1 = make_controller(seed + 1000 * attempt, train_delay_s=delay)
+        asyncio.run(c1.train(8))  # "killed" after step 8; checkpoints at 3 and 6 (and 8, the end)
+        if slow_trainer or _unfinished(c1.router.log[:ck1.cuts[6]]):
+            break
     state = ck1.saved[6]
     c2, t2, ck2, j2 = make_controller(seed + 100, state, train_delay_s=delay)
     asyncio.run(c2.train(12))
