@@ -20,8 +20,9 @@ one unit (the anchor forward rounds phi to bf16 anyway). The draws are seeded
 by the version folded in, so DP replicas and a resumed run round alike.
 ``phi_dtype: float32`` keeps the fp32 average (twice the host bytes).
 ``phi_on_gpu: true`` keeps phi on the trainer's device: no host copy and no
-PCIe traffic per step, at one more shard of GPU memory plus the swap's saved
-copy (`megarl plan` counts both and refuses a layout it no longer fits).
+PCIe traffic per step, at one more shard of GPU memory (`megarl plan` counts
+it and refuses a layout it no longer fits; an fp32 phi on a bf16 run adds its
+bf16 cast for the forward).
 
 Folding. Each optimizer step's theta is folded in by the next anchor (nothing
 writes the parameters in between), not right after the step, and a host phi
@@ -34,7 +35,10 @@ out) and no arithmetic on the host, where folding every parameter of a rank
 with stochastic rounding runs at ~75 M elements/s per CPU thread (seconds per
 step at 30B). Bit for bit the host fold's result: the same fp32 arithmetic and
 draws in the same order. A phi on the trainer's device (``phi_on_gpu``) is
-folded there, and the swap restores the copy of theta the fold took. A
+folded there in place, and the forward points the parameters at it
+(``use_params_from(resident=True)``): theta stays where it is, nothing is
+copied. The fold works :data:`FOLD_CHUNK` elements at a time, so its fp32
+temporaries stay small beside a 300M-entry embedding. A
 checkpoint taken between a step and the next anchor holds phi without that
 step's theta (``phi_version`` says which it holds); the resumed run folds it
 in at its first anchor, from the same restored theta and with the same seed.
@@ -96,7 +100,7 @@ class EwmaConfig:
     phi_dtype: Literal["param", "float32"] = "param"
     """param = phi in the dtype of the weights the forward uses (bf16 on bf16 runs, updated with stochastic rounding; fp32 on fp32 runs); float32 = an fp32 average whatever the run's dtype (twice the bytes on bf16 runs)."""
     phi_on_gpu: bool = False
-    """Keep phi on the trainer's device instead of host memory: no PCIe copies per step, one more parameter shard (plus the swap's saved copy) of GPU memory; `megarl plan` says whether it fits."""
+    """Keep phi on the trainer's device instead of host memory: no PCIe copies per step, one more parameter shard of GPU memory (the forward points at it; nothing is copied); `megarl plan` says whether it fits."""
 
 
 def default_beta(window: int, steps_per_version: int = 1) -> float:
@@ -114,7 +118,7 @@ def ewma_update(phi: dict[str, torch.Tensor] | None, n: float, theta: dict[str, 
     if phi is None or n == 0:
         return {k: t.detach().to(dtype, copy=True) for k, t in theta.items()}, n_new
     for k, p in phi.items():
-        p.copy_(fold_tensor(p, theta[k].to(p.device), keep, take, generator))
+        fold_tensor(p, theta[k].to(p.device), keep, take, generator, out=p)
     return phi, n_new
 
 
@@ -124,17 +128,28 @@ def fold_weights(beta: float, n: float) -> tuple[float, float, float]:
     return beta * n / n_new, 1.0 / n_new, n_new
 
 
+#: elements folded at once: the fold's fp32 temporaries (the widened phi and theta, the rounding's draws and
+#: words: ~16 bytes an element) stay under 256 MB whatever the tensor, an embedding of 300M entries included
+FOLD_CHUNK = 1 << 24
+
+
 def fold_tensor(phi: torch.Tensor, theta: torch.Tensor, keep: float, take: float,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """``keep*phi + take*theta`` computed in fp32 on theta's device, in phi's dtype (a new tensor there); a bf16
-    result is rounded stochastically with ``generator`` (drawn on theta's device)."""
-    # moved in its own dtype, widened where theta is (a cast before the move would double the bytes over PCIe)
-    x = phi.to(theta.device, copy=True).to(torch.float32).mul_(keep).add_(theta.to(torch.float32), alpha=take)
-    if phi.dtype != torch.bfloat16:
-        return x.to(phi.dtype)
-    if generator is None:
+                generator: torch.Generator | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``keep*phi + take*theta`` computed in fp32 on theta's device, in phi's dtype, :data:`FOLD_CHUNK` elements
+    at a time, written into ``out`` (contiguous, on theta's device; phi itself when it is there) or a new
+    tensor there; a bf16 result is rounded stochastically with ``generator`` (drawn on theta's device)."""
+    if phi.dtype == torch.bfloat16 and generator is None:
         raise ValueError("a bf16 phi is rounded stochastically: pass a generator")
-    return round_to_bf16(x, generator)
+    if out is None:
+        out = torch.empty(phi.shape, dtype=phi.dtype, device=theta.device)
+    src, th, dst = phi.reshape(-1), theta.reshape(-1), out.view(-1)
+    for i in range(0, src.numel(), FOLD_CHUNK):
+        part = slice(i, i + FOLD_CHUNK)
+        # moved in its own dtype, widened where theta is (a cast before the move would double the bytes over PCIe)
+        x = src[part].to(theta.device, copy=True).to(torch.float32).mul_(keep)
+        x.add_(th[part].to(torch.float32), alpha=take)
+        dst[part] = round_to_bf16(x, generator) if phi.dtype == torch.bfloat16 else x.to(phi.dtype)
+    return out
 
 
 @register
@@ -178,17 +193,12 @@ class Ewma(RecoveryStrategy):
         bf16 = self.cfg.phi_dtype == "param" and self.ctx.trainer.dtype == "bfloat16"
         return torch.bfloat16 if bf16 else torch.float32
 
-    def _fold_in_theta(self) -> dict[str, torch.Tensor]:
-        """Fold the trainer's current theta into phi; returns the copy of theta it took (where phi lives)."""
+    def _init_phi(self) -> None:
+        """phi = the trainer's current theta (n: 0 -> 1): a copy where phi lives, in phi's dtype."""
         trainer = self.ctx.trainer
         theta = trainer.get_params(device=None if self.cfg.phi_on_gpu else "cpu")
-        device = next(iter(theta.values())).device
-        if self._phi is not None and next(iter(self._phi.values())).device != device:  # a restored phi
-            self._phi = {k: t.to(device) for k, t in self._phi.items()}
-        self._phi, self._n = ewma_update(self._phi, self._n, theta, self.beta, dtype=self._phi_dtype(),
-                                         generator=self._fold_generator(device))
-        self._phi_version = trainer.version
-        return theta
+        self._phi = {k: t.to(self._phi_dtype()) for k, t in theta.items()}  # the copy itself where dtypes agree
+        self._n, self._phi_version = fold_weights(self.beta, 0.0)[2], trainer.version
 
     def _fold_generator(self, device: torch.device) -> torch.Generator:
         """The stochastic rounding's draws of the fold of the trainer's current version, on ``device``."""
@@ -197,8 +207,8 @@ class Ewma(RecoveryStrategy):
         return gen
 
     def _reset(self) -> None:
-        self._phi, self._n = None, 0.0
-        self._fold_in_theta()  # n: 0 -> 1, phi = theta
+        self._phi, self._n = None, 0.0  # the old phi goes before the new copy is taken
+        self._init_phi()
         self.n_resets += 1
         self.meter.add("n_resets", 1.0)
 
@@ -224,23 +234,27 @@ class Ewma(RecoveryStrategy):
                               f"{self._phi_version}: the theta of version {version - 1} was not folded into phi",
                               stacklevel=2)
 
-    def _phi_on_host(self) -> bool:
-        return self._phi is not None and next(iter(self._phi.values())).device.type == "cpu"
-
     def _forward_folding(self, batch: TrainBatch) -> torch.Tensor:
-        """The anchor forward with phi swapped in, folding the trainer's current theta into the host phi on the
-        trainer's device as each tensor goes in (module doc, "Folding")."""
+        """The anchor forward with phi in place of theta, folding the trainer's current theta into phi on the
+        trainer's device tensor by tensor first (module doc, "Folding")."""
         trainer = self.ctx.trainer
         keep, take, n_new = fold_weights(self.beta, self._n)
         gen: list[torch.Generator] = []  # made at the first tensor, on the parameters' device
+        resident = self.cfg.phi_on_gpu
 
         def fold(name: str, theta: torch.Tensor) -> torch.Tensor:
             gen[:] = gen or [self._fold_generator(theta.device)]
-            new = fold_tensor(self._phi[name], theta, keep, take, gen[0])
-            self._phi[name].copy_(new)  # the host phi, for the next step
+            phi = self._phi[name]
+            if resident:  # folded in place on the device; the forward points at it (in the forward's dtype)
+                if phi.device != theta.device:  # restored from a checkpoint: it comes in once
+                    phi = self._phi[name] = phi.to(theta.device)
+                fold_tensor(phi, theta, keep, take, gen[0], out=phi)
+                return phi if phi.dtype == theta.dtype else phi.to(theta.dtype)
+            new = fold_tensor(phi, theta, keep, take, gen[0])
+            phi.copy_(new)  # the host phi, for the next step
             return new
 
-        with trainer.use_params_from(fold):
+        with trainer.use_params_from(fold, resident=resident):
             logp = trainer.logprobs(batch)
         self._n, self._phi_version = n_new, trainer.version
         return logp
@@ -249,17 +263,13 @@ class Ewma(RecoveryStrategy):
         with self.meter.time("recovery_s"):
             # the theta of the last optimizer step is folded in here, by the anchor, not right after the step
             # (module doc, "Folding")
-            theta, logp = None, None
             with torch.no_grad():
                 if self._phi is None:
-                    self._fold_in_theta()  # phi = theta_0
-                elif self._phi_version != self.ctx.trainer.version and self._phi_on_host():
+                    self._init_phi()  # phi = theta_0
+                if self._phi_version != self.ctx.trainer.version:
                     logp = self._forward_folding(batch)
-                elif self._phi_version != self.ctx.trainer.version:  # phi on the trainer's device: fold there;
-                    theta = self._fold_in_theta()  # the swap restores the copy the fold took
-                if logp is None:
-                    logp = forward(self.ctx.trainer, batch, self._phi_params(), saved=theta)
-                del theta
+                else:  # nothing to fold (the first anchor, or one more of the same version)
+                    logp = forward(self.ctx.trainer, batch, self._phi_params())
                 active = self._active_frac(batch, logp)
                 reset = self.cfg.auto_reset and self.cfg.tau > 0 and active < self.cfg.tau
                 if reset:

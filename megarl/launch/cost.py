@@ -12,8 +12,8 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
   too (bf16 rounded stochastically; ``recovery.ewma.phi_dtype=float32``: fp32), on the host or, with
   ``recovery.ewma.phi_on_gpu``, on the trainer's GPU (:func:`ewma_phi`); a scoring forward under other
   parameters swaps them in and back (``trainer.use_params``: one more copy in host memory, 3 shard
-  copies over PCIe, and the largest tensor once in fp32 on the GPU; a phi on the GPU is swapped on the
-  device: the saved copy on the GPU, nothing over PCIe); ewma folds a host phi on the GPU during its swap
+  copies over PCIe, and the largest tensor once in fp32 on the GPU; a phi on the GPU is folded in place
+  and pointed at by the forward: nothing copied, nothing over PCIe); ewma folds a host phi on the GPU during its swap
   (4 shard copies: theta out and back, phi in and out; no host arithmetic); swaps run synchronously, on the
   critical path; the copy snapshot and interrupt_sync keep of each published version
   (``trainer.keep_params``: reused pinned buffers, a side stream; megarl/trainer/host_copies.py) overlaps
@@ -160,12 +160,12 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     for name, (held, flops, ded_flops, swaps, to_host, stall_extra, extra_bytes) in per.items():
         swapped = swaps * (swap_phi if name == "ewma" else swap)  # bytes over PCIe for its swaps
         transient = 1 if name in SWAPPING else 0
-        on_gpu = name == "ewma" and phi_on_gpu  # phi and the swap's saved copy on the GPU, not the host
+        on_gpu = name == "ewma" and phi_on_gpu  # phi on the GPU, not the host: the forward points at it
         ded_s = ded_flops / (lay["dedicated_gpus"] * a.peak_tflops * 1e12 * a.mfu)
         ded = name == "dedicated"
         out[name] = {
             "gpu_bytes_per_trainer_gpu": (lay["largest_tensor"] * FP32 if name in SWAPPING else 0.0)
-            + (phi + shard_b if on_gpu else 0.0),
+            + (phi + (shard_b if phi_b != lay["dtype_bytes"] else 0.0) if on_gpu else 0.0),
             "host_bytes_per_trainer_node": 0.0 if on_gpu else (held * (phi if name == "ewma" else shard_b)
                                                                + transient * shard_b) * lay["ranks_per_node"],
             "held_copies": held,

@@ -20,7 +20,8 @@ Trainer GPU (bf16 or fp32 parameters, Megatron DDP, Adam):
   or ``loss.entropy_target``) also what its path keeps (measured: an fp32 copy of the logits and its graph).
 - recovery: what the recovery strategy puts on the GPU (:func:`recovery_gpu_bytes`): a strategy that swaps
   other parameters in (ewma, snapshot, interrupt_sync) has the largest tensor in fp32 there for a moment;
-  ewma with ``recovery.ewma.phi_on_gpu`` keeps its phi and, while it scores, the saved current parameters.
+  ewma with ``recovery.ewma.phi_on_gpu`` keeps its phi there, which the forward points at (an fp32 phi on a
+  bf16 run adds its bf16 cast while it scores).
 - runtime: CUDA context, NCCL buffers and allocator slack (:data:`RUNTIME_RESERVE`, assumed).
 Engine GPU: vLLM takes :data:`VLLM_UTILIZATION` of the device: its weight shard, the KV cache the rest.
 Dedicated scorer GPU: forward-only weights (no gradients, no optimizer) and, one after the other (no graph is
@@ -149,7 +150,9 @@ def recovery_gpu_bytes(cfg, hf: dict, t, *, phi_on_gpu: bool | None = None) -> f
     out = largest_tensor(hf, t.tp) * FP32
     phi_b, on_gpu = ewma_phi(cfg)
     if cfg.recovery.name == "ewma" and (on_gpu if phi_on_gpu is None else phi_on_gpu):
-        out += sum(_shards(hf, t)) * (phi_b + (2 if cfg.model.dtype == "bfloat16" else 4))
+        param_b = 2 if cfg.model.dtype == "bfloat16" else 4
+        # the forward points at phi; an fp32 phi on a bf16 run is cast for it (recovery/ewma.py)
+        out += sum(_shards(hf, t)) * (phi_b + (param_b if phi_b != param_b else 0))
     return out
 
 

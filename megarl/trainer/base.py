@@ -75,11 +75,15 @@ class ScoringTrainer(Protocol):
     def use_params(self, params: dict[str, torch.Tensor],
                    saved: dict[str, torch.Tensor] | None = None) -> AbstractContextManager:
         """Score with ``params`` inside the block; the trainer's own parameters come back afterwards (from
-        ``saved`` when the caller already holds a copy of them: no second copy is taken)."""
+        ``saved`` when the caller already holds a copy of them: no second copy is taken). ``params`` on the
+        parameters' device in their dtype are pointed at, not copied."""
 
-    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor]) -> AbstractContextManager:
+    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor], *,
+                        resident: bool = False) -> AbstractContextManager:
         """Score inside the block with ``make(name, p)`` in place of each parameter ``p`` (made on its device from
-        the current values); the current ones are saved on the host and come back afterwards."""
+        the current values); the current ones are saved on the host and come back afterwards. ``resident``: the
+        made tensors live on past the block on the parameters' device, in their dtype, and are pointed at:
+        nothing is saved or copied."""
 
     def save_hf_checkpoint(self, out_dir: str) -> Any:
         """An HF checkpoint of the current weights in ``out_dir`` (a scorer process loads versions from it)."""

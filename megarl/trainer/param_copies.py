@@ -76,15 +76,26 @@ class ParamCopies:
             self.optimizer.reload_model_params()  # no-op for fp32 params (no separate master copy)
 
     @contextlib.contextmanager
-    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor]):
+    def use_params_from(self, make: Callable[[str, torch.Tensor], torch.Tensor], *, resident: bool = False):
         """Score inside the block with parameters made on the device, tensor by tensor, from the current ones:
         ``make(name, p)`` returns the values for ``p`` (on its device, read before ``p`` is overwritten). The
         current ones are saved on the host first and come back afterwards (ewma folds its host phi this way,
-        recovery/ewma.py)."""
+        recovery/ewma.py).
+
+        ``resident``: the tensors ``make`` returns live on past the block, on the parameters' device and in
+        their dtype (ewma's phi kept on the GPU): the parameters point at them inside the block and at their
+        own tensors again afterwards; nothing is copied or saved (:func:`pointed_at`)."""
+        named = list(self._module().named_parameters())
+        if resident:
+            with torch.no_grad():
+                made = {n: make(n, p.detach()) for n, p in named}
+            with pointed_at(named, made):
+                yield self
+            return
         self.before_param_write()
         saved = {}
         with torch.no_grad():
-            for n, p in self._module().named_parameters():
+            for n, p in named:
                 saved[n] = p.detach().to("cpu", copy=True)
                 p.copy_(make(n, p.detach()))
         try:
@@ -94,15 +105,46 @@ class ParamCopies:
 
     @contextlib.contextmanager
     def use_params(self, params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor] | None = None):
-        """Score with ``params`` inside the block; the model's own parameters come back afterwards: from
-        ``saved``, a copy of them the caller already holds (ewma's fold just took one), else from a copy taken
-        here, where ``params`` are (on the device for a copy kept there, so the swap moves nothing over PCIe)."""
-        if saved is None:
-            first = next(iter(params.values()), None)
-            here = first is not None and first.device == next(self._module().parameters()).device
-            saved = self.get_params(device=None if here else "cpu")
+        """Score with ``params`` inside the block; the model's own parameters come back afterwards.
+
+        ``params`` on the parameters' device and in their dtype (a copy kept there): the parameters point at
+        them inside the block (:func:`pointed_at`), no copy is taken and nothing moves. Otherwise they are
+        copied in and the model's own come back from ``saved``, a copy of them the caller already holds, else
+        from a host copy taken here."""
+        named = list(self._module().named_parameters())
+        if resident_match(named, params):
+            with pointed_at(named, params):
+                yield self
+            return
+        saved = self.get_params() if saved is None else saved
         self._copy_in(params)
         try:
             yield self
         finally:
             self._copy_in(saved)
+
+
+def resident_match(named: list[tuple[str, torch.nn.Parameter]], params: dict[str, torch.Tensor]) -> bool:
+    """Whether ``params`` hold one tensor per parameter on its device, in its dtype and shape."""
+    return set(params) == {n for n, _ in named} and all(
+        params[n].device == p.device and params[n].dtype == p.dtype and params[n].shape == p.shape
+        for n, p in named)
+
+
+@contextlib.contextmanager
+def pointed_at(named: list[tuple[str, torch.nn.Parameter]], params: dict[str, torch.Tensor]):
+    """Inside the block each parameter's data is the tensor of ``params`` of its name; its own tensor (a view of
+    megatron's contiguous parameter buffer, say) comes back afterwards, untouched: nothing is copied, and a
+    copy of the parameters still being taken from that tensor (megarl/trainer/host_copies.py) goes on."""
+    if not resident_match(named, params):
+        bad = next(n for n, p in named if n not in params or params[n].device != p.device
+                   or params[n].dtype != p.dtype or params[n].shape != p.shape)
+        raise InputError(f"parameter {bad!r}: the tensor to point it at must have its device, dtype and shape")
+    own = [(p, p.data) for _, p in named]
+    try:
+        for n, p in named:
+            p.data = params[n]
+        yield
+    finally:
+        for p, data in own:
+            p.data = data

@@ -42,9 +42,10 @@ def _records(run_dir: Path) -> list[dict]:
     # publishing by broadcast: both TP ranks take part in the export's gathers, rank 0 alone sends full tensors
     ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "rollout.weight_sync=broadcast",
                      "recovery.name=interrupt_sync"]),
-    # with an adaptive entropy bonus: rank 0 sends the follower the coefficient of each step
+    # with an adaptive entropy bonus: rank 0 sends the follower the coefficient of each step; phi kept where the
+    # parameters are, each rank's forward pointing its TP shards at its own phi
     ("torchrun.sh", ["rollout.backend=hf", "parallel.tp=2", "loss.entropy_target=5.0", "loss.entropy_coef_step=0.001",
-                     "recovery.name=ewma"]),
+                     "recovery.name=ewma", "recovery.ewma.phi_on_gpu=true"]),
 ], ids=["tp2-dedicated", "dp2-snapshot", "tp2-interrupt_sync-broadcast", "tp2-ewma"])
 def test_two_trainer_ranks_end_to_end(ckpt, tmp_path, launcher, extra):
     run_dir = tmp_path / "run"

@@ -80,7 +80,14 @@ class HFScorerForTests:
 
     @contextmanager
     def use_params(self, params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor] | None = None):
+        from megarl.trainer.param_copies import pointed_at, resident_match
+
         self.n_swaps += 1
+        named = list(self.model.named_parameters())
+        if resident_match(named, params):  # as the trainer's (megarl/trainer/param_copies.py)
+            with pointed_at(named, params):
+                yield
+            return
         saved = self.get_params() if saved is None else saved
         self.set_params(params)
         try:
@@ -89,8 +96,17 @@ class HFScorerForTests:
             self.set_params(saved)
 
     @contextmanager
-    def use_params_from(self, make):
+    def use_params_from(self, make, *, resident=False):
+        from megarl.trainer.param_copies import pointed_at
+
         self.n_swaps += 1
+        if resident:  # as the trainer's (megarl/trainer/param_copies.py)
+            named = list(self.model.named_parameters())
+            with torch.no_grad():
+                made = {n: make(n, p.detach()) for n, p in named}
+            with pointed_at(named, made):
+                yield
+            return
         saved = {}
         with torch.no_grad():
             for n, p in self.model.named_parameters():

@@ -53,10 +53,13 @@ def test_ewma_phi_in_fp32_or_on_the_gpu(setup):
         assert ewma["host_bytes_per_trainer_node"] == 2640 and ewma["pcie_bytes_per_gpu_per_step"] == 880 + 1760
         cfg.recovery.options["ewma"] = {"phi_on_gpu": True}
         ewma = cost.strategy_costs(cfg, HF, plan, SLOW)["ewma"]
-        # nothing on the host, nothing over PCIe; on the GPU the swap's fp32 tensor (96 x 4), the bf16 phi and
-        # the bf16 copy of the current parameters the swap saves (440 + 440)
+        # nothing on the host, nothing over PCIe; on the GPU the fold's fp32 tensor (96 x 4) and the bf16 phi
+        # (440), which the forward points at: no saved copy of the current parameters
         assert ewma["host_bytes_per_trainer_node"] == 0 and ewma["pcie_bytes_per_gpu_per_step"] == 0
-        assert ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4 + 880 and ewma["pcie_s_per_step"] == 0
+        assert ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4 + 440 and ewma["pcie_s_per_step"] == 0
+        cfg.recovery.options["ewma"] = {"phi_on_gpu": True, "phi_dtype": "float32"}  # + its bf16 cast
+        ewma = cost.strategy_costs(cfg, HF, plan, SLOW)["ewma"]
+        assert ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4 + 880 + 440
     finally:
         cfg.recovery.options.pop("ewma", None)
 

@@ -151,6 +151,38 @@ def test_the_fold_inside_the_swap_is_the_host_fold_bit_for_bit_and_takes_no_othe
     assert not all(torch.equal(strat._phi[k], wrong[k]) for k in wrong)
 
 
+def test_phi_on_gpu_is_folded_in_place_and_pointed_at_with_no_copy_of_theta(ckpt):
+    # phi on the parameters' device is folded there in place and the forward points the parameters at it
+    # (recovery/ewma.py, "Folding"): no copy of theta per step (before, the fold took one, and the swap kept it
+    # as its saved copy: a second shard of GPU memory), and the same phi and anchor as a host phi
+    trainer = HFScorerForTests(ckpt, version=7)
+    host = HFScorerForTests(ckpt, version=7)
+    loop, loop_h = LoopState(), LoopState()
+    strat = Ewma(EwmaConfig(beta=0.5, tau=0.0, phi_on_gpu=True), loop.context(trainer))
+    ref = Ewma(EwmaConfig(beta=0.5, tau=0.0), loop_h.context(host))
+    batch, trajs, _ = drive_history(strat, trainer, loop)
+    drive_history(ref, host, loop_h)
+    strat.anchor(batch, trajs), ref.anchor(batch, trajs)  # phi = theta: the one copy, phi itself
+    seen = []
+    scored = trainer.logprobs
+
+    def logprobs(b):
+        seen.append(next(trainer.model.parameters()).data_ptr())
+        return scored(b)
+
+    trainer.logprobs = logprobs
+    for _ in range(3):
+        trainer.fake_step(), host.fake_step()
+        strat.after_optimizer_step(trainer.version, {}), ref.after_optimizer_step(host.version, {})
+        copies, seen[:] = trainer.n_copies, []
+        got, want = strat.anchor(batch, trajs), ref.anchor(batch, trajs)
+        assert trainer.n_copies == copies, "the fold took a copy of theta"
+        assert seen == [next(iter(strat._phi.values())).data_ptr()], "the forward did not point at phi"
+        assert all(torch.equal(strat._phi[k], ref._phi[k].to(strat._phi[k].device)) for k in ref._phi)
+        assert torch.equal(got.logp_anchor, want.logp_anchor)
+    assert next(trainer.model.parameters()).data_ptr() != seen[0]  # theta is back
+
+
 def test_a_checkpoint_between_a_step_and_its_fold_resumes_to_the_same_phi(ckpt):
     # a checkpoint after a step holds phi without that step's theta (the next anchor folds it in): the resumed
     # strategy folds it in from the same theta with the same draws

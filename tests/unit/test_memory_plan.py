@@ -144,8 +144,8 @@ def test_the_readme_quotes_the_plans_peaks():
 
 def test_the_recovery_strategys_gpu_bytes_by_hand():
     # a strategy that swaps parameters in holds the largest tensor in fp32 for a moment: the embedding,
-    # 1000 x 64 x 4 B (the MLP's 3 x 64 x 100 is smaller); ewma with phi_on_gpu adds its bf16 phi and the bf16
-    # copy of the current parameters the swap saves: PARAMS x (2 + 2) B
+    # 1000 x 64 x 4 B (the MLP's 3 x 64 x 100 is smaller); ewma with phi_on_gpu adds its bf16 phi, which the
+    # forward points at (no saved copy of the current parameters): PARAMS x 2 B
     cfg = config()
     assert memory.trainer_memory(cfg, HF, layout(), table=TABLE).parts["recovery"] == 0.0  # behav: nothing
     cfg.recovery.name = "snapshot"
@@ -153,11 +153,31 @@ def test_the_recovery_strategys_gpu_bytes_by_hand():
     cfg.recovery.name = "ewma"
     cfg.recovery.options["ewma"] = {"phi_on_gpu": True}
     on = memory.trainer_memory(cfg, HF, layout(), table=TABLE)
-    assert on.parts["recovery"] == 256_000 + PARAMS * 4
-    cfg.recovery.options["ewma"] = {"phi_on_gpu": True, "phi_dtype": "float32"}  # fp32 phi: PARAMS x (4 + 2)
+    assert on.parts["recovery"] == 256_000 + PARAMS * 2
+    # an fp32 phi and, while it scores, its bf16 cast for the forward: PARAMS x (4 + 2)
+    cfg.recovery.options["ewma"] = {"phi_on_gpu": True, "phi_dtype": "float32"}
     assert memory.trainer_memory(cfg, HF, layout(), table=TABLE).parts["recovery"] == 256_000 + PARAMS * 6
     # a GPU it no longer fits: refused, naming the key that moves phi back to the host (the fixes are priced
     # with the shipped activation table)
     peak = memory.trainer_memory(cfg, HF, layout()).peak
     fixes = memory._trainer_fixes(cfg, HF, layout(), peak - 1)
     assert any(f.startswith("recovery.ewma.phi_on_gpu=false (phi in host memory") for f in fixes)
+
+
+def test_the_30b_layouts_where_ewma_keeps_phi_on_the_gpu_are_the_readmes():
+    # phi on the GPU is one bf16 shard (the forward points at it): ewma then adds one forward and no PCIe; the
+    # README names where that fits at 30B, and the plan must say the same
+    text = " ".join((ROOT / "README.md").read_text().split())
+    quoted = re.search(r"On the shipped 30B layout there is none \(([\d.]+) GB of 80\); with `parallel.ep=16` .*?"
+                       r"([\d.]+) GB;.*?`placement.gpu_memory_gb=141`, ([\d.]+) GB\)", text)
+    assert quoted, "README no longer says where ewma's phi fits on the 30B trainer GPUs"
+    base = ("--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "ewma", "--cost",
+            "recovery.ewma.phi_on_gpu=true")
+    runs = [plan(*base), plan(*base, "parallel.ep=16"), plan(*base, "placement.gpu_memory_gb=141")]
+    assert [r.returncode for r in runs] == [1, 0, 0]
+    assert "recovery.ewma.phi_on_gpu=false" in runs[0].stderr
+    for run, gb in zip(runs, quoted.groups()):
+        peak = float(re.search(r"trainer GPU: peak ([\d.]+) GB", run.stdout).group(1))
+        assert peak == float(gb)
+        row = re.search(r"^\| ewma \|.*$", run.stdout, re.M).group(0).split("|")
+        assert float(row[3]) == 0.0 and row[8].strip() == "0.00 (0.00)"  # no host copy, nothing over PCIe

@@ -105,9 +105,32 @@ def test_interrupt_sync_megatron(trainer):
     assert not any(math.isnan(x) for t in trajs for x in t.logp_old)
 
 
-def test_ewma_megatron(trainer):
+def test_use_params_points_at_copies_on_the_device_and_restores_the_buffer_views(trainer):
+    # a copy on the parameters' device, in their dtype, is pointed at for the forward, not copied in (no saved
+    # copy of the shard: ewma's phi_on_gpu costs one shard of GPU memory, not two); afterwards each parameter is
+    # its own tensor again (megatron's DDP buffer view), untouched
+    module = trainer._module()
+    own = {n: (p.data_ptr(), p.detach().clone()) for n, p in module.named_parameters()}
+    other = {n: t.mul(1.01) for n, t in trainer.get_params(device=None).items()}
+    batch = STEP_BATCH
+    plain = trainer.logprobs(batch)
+    with trainer.use_params(other):
+        assert all(p.data_ptr() == other[n].data_ptr() for n, p in module.named_parameters())
+        scored = trainer.logprobs(batch)
+    assert all(p.data_ptr() == own[n][0] and torch.equal(p.detach(), own[n][1])
+               for n, p in module.named_parameters())
+    assert not torch.equal(scored, plain) and torch.equal(trainer.logprobs(batch), plain)
+    copied = {n: t.to(torch.float64) for n, t in other.items()}  # another dtype: copied in, as before
+    with trainer.use_params(copied):
+        assert torch.equal(trainer.logprobs(batch), scored)
+    assert all(p.data_ptr() == own[n][0] and torch.equal(p.detach(), own[n][1])
+               for n, p in module.named_parameters())
+
+
+@pytest.mark.parametrize("phi_on_gpu", [False, True])
+def test_ewma_megatron(trainer, phi_on_gpu):
     loop = LoopState()
-    strat = Ewma(EwmaConfig(beta=0.5, tau=0.0), loop.context(trainer))
+    strat = Ewma(EwmaConfig(beta=0.5, tau=0.0, phi_on_gpu=phi_on_gpu), loop.context(trainer))
     batch, trajs, _ = drive_history(strat, trainer, loop, step=real_step)
     strat.anchor(batch, trajs)  # phi <- theta_8
     # phi in the run's dtype: a bf16 run's phi is bf16, its fold rounded stochastically with the draws of the
