@@ -196,3 +196,24 @@ def test_a_checkpoint_between_a_step_and_its_fold_resumes_to_the_same_phi(ckpt):
     a, b = strat.anchor(batch, trajs), resumed.anchor(batch, trajs)
     assert torch.equal(a.logp_anchor, b.logp_anchor) and a.metrics["ewma/n"] == b.metrics["ewma/n"] == 1.75
     assert all(torch.equal(strat._phi[k], resumed._phi[k]) for k in strat._phi)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fold_goes_chunk_by_chunk_over_every_element(monkeypatch, dtype):
+    # the fold works FOLD_CHUNK elements at a time (its fp32 temporaries stay small): every element is written,
+    # the last, partial chunk too, and with the arithmetic of the whole tensor at once
+    import recovery.ewma as ewma_mod
+
+    monkeypatch.setattr(ewma_mod, "FOLD_CHUNK", 7)
+    phi = torch.linspace(-2, 2, 50).reshape(5, 10).to(dtype)
+    theta = torch.linspace(3, -1, 50).reshape(5, 10)
+    out = torch.full((5, 10), float("nan"), dtype=dtype)
+    gen = torch.Generator()
+    gen.manual_seed(3)
+    ewma_mod.fold_tensor(phi, theta, 0.25, 0.75, gen, out=out)
+    exact = phi.float().mul(0.25).add(theta, alpha=0.75)  # the same ops over the whole tensor
+    if dtype == torch.float32:
+        assert torch.equal(out, exact)
+    else:  # rounded stochastically: to one of the two bf16 values around the exact one
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs()
+        assert not out.isnan().any() and bool(((out.float() - exact).abs() <= ulp).all()), (out, exact)
