@@ -7,7 +7,8 @@
 #   plan_vs_peak (the memory plan vs a measured bf16 step on a 2-layer, full-width Qwen3-30B-A3B: writes a
 #   ~7.5 GB random checkpoint first, the slowest check), publish_memory (three broadcast publishes leave GPU
 #   and shared memory at their baseline), cuda_ipc (CUDA-IPC buckets to a second process, freed after),
-#   te_grouped_gemm (the MoE's experts as TE's grouped GEMM, if TE is installed).
+#   te_grouped_gemm (the MoE's experts as TE's grouped GEMM, if TE is installed), ewma_device (ewma's fold on
+#   the GPU: a host phi and a phi kept on the GPU agree bit for bit, no copy of theta taken).
 # Every check runs in its own process with a time limit and prints PASS, SKIP or FAIL; the script
 # exits 1 if any check failed.
 #

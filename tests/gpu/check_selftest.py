@@ -27,7 +27,7 @@ def self_test(workdir: Path) -> list[str]:
             problems.append(what)
 
     for section in (_engine_apis, _trainer_apis, _helpers, _plan_vs_peak, _publish_memory, _cuda_ipc,
-                    _te_grouped_gemm):
+                    _te_grouped_gemm, _ewma_device):
         section(need, workdir)
     return problems
 
@@ -199,3 +199,16 @@ def _te_grouped_gemm(need: Need, workdir: Path) -> None:
          "moe_grouped_gemm" in {f.name for f in dataclasses.fields(TransformerConfig)})
     need("megatron has no TEGroupedMLP (te_grouped_gemm looks for modules named *Grouped*)",
          hasattr(experts, "TEGroupedMLP"))
+
+
+def _ewma_device(need: Need, workdir: Path) -> None:
+    """What ewma_device sets and calls: the fold's chunk size, the resident swap, the strategy's phi."""
+    import recovery.ewma as ewma_mod
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    need("recovery.ewma.FOLD_CHUNK missing (ewma_device shrinks it)", isinstance(getattr(ewma_mod, "FOLD_CHUNK", None),
+                                                                                int))
+    need("MegatronTrainer.use_params_from takes no resident", not _has_params(MegatronTrainer.use_params_from,
+                                                                               "make", "resident"))
+    need("Ewma keeps no _phi attribute (ewma_device reads it)",
+         "self._phi" in inspect.getsource(ewma_mod.Ewma))
