@@ -35,28 +35,31 @@ def forward(trainer: Any, batch: TrainBatch, params: dict[str, torch.Tensor] | N
 
 def score_versions(batch: TrainBatch, trainer: Any,
                    params_of: Callable[[int], dict[str, torch.Tensor] | None],
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, saved: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Fill ``out`` at each policy token with its log-prob under the version that generated it.
 
     One forward per distinct version (:func:`score_at`), so a spliced sequence is
     scored once per segment version. ``params_of(v)`` returns the parameters of
     version v, or None when the trainer's current parameters are version v.
     Positions that are not policy tokens keep their value in ``out`` (NaN when
-    ``out`` is None).
+    ``out`` is None). ``saved``: a copy of the current params the caller holds,
+    which every swap restores from (``trainer.use_params``) instead of taking one.
     """
     if out is None:
         out = torch.full(batch.loss_mask.shape, math.nan, dtype=torch.float32, device=batch.loss_mask.device)
     for v in versions_in(batch):
-        score_at(batch, trainer, v, params_of(v), out)
+        score_at(batch, trainer, v, params_of(v), out, saved=saved)
     return out
 
 
 def score_at(batch: TrainBatch, trainer: Any, version: int, params: dict[str, torch.Tensor] | None,
-             out: torch.Tensor, wanted: torch.Tensor | None = None) -> int:
+             out: torch.Tensor, wanted: torch.Tensor | None = None,
+             saved: dict[str, torch.Tensor] | None = None) -> int:
     """Write into ``out`` the log-probs under ``params`` (None: the trainer's current ones) of ``batch``'s policy
     tokens of ``version`` (``wanted``: only these); returns how many. One forward over the rows holding them;
     with routing replay a row appears once per route segment of that version, replaying that segment's routes
-    (megarl.routes.scoring_units: the rule of which routes a forward at a token's own version replays)."""
+    (megarl.routes.scoring_units: the rule of which routes a forward at a token's own version replays).
+    ``saved``: as in :func:`forward`."""
     units = scoring_units(batch, version, wanted)
     if not units:
         return 0
@@ -65,7 +68,7 @@ def score_at(batch: TrainBatch, trainer: Any, version: int, params: dict[str, to
     if batch.route_segments is not None:
         none = torch.full((width, *sub.routes.shape[2:]), NO_ROUTE, dtype=torch.int16)
         sub.routes = torch.stack([none if u.routes is None else u.routes[:width] for u in units])
-    lp = forward(trainer, sub, params).to(out.device, out.dtype)
+    lp = forward(trainer, sub, params, saved).to(out.device, out.dtype)
     n = 0
     for j, u in enumerate(units):
         sel = u.mask[:width].to(out.device)

@@ -14,7 +14,11 @@ held.
 only the rows holding that version, and fills only the positions of that
 version: a spliced sequence (tokens 1..4 by v7, 5..10 by v8) is scored once per
 segment version. The trainer's current version is scored with the current
-parameters, without a swap.
+parameters, without a swap. A swap to another version restores the current
+parameters afterwards from their kept copy where one is held (storage=cpu,
+the current version published: the loop publishes every step by default), so
+it moves two shards host-to-device and takes no copy of the current ones;
+otherwise it takes that copy first (one more shard device-to-host).
 
 Overhead keys: recovery_s, snapshot_save_s, snapshot_load_s, bytes_held (bytes
 of kept copies, in memory or on disk), bytes_moved (disk I/O), versions_held,
@@ -145,7 +149,13 @@ class Snapshot(RecoveryStrategy):
                 raise RuntimeError(f"snapshot: batch has tokens of versions {missing} but only "
                                    f"{self.held_versions} (and the current {current}) are held; a version was freed "
                                    f"while a live token referenced it (RecoveryContext.live_versions incomplete?)")
-            logp_old = score_versions(batch, trainer, lambda v: None if v == current else self._load(v))
+            # a swap restores the current parameters from their kept copy when there is one (the version
+            # published right after the last step): no copy of them is taken per swap (module doc)
+            saved = self._held.get(current) if self.cfg.storage == "cpu" else None
+            if saved is not None and any(v != current for v in needed):
+                trainer.params_ready()  # that copy may still be being taken beside the trainer's work
+            logp_old = score_versions(batch, trainer, lambda v: None if v == current else self._load(v),
+                                      saved=saved)
         self._report()
         return AnchorResult(logp_anchor=logp_old, exact=True,
                             metrics={"recovery/forwards": float(len(needed))})

@@ -12,10 +12,12 @@ engine stall per publish. It models what megarl's strategies do (recovery/*.py):
   too (bf16 rounded stochastically; ``recovery.ewma.phi_dtype=float32``: fp32), on the host or, with
   ``recovery.ewma.phi_on_gpu``, on the trainer's GPU (:func:`ewma_phi`); a scoring forward under other
   parameters swaps them in and back (``trainer.use_params``: one more copy in host memory, 3 shard
-  copies over PCIe, and the largest tensor once in fp32 on the GPU; a phi on the GPU is folded in place
-  and pointed at by the forward: nothing copied, nothing over PCIe); ewma folds a host phi on the GPU during its swap
-  (4 shard copies: theta out and back, phi in and out; no host arithmetic); swaps run synchronously, on the
-  critical path; the copy snapshot and interrupt_sync keep of each published version
+  copies over PCIe, and the largest tensor once in fp32 on the GPU; snapshot's restores from its kept copy
+  of the current version when it holds one, in host memory with trainer.publish_every=1: 2 shard copies
+  and no copy saved; a phi on the GPU is folded in place and pointed at by the forward: nothing copied,
+  nothing over PCIe); ewma folds a host phi on the GPU during its swap (4 shard copies: theta out and
+  back, phi in and out; no host arithmetic); swaps run synchronously, on the critical path; the copy
+  snapshot and interrupt_sync keep of each published version
   (``trainer.keep_params``: reused pinned buffers, a side stream; megarl/trainer/host_copies.py) overlaps
   the next update and reaches the critical path only by what it takes beyond that update;
 - recompute, ewma and interrupt_sync run one forward over the batch per step,
@@ -54,7 +56,7 @@ from typing import Any
 from megarl.bench.fit import nonneg_lstsq
 from megarl.launch.memory import dedicated_memory, largest_tensor
 from megarl.launch.placement import param_counts
-from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi
+from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi, recovery_option
 from megarl.rollout.engine_shards import hf_tensor_shapes, sent_elements, vllm_tp_rule
 
 STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated")
@@ -136,6 +138,10 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     live_tokens = in_flight * (a.prompt_frac * cfg.data.max_prompt_len + a.response_frac
                                * cfg.rollout.max_new_tokens / 2)  # half-way through their answers
     swap = 3 * shard_b  # save the current shard, load the other one, restore (host <-> GPU)
+    # snapshot restores the current shard from its kept copy when the current version is kept (published every
+    # step, held in host memory: recovery/snapshot.py): load the other one and restore, nothing saved
+    snap_kept = every == 1 and recovery_option(cfg, "snapshot", "storage", "cpu") == "cpu"
+    swap_snapshot = 2 * shard_b if snap_kept else swap
     # ewma (recovery/ewma.py, "Folding"): theta out and back, phi in, and the phi folded on the GPU back out;
     # a phi on the GPU: no PCIe
     swap_phi = 0.0 if phi_on_gpu else 2 * shard_b + 2 * phi
@@ -158,8 +164,8 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     load_s = weights / disk  # the scorer reads each version's checkpoint before it scores with it
     out = {}
     for name, (held, flops, ded_flops, swaps, to_host, stall_extra, extra_bytes) in per.items():
-        swapped = swaps * (swap_phi if name == "ewma" else swap)  # bytes over PCIe for its swaps
-        transient = 1 if name in SWAPPING else 0
+        swapped = swaps * {"ewma": swap_phi, "snapshot": swap_snapshot}.get(name, swap)  # PCIe bytes of its swaps
+        transient = 1 if name in SWAPPING and not (name == "snapshot" and snap_kept) else 0  # the saved copy
         on_gpu = name == "ewma" and phi_on_gpu  # phi on the GPU, not the host: the forward points at it
         ded_s = ded_flops / (lay["dedicated_gpus"] * a.peak_tflops * 1e12 * a.mfu)
         ded = name == "dedicated"

@@ -12,7 +12,8 @@ a rank's parameter shard is what megarl/launch/cost.py calls ``shard_params`` (d
   (:func:`megarl.launch.cost.strategy_costs`, ``host_bytes_per_trainer_node``): snapshot's kept
   versions (eta + 1), ewma's average phi (none on the host with recovery.ewma.phi_on_gpu), interrupt_sync's
   kept version, each a copy of the rank's shard in the forward's dtype (phi: recovery.ewma.phi_dtype),
-  plus the copy a forward under other parameters saves the current ones to (``trainer.use_params``).
+  plus the copy a forward under other parameters saves the current ones to (``trainer.use_params``; not
+  for snapshot when it keeps the current version, trainer.publish_every=1: it restores from that copy).
   snapshot with ``recovery.snapshot.storage=disk`` keeps its versions on disk: two shard copies while it
   scores (the version read back and use_params' copy of the current parameters).
 - **publish buckets** (rank 0's node only): the export of the weights, the whole model in the engines'

@@ -89,18 +89,29 @@ def test_costs_hand_computed(setup):
     assert ewma["host_bytes_per_trainer_node"] == 1760 and ewma["gpu_bytes_per_trainer_gpu"] == 96 * 4
     # one swap (1320 B) and theta's bf16 copy to host for phi's update (440 B)
     assert ewma["pcie_bytes_per_gpu_per_step"] == 1320 + 440 and ewma["pcie_s_per_step"] == approx(1.76)
-    snap = c["snapshot"]  # eta + 1 = 3 bf16 versions held + 1 swap copy; 2 stale versions swapped in; spliced twice
-    assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 4 * 440 * 2
+    # eta + 1 = 3 bf16 versions held, the current one among them (published every step), which each swap
+    # restores from: no saved copy; 2 stale versions swapped in (2 x 440 B each: in and back); spliced twice
+    snap = c["snapshot"]
+    assert snap["held_copies"] == 3 and snap["host_bytes_per_trainer_node"] == 3 * 440 * 2
     assert snap["forward_flops_per_step"] == approx(35200 * 1.4)
-    assert snap["pcie_bytes_per_gpu_per_step"] == 2 * 1320 + 440
+    assert snap["pcie_bytes_per_gpu_per_step"] == 2 * 880 + 440
     # the new version's host copy (440 B, 0.44 s) runs beside the next update (3 forwards' FLOPs: 105.6 s), so
-    # neither the publish nor the step waits for it; the swaps do wait (2 x 1320 B)
+    # neither the publish nor the step waits for it; the swaps do wait (2 x 880 B)
     assert snap["stall_s_per_publish"] == approx(0.94)
-    assert snap["pcie_s_per_step"] == approx(2 * 1.32 + 0.44) and snap["pcie_critical_s_per_step"] == approx(2.64)
+    assert snap["pcie_s_per_step"] == approx(2 * 0.88 + 0.44) and snap["pcie_critical_s_per_step"] == approx(1.76)
     assert ewma["pcie_critical_s_per_step"] == approx(1.76)  # the swap and theta's copy for the fold: all of it
     # with GPUs 1000x faster the update takes 0.1056 s and the copy's remaining 0.3344 s are waited for
     fast = cost.strategy_costs(cfg, HF, plan, cost.Assumptions(**{**SLOW.__dict__, "peak_tflops": 1e-6}))
-    assert fast["snapshot"]["pcie_critical_s_per_step"] == approx(2.64 + 0.44 - 0.1056)
+    assert fast["snapshot"]["pcie_critical_s_per_step"] == approx(1.76 + 0.44 - 0.1056)
+    # published every 2 steps the current version is not always kept: each swap saves it first (3 x 440 B), and
+    # that copy is held on the host beside the 3 versions; half a version copied to the host per step
+    cfg.trainer.publish_every = 2
+    try:
+        every2 = cost.strategy_costs(cfg, HF, plan, SLOW)["snapshot"]
+    finally:
+        cfg.trainer.publish_every = 1
+    assert every2["host_bytes_per_trainer_node"] == 4 * 440 * 2
+    assert every2["pcie_bytes_per_gpu_per_step"] == 2 * 1320 + 220
     # interrupt_sync: a swap in the publish, and a forward over 8 in-flight requests x (5 + 15 / 2) tokens
     assert c["interrupt_sync"]["stall_s_per_publish"] == approx(0.94 + 1.32 + 2 * 220 * 100 / 1000)
     ded = c["dedicated"]  # its forward on its own GPU; its checkpoint (440 B) written inside the publish

@@ -45,11 +45,11 @@ def plan(device="gpu"):
 
 def test_terms_by_hand():
     snap = host_memory.host_memory(config(), HF, plan())
-    # eta 2: 3 kept versions + the copy use_params saves the current parameters to
-    assert snap.recovery_copies == 4 * COPY_SET == 4_074_496
+    # eta 2: 3 kept versions (the current one among them: a swap restores from it, nothing more is saved)
+    assert snap.recovery_copies == 3 * COPY_SET == 3_055_872
     assert snap.publish_buckets == PUBLISH == 2_067_200
     assert snap.async_save_copies == snap.async_save_strategy_copies == 0
-    assert snap.total == 4_074_496 + 2_067_200 and snap.other_nodes == 4_074_496
+    assert snap.total == 3_055_872 + 2_067_200 and snap.other_nodes == 3_055_872
     assert snap.problems == []  # host_memory_gb 0: not checked
     # ewma: its bf16 average (127,328 x 2 B x 4 ranks) and the swap's bf16 copy; with phi_dtype=float32 its
     # fp32 average (127,328 x 4 B x 4 ranks); with phi_on_gpu nothing on the host
@@ -80,17 +80,17 @@ def test_async_save_adds_its_copies():
 
 
 def test_refused_when_host_memory_gb_is_too_small_naming_the_key():
-    # 6,141,696 B planned > 5,000,000
+    # 5,123,072 B planned > 5,000,000
     hm = host_memory.host_memory(config(limit=0.005), HF, plan())
     assert len(hm.problems) == 1
     problem = hm.problems[0]
     assert "host memory of a trainer node" in problem and "placement.host_memory_gb=0.005" in problem
-    # each single fix named was checked: disk storage 2 x 1,018,624 + 2,067,200 = 4,104,448 B fits; eta 1
-    # (3 copies: 5,123,072 B) does not, eta 0 (2 copies) does
-    assert "recovery.snapshot.storage=disk" in problem and "rollout.eta=0" in problem and "rollout.eta=1" not in problem
+    # each single fix named was checked: disk storage 2 x 1,018,624 + 2,067,200 = 4,104,448 B fits, and so does
+    # eta 1 (2 copies: 4,104,448 B)
+    assert "recovery.snapshot.storage=disk" in problem and "rollout.eta=1" in problem
     assert "recovery.name=" in problem and "placement.trainer_ranks" in problem
     assert "DOES NOT FIT: host memory" in hm.describe()
-    # 6,141,696 B fits 0.007 GB; async save (+5,602,432 B) does not, and switching it off is named
+    # 5,123,072 B fits 0.007 GB; async save (+2,546,560 + 3,055,872 B) does not, and switching it off is named
     assert host_memory.host_memory(config(limit=0.007), HF, plan()).problems == []
     over = host_memory.host_memory(config(limit=0.007, async_save=True), HF, plan())
     assert "logging.async_save=false" in over.problems[0]
@@ -116,9 +116,9 @@ def test_plan_and_launch_refuse_a_node_that_does_not_fit():
     args = ["--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "snapshot", "placement.host_memory_gb=400"]
     p = run("plan", *args)
     assert p.returncode == 1
-    assert "does not fit: host memory of a trainer node: 514.9 GB" in p.stderr
+    assert "does not fit: host memory of a trainer node: 432.3 GB" in p.stderr
     assert "placement.host_memory_gb=400" in p.stderr
-    assert "recovery copies (snapshot) 330.6, publish buckets 184.3" in p.stderr
+    assert "recovery copies (snapshot) 247.9, publish buckets 184.3" in p.stderr
     dry = run("launch", "--dry-run", *args)
     assert dry.returncode == 1 and "DOES NOT FIT: host memory" in dry.stdout and "--skip-memory-check" in dry.stderr
     assert run("plan", *args[:4]).returncode == 0  # the shipped config's 2048 GB

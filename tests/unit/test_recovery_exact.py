@@ -55,15 +55,22 @@ def test_verifier_versions_really_differ(trainer):
 @pytest.mark.parametrize("storage,extra_step", [("cpu", False), ("cpu", True), ("disk", True)])
 def test_snapshot_exact(trainer, tmp_path, storage, extra_step):
     loop = LoopState()
+    # kept copies in another dtype than the parameters' (fp64, exact for these fp32 weights): a swap copies them
+    # in, as a GPU trainer's swap of host copies does, instead of pointing at them as it may where they are
+    # already on the parameters' device in their dtype (megarl/trainer/param_copies.py)
+    keep = trainer.keep_params
+    trainer.keep_params = lambda: {k: t.double() for k, t in keep().items()}
     strat = Snapshot(SnapshotConfig(storage=storage), loop.context(trainer, run_dir=tmp_path))
     batch, trajs, params = drive_history(strat, trainer, loop, extra_step=extra_step)
     trainer.forward_rows.clear()
-    swaps = trainer.n_swaps
+    swaps, copies = trainer.n_swaps, trainer.n_copies
     anchor = strat.anchor(batch, trajs)
     # one forward per version, over only the rows holding it (t0 is spliced: in both)
     assert sorted(map(sorted, trainer.forward_rows)) == [["t0", "t1"], ["t0", "t2"]]
     # the current version (8, when no extra step) is scored without a swap
     assert trainer.n_swaps - swaps == (2 if extra_step else 1)
+    # a swap restores the current version from its kept copy where there is one: no copy taken per swap
+    assert trainer.n_copies - copies == (0 if storage == "cpu" and not extra_step else trainer.n_swaps - swaps)
     check_exact(anchor, batch, params, trainer)
     over = strat.overhead()
     assert over["versions_held"] == 2 and over["recovery_s"] > 0
