@@ -56,7 +56,7 @@ from typing import Any
 from megarl.bench.fit import nonneg_lstsq
 from megarl.launch.memory import dedicated_memory, largest_tensor
 from megarl.launch.placement import param_counts
-from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi, recovery_option
+from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi, snapshot_storage
 from megarl.rollout.engine_shards import hf_tensor_shapes, sent_elements, vllm_tp_rule
 
 STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated")
@@ -140,7 +140,7 @@ def strategy_costs(cfg, hf: dict, plan, a: Assumptions, *, interpolation_forward
     swap = 3 * shard_b  # save the current shard, load the other one, restore (host <-> GPU)
     # snapshot restores the current shard from its kept copy when the current version is kept (published every
     # step, held in host memory: recovery/snapshot.py): load the other one and restore, nothing saved
-    snap_kept = every == 1 and recovery_option(cfg, "snapshot", "storage", "cpu") == "cpu"
+    snap_kept = every == 1 and snapshot_storage(cfg) == "cpu"
     swap_snapshot = 2 * shard_b if snap_kept else swap
     # ewma (recovery/ewma.py, "Folding"): theta out and back, phi in, and the phi folded on the GPU back out;
     # a phi on the GPU: no PCIe

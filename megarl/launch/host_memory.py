@@ -56,7 +56,7 @@ from megarl.errors import ConfigError
 from megarl.launch import cost
 from megarl.launch.memory import GB, model_state_bytes
 from megarl.launch.placement import param_counts
-from megarl.launch.recovery_bytes import ewma_phi, recovery_option
+from megarl.launch.recovery_bytes import ewma_phi, snapshot_storage
 
 #: exports of the weights a broadcast publish can hold at once: the version its disk copy still writes and the next
 BROADCAST_EXPORTS = 2
@@ -107,11 +107,6 @@ class HostMemory:
         return "\n".join(lines)
 
 
-def _storage(cfg) -> str:
-    """recovery.snapshot.storage (cpu when the config has no snapshot section)."""
-    return recovery_option(cfg, "snapshot", "storage", "cpu")
-
-
 def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:
     """(recovery copies, publish buckets, async save copies, async save strategy copies, notes), bytes."""
     name, t, notes = cfg.recovery.name, plan.trainer, []
@@ -126,7 +121,7 @@ def _terms(cfg, hf: dict, plan) -> tuple[float, float, float, float, list[str]]:
         per_copy = shard * (ewma_phi(cfg)[0] if name == "ewma" else lay["dtype_bytes"])
         kept = c["held_copies"] * per_copy * rpn  # the strategy's state: what a checkpoint copies
         recovery = c["host_bytes_per_trainer_node"]
-        if name == "snapshot" and _storage(cfg) == "disk":
+        if name == "snapshot" and snapshot_storage(cfg) == "disk":
             recovery = 2 * shard * lay["dtype_bytes"] * rpn
             notes.append("recovery.snapshot.storage=disk: versions on disk, two shard copies while it scores")
     export = param_counts(hf)[0] * (2 if cfg.engine_dtype == "bfloat16" else 4)
@@ -202,7 +197,7 @@ def _fixes(cfg, hf: dict, plan, limit: float) -> list[str]:
     """The single settings that would make rank 0's node fit (each checked), then the layout's own levers."""
     tries: list[dict[str, Any]] = []
     if cfg.recovery.name == "snapshot":
-        if _storage(cfg) != "disk":
+        if snapshot_storage(cfg) != "disk":
             tries.append({"recovery.snapshot.storage": "disk"})
         tries += [{"rollout.eta": eta} for eta in range(cfg.rollout.eta - 1, -1, -1)]
     if cfg.logging.async_save:

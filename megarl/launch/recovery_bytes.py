@@ -24,3 +24,8 @@ def ewma_phi(cfg) -> tuple[int, bool]:
     dtype unless ``recovery.ewma.phi_dtype=float32`` (recovery/ewma.py), ``recovery.ewma.phi_on_gpu``."""
     bf16 = cfg.model.dtype == "bfloat16" and recovery_option(cfg, "ewma", "phi_dtype", "param") == "param"
     return (2 if bf16 else FP32), bool(recovery_option(cfg, "ewma", "phi_on_gpu", False))
+
+
+def snapshot_storage(cfg) -> str:
+    """``recovery.snapshot.storage`` (cpu when the config has no snapshot section)."""
+    return recovery_option(cfg, "snapshot", "storage", "cpu")

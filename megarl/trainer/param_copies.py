@@ -87,9 +87,7 @@ class ParamCopies:
         own tensors again afterwards; nothing is copied or saved (:func:`pointed_at`)."""
         named = list(self._module().named_parameters())
         if resident:
-            with torch.no_grad():
-                made = {n: make(n, p.detach()) for n, p in named}
-            with pointed_at(named, made):
+            with pointed_at_made(named, make):
                 yield self
             return
         self.before_param_write()
@@ -124,11 +122,20 @@ class ParamCopies:
             self._copy_in(saved)
 
 
+def _mismatch(named: list[tuple[str, torch.nn.Parameter]], params: dict[str, torch.Tensor]) -> str | None:
+    """The first parameter ``params`` has no tensor for on its device, in its dtype and shape (None: none), or
+    the first name of ``params`` the model does not have."""
+    for n, p in named:
+        t = params.get(n)
+        if t is None or t.device != p.device or t.dtype != p.dtype or t.shape != p.shape:
+            return n
+    extra = set(params) - {n for n, _ in named}
+    return min(extra) if extra else None
+
+
 def resident_match(named: list[tuple[str, torch.nn.Parameter]], params: dict[str, torch.Tensor]) -> bool:
     """Whether ``params`` hold one tensor per parameter on its device, in its dtype and shape."""
-    return set(params) == {n for n, _ in named} and all(
-        params[n].device == p.device and params[n].dtype == p.dtype and params[n].shape == p.shape
-        for n, p in named)
+    return _mismatch(named, params) is None
 
 
 @contextlib.contextmanager
@@ -136,9 +143,8 @@ def pointed_at(named: list[tuple[str, torch.nn.Parameter]], params: dict[str, to
     """Inside the block each parameter's data is the tensor of ``params`` of its name; its own tensor (a view of
     megatron's contiguous parameter buffer, say) comes back afterwards, untouched: nothing is copied, and a
     copy of the parameters still being taken from that tensor (megarl/trainer/host_copies.py) goes on."""
-    if not resident_match(named, params):
-        bad = next(n for n, p in named if n not in params or params[n].device != p.device
-                   or params[n].dtype != p.dtype or params[n].shape != p.shape)
+    bad = _mismatch(named, params)
+    if bad is not None:
         raise InputError(f"parameter {bad!r}: the tensor to point it at must have its device, dtype and shape")
     own = [(p, p.data) for _, p in named]
     try:
@@ -148,3 +154,13 @@ def pointed_at(named: list[tuple[str, torch.nn.Parameter]], params: dict[str, to
     finally:
         for p, data in own:
             p.data = data
+
+
+@contextlib.contextmanager
+def pointed_at_made(named: list[tuple[str, torch.nn.Parameter]], make: Callable[[str, torch.Tensor], torch.Tensor]):
+    """:func:`pointed_at` the tensors ``make(name, p)`` returns for each parameter (made without autograd from
+    its current values; ``use_params_from(resident=True)``)."""
+    with torch.no_grad():
+        made = {n: make(n, p.detach()) for n, p in named}
+    with pointed_at(named, made):
+        yield

@@ -97,14 +97,11 @@ class HFScorerForTests:
 
     @contextmanager
     def use_params_from(self, make, *, resident=False):
-        from megarl.trainer.param_copies import pointed_at
+        from megarl.trainer.param_copies import pointed_at_made
 
         self.n_swaps += 1
         if resident:  # as the trainer's (megarl/trainer/param_copies.py)
-            named = list(self.model.named_parameters())
-            with torch.no_grad():
-                made = {n: make(n, p.detach()) for n, p in named}
-            with pointed_at(named, made):
+            with pointed_at_made(list(self.model.named_parameters()), make):
                 yield
             return
         saved = {}
