@@ -13,8 +13,9 @@ megarl = run_megarl
 @pytest.fixture(scope="module")
 def async_run(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    # few requests in flight make generation the bottleneck, so publishes usually find requests to interrupt;
-    # rollout.splice_at_tokens makes sure of it (a fast engine can finish every admitted sample before a publish)
+    # few requests in flight make generation the bottleneck, so publishes often find requests to interrupt;
+    # rollout.splice_at_tokens makes sequences of several versions certain (a fast engine can finish every
+    # admitted sample before a publish)
     r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
                "trainer.total_steps=8", "rollout.eta=2", "rollout.max_concurrency=4", "rollout.splice_at_tokens=2",
                *SMALL,
@@ -32,7 +33,11 @@ def test_async_run_outputs(async_run):
                 "wait_batch_s", "train_step_s", "recovery_s"):
         assert all(key in r for r in records), key
     assert all(r["staleness_max"] <= 2 for r in records)
-    assert sum(r["n_interrupted"] for r in records) > 0
+    # rollout.splice_at_tokens holds trajectories until a publish, so this run splices by construction; whether a
+    # publish also finds requests in flight to abort depends on how fast the engine is beside the trainer (a
+    # fast engine finishes what eta admits before each publish), so aborts are not asserted here: the abort path
+    # through the vLLM engine is certified in test_verify_recovery.py, whose config keeps generation the bottleneck
+    assert sum(r["n_splice_holds"] for r in records) > 0
     assert sum(r["n_spliced"] for r in records) > 0
     assert all(r["n_reward_failed"] == 0 for r in records) and sum(r["n_reward_calls"] for r in records) >= 8 * 32
     assert (async_run / "config.yaml").is_file()
