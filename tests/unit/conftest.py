@@ -1,4 +1,5 @@
-"""Real HF tokenizers for the unit tests, written from the tiny model YAMLs' ``tokenizer:`` sections."""
+"""Real HF tokenizers for the unit tests, written from the tiny model YAMLs' ``tokenizer:`` sections; and the
+process-wide stop state reset around every test."""
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -6,6 +7,22 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def fresh_stop_state():
+    """The stop budget and the signal latch are one per process (megarl/stop_protocol.py): a test that asks a
+    run to stop starts them, and a later test in the same process would find restarts refused and waits cut
+    short. Every unit test starts and ends with them fresh, whatever ran before it in its process."""
+    from megarl.stop_protocol import DEFAULT_STOP_GRACE_S, early_stop, stop_budget
+
+    stop_budget.reset()
+    stop_budget.configure(DEFAULT_STOP_GRACE_S)
+    early_stop.reset()
+    yield
+    stop_budget.reset()
+    stop_budget.configure(DEFAULT_STOP_GRACE_S)
+    early_stop.reset()
 
 
 def write_tokenizer(model_yaml: str, out: Path) -> Path:

@@ -27,16 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CFG_30B = ROOT / "configs" / "qwen3_30b_a3b_h100.yaml"
 
 
-@pytest.fixture(autouse=True)
-def fresh_budget():
-    stop_budget.reset()
-    early_stop.reset()
-    yield
-    stop_budget.reset()
-    stop_budget.configure(90.0)
-    early_stop.reset()
-
-
 def _plan(overrides=(), alloc=None):
     cfg = load_run_config(str(CFG_30B), list(overrides))
     hf, _ = load_hf_config(cfg)
