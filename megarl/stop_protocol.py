@@ -92,8 +92,10 @@ class StopBudget:
         log.warning("stop: %s did not finish within logging.stop_grace_s=%g s; left as it is", what, self.grace_s)
 
     def reset(self) -> None:
+        """Back to a new process's budget: no stop asked for, nothing cut short, the default grace."""
         self._deadline = None
         self.cut_short = []
+        self.grace_s = DEFAULT_STOP_GRACE_S
 
 
 stop_budget = StopBudget()

@@ -14,15 +14,15 @@ def fresh_stop_state():
     """The stop budget and the signal latch are one per process (megarl/stop_protocol.py): a test that asks a
     run to stop starts them, and a later test in the same process would find restarts refused and waits cut
     short. Every unit test starts and ends with them fresh, whatever ran before it in its process."""
-    from megarl.stop_protocol import DEFAULT_STOP_GRACE_S, early_stop, stop_budget
+    from megarl.stop_protocol import early_stop, stop_budget
 
-    stop_budget.reset()
-    stop_budget.configure(DEFAULT_STOP_GRACE_S)
-    early_stop.reset()
+    def fresh():
+        stop_budget.reset()
+        early_stop.reset()
+
+    fresh()
     yield
-    stop_budget.reset()
-    stop_budget.configure(DEFAULT_STOP_GRACE_S)
-    early_stop.reset()
+    fresh()
 
 
 def write_tokenizer(model_yaml: str, out: Path) -> Path:
