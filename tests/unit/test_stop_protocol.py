@@ -57,13 +57,15 @@ def test_the_stop_marker_makes_launch_exit_75_whatever_the_launcher_reported(tmp
 
 def test_a_server_that_stopped_on_the_signal_is_a_stop_not_a_failure(tmp_path):
     """Preemption signals every task: the engine exits 75 at once, the trainer checkpoints and stops later."""
-    marker = tmp_path / "stop.json"
-    engine = RoleCommand("engine0", "engine", "", (sys.executable, "-c", "import sys; sys.exit(75)"), True)
-    done = tmp_path / "checkpointed"
-    slow = ("import pathlib, signal, sys, time\nfrom megarl.stop_protocol import write_stop_marker\n"
-            "def stop(*_):\n    time.sleep(1)\n"
+    marker, ready, done = tmp_path / "stop.json", tmp_path / "trainer_ready", tmp_path / "checkpointed"
+    # the engine exits once the trainer has its handler: a SIGUSR1 before it would kill the trainer (-10)
+    engine = RoleCommand("engine0", "engine", "", (sys.executable, "-c", f"import pathlib, sys, time\nwhile not "
+                                                   f"pathlib.Path({str(ready)!r}).exists(): time.sleep(0.01)\n"
+                                                   f"sys.exit(75)\n"), True)
+    slow = ("import pathlib, signal, sys, time\n"
+            "def stop(*_):\n    from megarl.stop_protocol import write_stop_marker\n    time.sleep(1)\n"
             f"    pathlib.Path({str(done)!r}).touch(); write_stop_marker('SIGUSR1', 2, True); sys.exit(1)\n"
-            "signal.signal(signal.SIGUSR1, stop)\ntime.sleep(60)\n")
+            f"signal.signal(signal.SIGUSR1, stop)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n")
     trainer = RoleCommand("trainer", "trainer", "", ("env", f"{STOP_MARKER_ENV}={marker}", sys.executable, "-c", slow),
                           False)
     t0 = time.monotonic()
