@@ -151,15 +151,18 @@ def stop_marker_path(env=None) -> Path | None:
     return Path(value) if value else None
 
 
-def write_stop_marker(reason: str, step: int, checkpointed: bool, env=None) -> Path | None:
-    """Write the stop marker `megarl launch` named (none named: nothing); call it after the checkpoint."""
+def write_stop_marker(reason: str, step: int, checkpointed: bool, env=None, *,
+                      checkpoint: str | None = None) -> Path | None:
+    """Write the stop marker `megarl launch` named (none named: nothing); call it after the checkpoint.
+    ``checkpoint``: the newest complete checkpoint, the one a resume takes (the step's own, or an earlier one
+    when the step's failed)."""
     path = stop_marker_path(env)
     if path is None:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"signal": reason, "step": step, "checkpointed": checkpointed,
-                               "cut_short": list(stop_budget.cut_short)}) + "\n")
+                               "checkpoint": checkpoint, "cut_short": list(stop_budget.cut_short)}) + "\n")
     os.replace(tmp, path)
     return path
 
