@@ -1,54 +1,139 @@
-"""Command prefixes that keep user code (agent commands, the code sandbox) away from the run's other processes.
+"""Command prefixes that keep user code (agent commands, the code sandbox) away from the run's processes and files.
 
 Code megarl runs for the model or the user must not read the memory or the
 environment of the trainer, the engines or another episode's command
-(``/proc/<pid>/environ``, ``/proc/<pid>/mem``, ptrace). The prefix puts the
-command in a PID namespace of its own (``unshare --pid --fork --mount-proc``:
-its ``/proc`` lists only its own processes) and, with ``setpriv``, drops every
-capability and forbids gaining new ones, so that even a root command cannot
-unmount that ``/proc`` or make a namespace of its own; a small process 1
-(:data:`_INIT`) runs the command below it. As root the namespaces
-come directly; as another user through a user namespace (``unshare --user
---map-root-user``) where the kernel allows one. ``network=False`` adds an empty
-network namespace (the code sandbox). Which prefix works is probed once per
-process by running ``python -I -c pass`` under it; () when none does, and the
-caller decides whether to refuse (the default) or to run unisolated.
+(``/proc/<pid>/environ``, ``/proc/<pid>/mem``, ptrace), nor change what the
+run reads later: its checkpoints, its control files, the source tree and the
+Python environment every later process imports. The prefix gives the command
+
+* a PID namespace of its own (``unshare --pid --fork --mount-proc``: its
+  ``/proc`` lists only its own processes);
+* a mount namespace in which every mount is read-only, the run's protected
+  directories (:func:`protect`: the run directory with its checkpoints, keys
+  and stop marker) are covered by an empty read-only tmpfs, and ``/tmp`` and
+  ``/dev/shm`` are fresh private tmpfs (its scratch space, and no view of the
+  run's shared-memory weight buckets); a caller's ``writable`` directories
+  (the code sandbox's working directory) stay writable;
+* a network of its own: none at all (``network="none"``, the code sandbox),
+  or only the agent endpoint (``network="endpoint"``: an empty network
+  namespace whose loopback listens on the endpoint's port and is joined to the
+  endpoint, and to nothing else, by a forwarder outside it), or the host's
+  (``network="host"``, where a run allows it: then the command also reaches
+  every port of the run's processes, the trainer world's store among them);
+* no capability at all (``setpriv``), and none to gain, so that even a root
+  command can neither remount anything writable nor unmount what hides the
+  run; a small process 1 runs the command below it.
+
+The programs that run inside are megarl/isolation/ (ns_setup.py, ns_init.py,
+forwarder.py). As root the namespaces come directly; as another user through
+a user namespace (``unshare --user --map-root-user``) where the kernel allows
+one. Which prefix works is probed once per process (:func:`_probe`: a command
+under it must find the filesystem read-only, a protected directory empty and
+its scratch writable); () when none does, and the caller decides whether to
+refuse (the default) or to run unisolated. docs/threat_model.md says what such
+code can and cannot reach.
 """
 from __future__ import annotations
 
 import functools
+import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
 
+Network = Literal["host", "endpoint", "none"]
+_HERE = Path(__file__).resolve().parent / "isolation"
 #: drops every capability (bounding, inheritable, ambient) and forbids regaining any (no setuid, no file caps)
 _DROP_CAPS = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--")
-#: the namespace's process 1: the command must not be it (the kernel spares process 1 every signal it has no
-#: handler for, SIGXCPU and a self-sent SIGKILL included). It starts the command, forwards SIGTERM/SIGINT/SIGHUP,
-#: reaps orphans, and exits with the command's status, 128 + N for a command killed by signal N.
-_INIT = """
-import os, signal, sys
-pid = os.fork()
-if pid == 0:
+_PY = (sys.executable, "-I", "-S")
+#: MiB of the fresh tmpfs a command gets as /tmp, its scratch space (memory, used only as it writes; its
+#: /dev/shm is another of 64 MiB)
+SCRATCH_MB = 512
+#: exit status of the set-up stage when it cannot make the filesystem or the network safe (the command did not run)
+SETUP_FAILED = 125
+#: the protected directories, os.pathsep-separated: in the environment, so that the run's reward workers, which
+#: start the code sandbox, hide them too
+PROTECTED_ENV = "MEGARL_PROTECTED_DIRS"
+
+
+def protect(path: str | os.PathLike) -> None:
+    """Hide directory ``path`` (and all below it) from every command isolated from now on by this process and the
+    processes it starts: the run directory, whose checkpoints, keys and stop marker the run trusts on resume."""
+    os.environ[PROTECTED_ENV] = os.pathsep.join(sorted({*protected(), str(Path(path).absolute())}))
+
+
+def protected() -> tuple[str, ...]:
+    return tuple(sorted(p for p in os.environ.get(PROTECTED_ENV, "").split(os.pathsep) if p))
+
+
+def _namespaces(network: Network, user: bool) -> tuple[str, ...]:
+    ns = ("--pid", "--fork", "--mount-proc", "--kill-child") + (("--net",) if network == "none" else ())
+    return ("unshare", *(("--user", "--map-root-user") if user else ()), *ns)
+
+
+def _build(namespaces: tuple[str, ...], hide, writable, endpoint: tuple[str, int] | None) -> tuple[str, ...]:
+    spec = json.dumps({"hide": [str(Path(p).absolute()) for p in hide],
+                       "writable": [str(Path(p).absolute()) for p in writable], "scratch_mb": SCRATCH_MB,
+                       "endpoint": list(endpoint) if endpoint else None, "drop_caps": list(_DROP_CAPS)})
+    return (*namespaces, *_PY, str(_HERE / "ns_setup.py"), spec, *_DROP_CAPS, *_PY, str(_HERE / "ns_init.py"))
+
+
+_PROBE = r"""
+import os, socket, sys
+def writes(d):
     try:
-        os.execvp(sys.argv[1], sys.argv[1:])
-    except OSError as e:
-        sys.stderr.write("cannot run %r: %s\\n" % (sys.argv[1], e))
-        os._exit(127)
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(sig, lambda s, f: os.kill(pid, s))
-while True:
-    done, status = os.wait()
-    if done == pid:
-        code = os.waitstatus_to_exitcode(status)
-        os._exit(128 - code if code < 0 else code)
+        with open(os.path.join(d, ".megarl-isolation-probe"), "w"):
+            pass
+        return True
+    except OSError:
+        return False
+ok = not writes(sys.argv[1]) and not os.path.exists(sys.argv[2]) and writes("/tmp") and writes(sys.argv[3])
+if len(sys.argv) > 4:  # the endpoint answers through the forwarder
+    with socket.create_connection(("127.0.0.1", int(sys.argv[4])), timeout=10) as s:
+        ok = ok and s.recv(5) == b"hello"
+sys.exit(0 if ok else 3)
 """
 
 
-def _candidates(network: bool) -> list[tuple[str, ...]]:
-    ns = ("--pid", "--fork", "--mount-proc", "--kill-child") + (() if network else ("--net",))
-    init = (sys.executable, "-I", "-S", "-c", _INIT)
-    return [("unshare", *ns, *_DROP_CAPS, *init), ("unshare", "--user", "--map-root-user", *ns, *_DROP_CAPS, *init)]
+def _probe(namespaces: tuple[str, ...], network: Network) -> bool:
+    """Whether a command under these namespaces runs, cannot write the file system, cannot see a protected
+    directory, can write its scratch and its writable directory, and (``endpoint``) reaches the endpoint."""
+    # outside /tmp where there is /var/tmp: the command gets a fresh /tmp, which would hide a directory there anyway
+    base = "/var/tmp" if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="megarl-probe-", dir=base) as tmp, socket.socket() as server:
+        hidden, mine = Path(tmp, "hidden"), Path(tmp, "mine")
+        hidden.mkdir()
+        mine.mkdir()
+        (hidden / "secret").write_text("x")
+        argv = [*_PY, "-c", _PROBE, sys.prefix, str(hidden / "secret"), str(mine)]
+        endpoint = None
+        if network == "endpoint":
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            endpoint = ("127.0.0.1", server.getsockname()[1])
+            argv.append(str(endpoint[1]))
+        try:
+            proc = subprocess.Popen([*_build(namespaces, [hidden], [mine], endpoint), *argv],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:
+            return False
+        try:
+            if endpoint is not None:
+                server.settimeout(30)
+                conn, _ = server.accept()
+                conn.sendall(b"hello")
+                conn.close()
+            rc = proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+            return False
+        return rc == 0 and (mine / ".megarl-isolation-probe").is_file()
 
 
 def exit_status(returncode: int, prefix: tuple[str, ...]) -> int:
@@ -57,17 +142,21 @@ def exit_status(returncode: int, prefix: tuple[str, ...]) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def isolation_prefix(network: bool = True) -> tuple[str, ...]:
-    """The prefix that isolates a command (module docstring), without network when ``network`` is False; ()
-    when neither variant works here."""
+def _working_namespaces(network: Network) -> tuple[str, ...]:
     if shutil.which("unshare") is None or shutil.which("setpriv") is None:
         return ()
-    for prefix in _candidates(network):
-        try:
-            ok = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True,
-                                timeout=30).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            ok = False
-        if ok:
-            return prefix
+    for user in (False, True):
+        if _probe(_namespaces(network, user), network):
+            return _namespaces(network, user)
     return ()
+
+
+def isolation_prefix(network: Network = "host", writable: tuple[str, ...] = (),
+                     endpoint: tuple[str, int] | None = None) -> tuple[str, ...]:
+    """The prefix that isolates a command (module docstring) with ``network`` ("endpoint": ``endpoint``, the
+    (host, port) the command reaches as 127.0.0.1 on the same port, and nothing else), the directories in
+    ``writable`` left writable; () when no variant works here."""
+    if (network == "endpoint") != (endpoint is not None):
+        raise ValueError("network='endpoint' takes the endpoint's (host, port), and only it does")
+    namespaces = _working_namespaces(network)
+    return _build(namespaces, protected(), writable, endpoint) if namespaces else ()

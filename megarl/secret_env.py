@@ -1,10 +1,12 @@
 """The run's secrets: one list of their variable names, how a process takes one, and the environment children get.
 
-A run holds three secrets: the engine key (``MEGARL_ENGINE_KEY``: whoever holds
+A run holds four secrets: the engine key (``MEGARL_ENGINE_KEY``: whoever holds
 it can load weights into any engine and so poison the rollouts that become
 training data), the dedicated scorer's link key (``MEGARL_DEDICATED_AUTHKEY``:
-the link carries pickles, so it runs code on the scorer) and the agent
-service key (``MEGARL_AGENT_SERVICE_KEY``). :data:`SECRET_ENV_VARS` names them;
+the link carries pickles, so it runs code on the scorer), the agent
+service key (``MEGARL_AGENT_SERVICE_KEY``) and the stop key
+(``MEGARL_STOP_KEY``: it signs the stop marker that makes `megarl launch` exit
+75, a requeue). :data:`SECRET_ENV_VARS` names them;
 every child megarl starts for user code (agent commands, tool and reward
 workers, the code sandbox) gets :func:`scrubbed_env`, which holds none of
 them nor the variables that say where to read one.
@@ -42,8 +44,10 @@ from megarl.errors import ConfigError
 ENGINE_KEY_ENV = "MEGARL_ENGINE_KEY"
 DEDICATED_AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
 AGENT_SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
+#: signs the stop marker trainer rank 0 writes for `megarl launch` (megarl/stop_protocol.py)
+STOP_KEY_ENV = "MEGARL_STOP_KEY"
 #: every secret of a run, by its environment variable
-SECRET_ENV_VARS = (ENGINE_KEY_ENV, DEDICATED_AUTHKEY_ENV, AGENT_SERVICE_KEY_ENV)
+SECRET_ENV_VARS = (ENGINE_KEY_ENV, DEDICATED_AUTHKEY_ENV, AGENT_SERVICE_KEY_ENV, STOP_KEY_ENV)
 FD_SUFFIX, FILE_SUFFIX = "_FD", "_FILE"
 
 _taken: dict[str, str] = {}
@@ -63,6 +67,25 @@ def scrubbed_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[st
     """``base`` (default: this process's environment) without any secret or carrier variable, plus ``extra``."""
     drop = _all_carriers()
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
+    env.update(extra)
+    return env
+
+
+#: variables that tell where the run's own rendezvous, ranks and job are (torchrun, MPI, Slurm): user code needs
+#: none of them, and with them it finds the trainer world's store or starts steps in the run's allocation
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                   "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE")
+RENDEZVOUS_PREFIXES = ("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
+
+
+def user_code_env(base: Mapping[str, str] | None = None, *, keep_megarl: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a process that runs user or policy code: :func:`scrubbed_env` without the rendezvous,
+    rank and job variables (:data:`RENDEZVOUS_VARS`, :data:`RENDEZVOUS_PREFIXES`) and, unless ``keep_megarl``
+    (the reward workers, which read the sandbox's settings there), without any ``MEGARL_*`` variable (the stop
+    marker's path among them); plus ``extra``."""
+    drop = RENDEZVOUS_PREFIXES if keep_megarl else (*RENDEZVOUS_PREFIXES, "MEGARL_")
+    env = {k: v for k, v in scrubbed_env(base).items()
+           if k not in RENDEZVOUS_VARS and not k.startswith(drop) and k != "MEGARL_STOP_MARKER"}
     env.update(extra)
     return env
 
@@ -110,6 +133,14 @@ def _read_fd(name: str, text: str) -> str:
                           f"the process that starts this one must pass it open (pass_fds)") from None
 
 
+def not_private(st: os.stat_result) -> str:
+    """What makes a key file other users could read or replace ('' when it is mode 0600 and this user's)."""
+    if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.geteuid():
+        return (f"has mode {stat.S_IMODE(st.st_mode):o} and owner uid {st.st_uid}; a key file must be mode 0600 "
+                f"and owned by this user (uid {os.geteuid()})")
+    return ""
+
+
 def _read_file(name: str, path: str) -> str:
     try:
         st = os.stat(path)
@@ -120,10 +151,8 @@ def _read_file(name: str, path: str) -> str:
                           f"secret another way") from None
     except OSError as e:
         raise ConfigError(f"{name}{FILE_SUFFIX}={path!r}: cannot read the secret file ({e})") from None
-    if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.geteuid():
-        raise ConfigError(f"{name}{FILE_SUFFIX}={path!r} has mode {stat.S_IMODE(st.st_mode):o} and owner uid "
-                          f"{st.st_uid}: a secret file must be mode 0600 and owned by this user (uid "
-                          f"{os.geteuid()}); `chmod 600` it, or pass the secret another way")
+    if problem := not_private(st):
+        raise ConfigError(f"{name}{FILE_SUFFIX}={path!r} {problem}: `chmod 600` it, or pass the secret another way")
     with open(path) as f:
         value = f.read().strip()
     os.unlink(path)  # read once: nobody else finds it later

@@ -31,9 +31,11 @@ from pathlib import Path  # noqa: E402
 from megarl.builder import Run, StrategyWrapper, build_run, run_follower  # noqa: E402
 from megarl.cli import main as cli_main  # noqa: E402
 from megarl.config import MegaRLConfig  # noqa: E402
+from megarl.config.run_output import apply_umask  # noqa: E402
 from megarl.cpu_affinity import pin_process  # noqa: E402
 from megarl.errors import MegarlError  # noqa: E402
 from megarl.preflight import RunSetup, preflight  # noqa: E402
+from megarl.process_isolation import protect  # noqa: E402
 from megarl.resume import ResumePoint, prepare_resume  # noqa: E402
 from megarl.rollout.engine_pool import PooledEngines  # noqa: E402
 from megarl.run_stop import stop_on_signals  # noqa: E402
@@ -54,6 +56,7 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     before anything in it changes), so bad input leaves nothing half-written behind.
     """
     stop_budget.configure(cfg.logging.stop_grace_s)
+    apply_umask(cfg.logging)  # the run's files are this user's alone (logging.file_umask)
     with early_stop.installed():  # a stop signal from here to the loop is latched (module doc)
         rank, world = init_ranks()
         if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
@@ -74,6 +77,7 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
             share_go(world, stopped=early_stop.received)
             raise _stopped_before("the preflight", 0)
         share_go(world, run_dir=str(setup.run_dir))
+        protect(setup.run_dir)  # hidden from agent commands and sandboxed code (megarl/process_isolation.py)
         _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
         point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
         summary = asyncio.run(_train(cfg, setup, point, wrap_strategy, engine_pool))

@@ -46,5 +46,9 @@ class AgentConfig:
     """agent.command: CPU seconds one episode's process may use (RLIMIT_CPU; it is killed past it and its episode fails); 0 = no limit."""
     command_open_files: int = 1024
     """agent.command: open file descriptors one episode's process may hold (RLIMIT_NOFILE); 0 = inherit megarl's. Core dumps are always off."""
+    command_network: Literal["endpoint", "host"] = "endpoint"
+    """agent.command's network: endpoint (the default) gives each command an empty network namespace in which 127.0.0.1 on the endpoint's port (OPENAI_BASE_URL) reaches megarl's agent endpoint and nothing else reaches anything; host shares this machine's network (the command can then also reach every port of the run's processes: engines, the trainer world's store, the gloo transport; use it only for agents that need the internet). Either way the filesystem is read-only with the run directory hidden (docs/threat_model.md)."""
+    command_writable: list[str] = field(default_factory=list)
+    """agent.command: directories (they must exist) that every episode's command may write besides its private /tmp, e.g. a folder for its artifacts; the rest of the filesystem is read-only to it and the run directory is hidden, also inside these."""
     command_allow_unisolated: bool = False
     """agent.command runs in a PID namespace of its own without capabilities (it cannot read the run's processes or other episodes' keys); where this machine cannot make one the run refuses to start. true: run commands anyway, able to read this user's other processes (a warning is logged)."""

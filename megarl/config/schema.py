@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.config.agent import AgentConfig
+from megarl.config.run_output import LoggingConfig
 from megarl.losses.config import PolicyLossConfig
 
-__all__ = ["AgentConfig"]  # defined beside, part of the schema like the classes below
+__all__ = ["AgentConfig", "LoggingConfig"]  # defined beside, part of the schema like the classes below
 
 
 @dataclass
@@ -256,40 +257,6 @@ class RecoveryConfig:
     """Strategy: snapshot, dedicated, interrupt_sync (exact); ewma, recompute, loglinear, linear, behav (approximate)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Per-strategy option sections, keyed by strategy name (filled from `recovery.<name>.*`)."""
-
-
-@dataclass
-class LoggingConfig:
-    """Run outputs."""
-
-    output_dir: str = ""
-    """Run directory; empty = a new timestamped directory under runs/."""
-    tensorboard: bool = True
-    """Write TensorBoard event files."""
-    progress: Literal["rich", "tqdm", "none"] = "rich"
-    """Live progress display."""
-    summary_every_s: float = 30.0
-    """When stdout is not a terminal (a piped or logged run, where the progress display does not draw), print a one-line step summary at the first step, at most every this many seconds, and at the last step; 0 = every step, negative = never."""
-    log_samples: int = 4
-    """Trajectories per step written to RUN_DIR/samples.jsonl as decoded text (prompt, response, reward, answer, versions); 0 = none."""
-    wandb: bool = False
-    """Also log metrics to Weights & Biases (needs `pip install wandb`; offline when WANDB_API_KEY is not set)."""
-    wandb_project: str = "megarl"
-    """Weights & Biases project name."""
-    save_every: int = 0
-    """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = by logging.save_every_s only); `megarl train --resume RUN_DIR` continues from the newest. A run also checkpoints at the end, on SIGTERM/SIGINT (then exits with code 75) and before an error stops it."""
-    save_every_s: float = 1800.0
-    """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
-    keep_last: int = 2
-    """Checkpoints kept (the newest ones; 0 = all); a damaged_step_N directory a resume set aside is deleted once the oldest one kept is of step N or later."""
-    async_save: bool = False
-    """Write periodic checkpoints (logging.save_every, logging.save_every_s) in the background: at the step boundary each trainer rank copies its model, optimizer and strategy shards to host memory (its one extra copy of them until the write ends), then the run trains on while a thread writes them; the checkpoint appears (manifest, rename) only once every rank's part is on disk, so a kill during the write leaves the previous checkpoint the newest. The checkpoints at the end of a run, on a stop signal and before an error are written at once."""
-    max_save_failures: int = 3
-    """Periodic checkpoints (logging.save_every) that may fail in a row (disk full, I/O error) before the run stops; a failed one leaves nothing that looks valid, the previous one is kept and the next save tries again (>= 1; 1 = stop at the first failure)."""
-    stop_grace_s: float = 90.0
-    """Stop budget (> 0): from a stop signal (SIGTERM, SIGUSR1, SIGINT) on, the seconds the run may take to checkpoint and stop with exit code 75; every wait on that path (the dedicated scorer's state, an engine restart, engine shutdown) is cut to what is left of it, and what did not finish is reported in one line. Give the scheduler's warning (launch/slurm.sbatch's --signal=B:USR1@150, a partition's GraceTime) at least this plus 60 s (docs/guide.md, Preemption and stop signals)."""
-    resume: str = ""
-    """Run directory to continue from its newest valid checkpoint (`megarl train --resume RUN_DIR` sets it; launch plans pass it to every rank); the run keeps writing there."""
 
 
 @dataclass

@@ -14,9 +14,10 @@ The sandbox is one subprocess (``python -I``) with:
 - setrlimit: address space (memory), CPU seconds, file size 16 MB, no core;
 - its own session, killed as a group at the end (stray children included),
   and SIGKILL if the reward worker dies (PR_SET_PDEATHSIG);
-- no network and no sight of other processes: an empty network namespace and
-  a PID namespace of its own, every capability dropped
-  (megarl/process_isolation.py). Where this machine cannot make them the
+- no network and no sight of other processes or of the run's files: an empty
+  network namespace, a PID namespace of its own, a read-only filesystem with
+  the run directory hidden and only its directory and a private /tmp
+  writable, every capability dropped (megarl/process_isolation.py). Where this machine cannot make them the
   sandbox refuses to run (:class:`SandboxUnavailable`), unless
   ``reward.sandbox_allow_unisolated=true`` opted out (the run sets
   ``MEGARL_SANDBOX_ALLOW_UNISOLATED=1`` for its workers): then it runs with the
@@ -107,10 +108,11 @@ def allows_unisolated() -> bool:
     return os.environ.get(ALLOW_UNISOLATED_ENV, "") == "1"
 
 
-def sandbox_prefix() -> tuple[str, ...]:
-    """The prefix every sandboxed command runs under; SandboxUnavailable when there is none and the run did not
-    opt out (then () and a warning, once)."""
-    prefix = isolation_prefix(network=False)
+def sandbox_prefix(workdir: str) -> tuple[str, ...]:
+    """The prefix every sandboxed command runs under, ``workdir`` its one writable directory beside its scratch
+    (megarl/process_isolation.py); SandboxUnavailable when there is none and the run did not opt out (then ()
+    and a warning, once)."""
+    prefix = isolation_prefix(network="none", writable=(workdir,))
     if prefix:
         return prefix
     if not allows_unisolated():
@@ -156,7 +158,7 @@ def _run_in_sandbox(files: dict[str, str], script: str, stdin: str, time_limit_s
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [*sandbox_prefix(), sys.executable, "-I", "-c", script]
+        cmd = [*sandbox_prefix(tmp), sys.executable, "-I", "-c", script]
         out_path, err_path = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
         timed_out = False
         # output goes to files, not pipes: code printing in a loop then hits
@@ -232,4 +234,4 @@ def prepare_sandbox(cfg: Any) -> None:
     if cfg.reward.sandbox_allow_unisolated:
         os.environ[ALLOW_UNISOLATED_ENV] = "1"
     if uses_sandbox(cfg):
-        sandbox_prefix()
+        sandbox_prefix(tempfile.gettempdir())

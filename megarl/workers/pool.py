@@ -29,7 +29,7 @@ from typing import Any
 
 from megarl.cpu_affinity import release
 from megarl.errors import ConfigError
-from megarl.secret_env import scrubbed_env
+from megarl.secret_env import user_code_env
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class _Worker:
         boot = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 f"from megarl.workers.process import main; main({fd})")
         self.proc = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[fd], stdin=subprocess.DEVNULL,
-                                     env=scrubbed_env())
+                                     env=user_code_env(keep_megarl=True))
         release(self.proc.pid)  # a pinned trainer's workers may run on any core (megarl/cpu_affinity.py)
         child_sock.close()  # so the worker's death shows here as EOF
         self.conn = Connection(parent_sock.detach())

@@ -17,12 +17,18 @@ Each command runs under resource limits (:class:`CommandLimits`: address space
 episode the same way.
 
 Secrets and isolation. The command starts with megarl's environment minus
-the run's secrets (megarl/secret_env.py: no engine, scorer or service key),
-holding only its own episode key, and in a PID namespace of its own with
-every capability dropped (megarl/process_isolation.py), so that it can read
-neither the run's processes nor another episode's command (their
-``/proc/<pid>/environ`` or memory). Where no such namespace can be made the
-run refuses to start, unless ``agent.command_allow_unisolated=true``.
+the run's secrets and its rendezvous, rank and job variables
+(megarl/secret_env.py ``user_code_env``: no engine, scorer, service or stop
+key, no ``MASTER_ADDR``), holding only its own episode key, in a PID
+namespace of its own with every capability dropped, a read-only filesystem
+with the run directory hidden and a private ``/tmp``, and (with
+``agent.command_network=endpoint``, the default) a network in which only the
+agent endpoint answers (megarl/process_isolation.py). So it can read neither
+the run's processes nor another episode's command (their
+``/proc/<pid>/environ`` or memory), change no checkpoint, source file or
+package, plant no stop marker, and reach no store or port of the run. Where
+no such namespace can be made the run refuses to start, unless
+``agent.command_allow_unisolated=true``.
 
 With ``agent.serve=true`` no command runs: each episode waits for a
 long-lived agent service to claim it (megarl/agents/http_service.py) and to
@@ -52,7 +58,7 @@ from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.http_server import SHARED, AgentHttpServer
 from megarl.errors import ConfigError
 from megarl.process_isolation import exit_status, isolation_prefix
-from megarl.secret_env import AGENT_SERVICE_KEY_ENV, scrubbed_env, take_secret
+from megarl.secret_env import AGENT_SERVICE_KEY_ENV, take_secret, user_code_env
 from megarl.types import Trajectory
 from megarl.workflows.agent import AgentWorkflow
 from megarl.workflows.base import GenerateFn
@@ -77,22 +83,38 @@ class CommandLimits:
     open_files: int = 1024
     #: run without a PID namespace where none can be made (agent.command_allow_unisolated)
     allow_unisolated: bool = False
+    #: "endpoint": the command reaches the agent endpoint and nothing else; "host": this machine's network
+    network: str = "endpoint"
+    #: directories the command may write besides its private /tmp (agent.command_writable)
+    writable: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, agent_cfg: Any) -> "CommandLimits":
         for key in ("command_memory_mb", "command_cpu_s", "command_open_files"):
             if getattr(agent_cfg, key) < 0:
                 raise ConfigError(f"agent.{key}={getattr(agent_cfg, key)} must be >= 0 (0 = no limit)")
+        if agent_cfg.command_network not in ("endpoint", "host"):
+            raise ConfigError(f"agent.command_network={agent_cfg.command_network!r}: choose endpoint (the command "
+                              f"reaches the agent endpoint only) or host (this machine's network)")
+        missing = [d for d in agent_cfg.command_writable if not os.path.isdir(d)]
+        if missing:
+            raise ConfigError(f"agent.command_writable names {missing}, which are not directories: create them "
+                              f"first, or drop them from the list")
         limits = cls(agent_cfg.command_memory_mb, agent_cfg.command_cpu_s, agent_cfg.command_open_files,
-                     agent_cfg.command_allow_unisolated)
+                     agent_cfg.command_allow_unisolated, agent_cfg.command_network,
+                     tuple(os.path.abspath(d) for d in agent_cfg.command_writable))
         if agent_cfg.command and not agent_cfg.serve:
-            limits.prefix()  # refuse the run now, not at its first episode
+            limits.prefix(("127.0.0.1", 1))  # refuse the run now, not at its first episode
         return limits
 
-    def prefix(self) -> tuple[str, ...]:
-        """What the command runs under: its own PID namespace without capabilities (module docstring); () with a
-        warning when none can be made and ``allow_unisolated``, else a ConfigError naming the opt-out."""
-        prefix = isolation_prefix(network=True)
+    def prefix(self, endpoint: tuple[str, int]) -> tuple[str, ...]:
+        """What the command runs under (module docstring), reaching ``endpoint`` (host, port) as 127.0.0.1 on the
+        same port; () with a warning when no isolation can be made and ``allow_unisolated``, else a ConfigError
+        naming the opt-out."""
+        if self.network == "endpoint":
+            prefix = isolation_prefix(network="endpoint", writable=self.writable, endpoint=endpoint)
+        else:
+            prefix = isolation_prefix(network="host", writable=self.writable)
         if prefix or not self.allow_unisolated:
             if not prefix:
                 raise ConfigError("agent.command cannot be isolated here: neither 'unshare --pid' (root) nor a user "
@@ -170,14 +192,15 @@ def _warn_unisolated() -> None:
 
 
 async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str], timeout_s: float,
-                      limits: CommandLimits | None = None) -> str:
-    """Run one episode's command under ``limits``, isolated, in this environment without the run's secrets plus
-    ``env``; its stdout. AgentCommandError on a non-zero exit or past ``timeout_s``."""
+                      limits: CommandLimits | None = None, endpoint: tuple[str, int] = ("127.0.0.1", 1)) -> str:
+    """Run one episode's command under ``limits``, isolated, reaching ``endpoint`` (host, port; the agent
+    endpoint), in this environment without the run's secrets and rendezvous facts plus ``env``; its stdout.
+    AgentCommandError on a non-zero exit or past ``timeout_s``."""
     limits = limits or CommandLimits()
-    prefix = limits.prefix()
+    prefix = limits.prefix(endpoint)
     proc = await asyncio.create_subprocess_exec(*prefix, *argv, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, env=scrubbed_env(**env),
+                                                stderr=asyncio.subprocess.PIPE, env=user_code_env(**env),
                                                 start_new_session=True,  # its own group: a timeout kills it all
                                                 preexec_fn=limits.apply)
     try:
@@ -261,9 +284,9 @@ class AgentHttpWorkflow(AgentWorkflow):
                 answer, reward = await self._served(session, row)
             else:
                 async with self._slots:
-                    out = await run_command(self.argv, row, {"OPENAI_BASE_URL": self.server.base_url,
+                    out = await run_command(self.argv, row, {"OPENAI_BASE_URL": self._base_url(),
                                                              "OPENAI_API_KEY": session.key}, self.timeout_s,
-                                      self.command_limits)
+                                            self.command_limits, (self.server.host, self.server.port))
         finally:
             await self.server.close_session(session)
         if session.error is not None:  # a completion past the budget, or megarl failed: the episode fails
@@ -272,6 +295,13 @@ class AgentHttpWorkflow(AgentWorkflow):
             answer, reward = parse_answer(out)
         client.final_text = answer  # what reward.fn scores when the command gives no reward
         return reward
+
+    def _base_url(self) -> str:
+        """OPENAI_BASE_URL as the command sees it: 127.0.0.1 on the endpoint's port inside an endpoint-only
+        network, the endpoint's own address on the host's."""
+        if self.command_limits.network == "endpoint":
+            return f"http://127.0.0.1:{self.server.port}/v1"
+        return self.server.base_url
 
     async def _served(self, session, row: dict[str, Any]) -> tuple[str, float | None]:
         """Offer the episode to an agent service and wait for its outcome (at most agent.timeout_s)."""

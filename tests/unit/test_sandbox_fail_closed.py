@@ -24,7 +24,12 @@ def test_isolated_code_has_no_network_and_sees_no_other_process():
             "import os, socket\n"
             "print(sorted(n for _, n in socket.if_nameindex()))\n"
             "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-            "seen = [p for p in pids if b'held-engine-key-31' in open('/proc/%s/environ' % p, 'rb').read()]\n"
+            "def environ(p):\n"
+            "    try:\n"
+            "        return open('/proc/%s/environ' % p, 'rb').read()\n"
+            "    except PermissionError:  # the namespace's process 1 is not dumpable\n"
+            "        return b''\n"
+            "seen = [p for p in pids if b'held-engine-key-31' in environ(p)]\n"
             f"print(len(pids) < 6, seen, os.path.exists('/proc/{holder.pid}/environ'))\n",
             time_limit_s=20)
     finally:
@@ -34,7 +39,7 @@ def test_isolated_code_has_no_network_and_sees_no_other_process():
 
 
 def test_no_isolation_means_no_run_unless_opted_out(monkeypatch, caplog):
-    monkeypatch.setattr(code, "isolation_prefix", lambda network=True: ())
+    monkeypatch.setattr(code, "isolation_prefix", lambda *a, **k: ())
     monkeypatch.delenv(code.ALLOW_UNISOLATED_ENV, raising=False)
     with pytest.raises(SandboxUnavailable, match=r"set reward\.sandbox_allow_unisolated=true"):
         run_sandboxed("x = 1", ["assert x == 1"])

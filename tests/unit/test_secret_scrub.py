@@ -29,11 +29,11 @@ from megarl.workflows.agent_http import CommandLimits, run_command
 REPO = Path(__file__).resolve().parents[2]
 #: the run's keys as a launching shell exports them (values found by substring in what a child sees)
 KEYS = {"MEGARL_ENGINE_KEY": "engine-key-4f1c9a", "MEGARL_DEDICATED_AUTHKEY": "scorer-key-77d2e0",
-        "MEGARL_AGENT_SERVICE_KEY": "service-key-0b93aa11"}
+        "MEGARL_AGENT_SERVICE_KEY": "service-key-0b93aa11", "MEGARL_STOP_KEY": "stop-key-5e21c7"}
 
 
 def test_the_secret_list_names_each_key_once():
-    assert sorted(SECRET_ENV_VARS) == sorted(KEYS)  # the three secrets of a run, by hand
+    assert sorted(SECRET_ENV_VARS) == sorted(KEYS)  # the four secrets of a run, by hand
     env = {**KEYS, "MEGARL_ENGINE_KEY_FD": "7", "MEGARL_DEDICATED_AUTHKEY_FILE": "/x", "PATH": "/bin", "HOME": "/h"}
     assert scrubbed_env(env, OPENAI_API_KEY="ep") == {"PATH": "/bin", "HOME": "/h", "OPENAI_API_KEY": "ep"}
 
@@ -149,7 +149,7 @@ def test_an_agent_command_finds_no_key_in_any_proc_environ(monkeypatch):
     holder = _holder(words)
     try:
         assert asyncio.run(_two_episodes(words, CommandLimits())) == [[], []]
-        monkeypatch.setattr(agent_http, "isolation_prefix", lambda network=True: ())
+        monkeypatch.setattr(agent_http, "isolation_prefix", lambda *a, **k: ())
         control = asyncio.run(_two_episodes(words, CommandLimits(allow_unisolated=True)))
     finally:
         holder.kill()
@@ -167,8 +167,8 @@ def test_an_agent_command_gets_its_own_key_and_no_other(monkeypatch):
 
 def test_agent_commands_fail_closed_without_isolation(monkeypatch, caplog):
     cfg = AgentConfig(command=f"{sys.executable} -c pass")
-    assert CommandLimits.from_config(cfg).prefix()  # this machine isolates
-    monkeypatch.setattr(agent_http, "isolation_prefix", lambda network=True: ())
+    assert CommandLimits.from_config(cfg).prefix(("127.0.0.1", 1))  # this machine isolates
+    monkeypatch.setattr(agent_http, "isolation_prefix", lambda *a, **k: ())
     with pytest.raises(ConfigError, match="agent.command cannot be isolated here.*agent.command_allow_unisolated=true"):
         CommandLimits.from_config(cfg)
     cfg.command_allow_unisolated = True
