@@ -65,7 +65,14 @@ from megarl.checkpoint_dirs import (
     set_aside_newer,
     write_checkpoint,
 )
-from megarl.checkpoint_files import MANIFEST, build_manifest, link_or_copy_tree, read_manifest, verify_checkpoint
+from megarl.checkpoint_files import (
+    MANIFEST,
+    build_manifest,
+    link_or_copy_tree,
+    load_plain,
+    read_manifest,
+    verify_checkpoint,
+)
 from megarl.checkpoint_writer import BackgroundWrite
 from megarl.errors import CheckpointError, ConfigError
 from megarl.trainer.dist_state import STATE_FILE, load_reshardable, prepare_reshardable
@@ -95,12 +102,19 @@ MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
 
 # -- state ------------------------------------------------------------------------
 def capture_rng() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The python, numpy and torch RNG states as plain data (numpy's key as a tensor: checkpoints hold no
+    numpy objects, megarl/checkpoint_files.py's ``load_plain``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                   int(has_gauss), float(cached)),
+            "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
 
 
@@ -155,14 +169,9 @@ class SingleRankStates:
 
 
 def load_file(path: str | Path) -> Any:
-    """``torch.load`` of a checkpoint file; a missing or unreadable one is a CheckpointError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # pickle/zip errors of a damaged file
-        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
+    """A checkpoint file of plain data (megarl/checkpoint_files.py's ``load_plain``); CheckpointError naming a
+    missing, damaged or refused one."""
+    return load_plain(path)
 
 
 def check_run_settings(cfg, manifest: dict, step_dir: Path, world_size: int, hf_config: dict) -> None:

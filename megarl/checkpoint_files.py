@@ -1,9 +1,11 @@
 """The files of one checkpoint directory: its manifest (size and sha256 of every file), the check of it, and
 the durable writes and hard-link copies the checkpoint code builds on (megarl/checkpoint.py has the layout).
 
-A directory is a complete checkpoint exactly when its manifest is readable and every file it lists has the
-listed size and sha256; :func:`verify_checkpoint` is that test, and every rule of megarl/checkpoint_dirs.py
-(which copy a resume takes) rests on it.
+A directory is a complete checkpoint exactly when its manifest is readable, signed with the run's checkpoint key
+(megarl/run_key.py: ``RUN_DIR/.megarl-run/checkpoint.key``), and every file it lists has the listed size and
+sha256; :func:`verify_checkpoint` is that test, and every rule of megarl/checkpoint_dirs.py (which copy a resume
+takes) rests on it. A file changed after the run wrote it, by anything that could not read the key, fails it
+by name before anything of the checkpoint is loaded.
 """
 from __future__ import annotations
 
@@ -12,11 +14,34 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from megarl.errors import CheckpointError
+from megarl.run_key import checkpoint_key, key_path, sign, signed_by
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+
+
+def load_plain(path: str | os.PathLike) -> Any:
+    """A checkpoint file of plain data (tensors, numbers, strings, lists, tuples, dicts), loaded with
+    ``weights_only=True``: a file that would build any other object (a pickle that runs code) is refused, never
+    run. CheckpointError names a missing, damaged or refused file."""
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} holds more than plain data and is refused, not loaded ({why}); megarl "
+                              f"writes tensors, numbers, strings and containers of them only") from None
+    except Exception as e:  # zip errors of a damaged file
+        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
 
 
 def sha256_file(path: Path) -> str:
@@ -60,10 +85,16 @@ def link_or_copy_tree(src: Path, dst: Path) -> None:
             shutil.copy2(f, target)
 
 
+def run_dir_of(step_dir: Path) -> Path:
+    """The run directory of a checkpoint directory (``RUN_DIR/checkpoints/<name>``)."""
+    return Path(step_dir).absolute().parent.parent
+
+
 def build_manifest(root: Path, meta: dict) -> dict:
+    """The signed manifest of the files under ``root``, a (temporary) directory in ``RUN_DIR/checkpoints``."""
     files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in files_under(root) if p.name != MANIFEST or p.parent != root}
-    return {"format": FORMAT, **meta, "files": files}
+    return sign({"format": FORMAT, **meta, "files": files}, checkpoint_key(run_dir_of(root), create=True))
 
 
 def read_manifest(step_dir: Path) -> dict:
@@ -83,6 +114,10 @@ def verify_checkpoint(step_dir: str | Path) -> dict:
     """The manifest of ``step_dir`` after checking every file it lists; CheckpointError names the first bad file."""
     step_dir = Path(step_dir)
     manifest = read_manifest(step_dir)
+    if not signed_by(manifest, checkpoint_key(run_dir_of(step_dir))):
+        raise CheckpointError(f"{step_dir / MANIFEST} is not signed with this run's key "
+                              f"({key_path(run_dir_of(step_dir))}): it was changed after the run wrote it, or "
+                              f"written by another run or an older megarl; it is not loaded")
     for rel, want in sorted(manifest["files"].items()):
         path = step_dir / rel
         if not path.is_file():

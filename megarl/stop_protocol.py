@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Iterator
 
 from megarl.errors import ConfigError, TrainingError
+from megarl.run_key import sign, signed_by
+from megarl.secret_env import STOP_KEY_ENV, take_secret
 
 log = logging.getLogger("megarl.stop")
 
@@ -155,21 +157,33 @@ def write_stop_marker(reason: str, step: int, checkpointed: bool, env=None, *,
                       checkpoint: str | None = None) -> Path | None:
     """Write the stop marker `megarl launch` named (none named: nothing); call it after the checkpoint.
     ``checkpoint``: the newest complete checkpoint, the one a resume takes (the step's own, or an earlier one
-    when the step's failed)."""
+    when the step's failed). Signed with the launch's stop key (megarl/run_key.py) when this process holds one."""
     path = stop_marker_path(env)
     if path is None:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"signal": reason, "step": step, "checkpointed": checkpointed,
-                               "checkpoint": checkpoint, "cut_short": list(stop_budget.cut_short)}) + "\n")
+    info = {"signal": reason, "step": step, "checkpointed": checkpointed, "checkpoint": checkpoint,
+            "cut_short": list(stop_budget.cut_short)}
+    key = _stop_key()
+    tmp.write_text(json.dumps(sign(info, key) if key else info) + "\n")
     os.replace(tmp, path)
     return path
 
 
 def read_stop_marker(path: Path) -> dict | None:
-    """The marker's content; None when there is none (or it is not complete JSON)."""
+    """The marker's content; None when there is none, it is not complete JSON, or this process holds the launch's
+    stop key and the marker is not signed with it (written by anything but the run's trainer: not trusted)."""
     try:
-        return json.loads(path.read_text())
+        info = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    key = _stop_key()
+    if not isinstance(info, dict) or (key and not signed_by(info, key)):
+        log.warning("%s is not a stop marker signed by this launch's trainer: ignored", path)
+        return None
+    return info
+
+
+def _stop_key() -> bytes:
+    return take_secret(STOP_KEY_ENV).encode()

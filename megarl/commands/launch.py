@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 
+from megarl.config.run_output import apply_umask
 from megarl.errors import ConfigError
 from megarl.launch import cluster, host_memory, memory
 from megarl.launch.engine_key_env import ensure_run_keys
@@ -32,6 +33,7 @@ from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
 from megarl.launch.runner import run_commands, stop_marker_for
+from megarl.secret_env import STOP_KEY_ENV, give_secret
 
 
 def register(sub) -> None:
@@ -81,6 +83,7 @@ def run(args) -> int:
     launcher = args.launcher or ("slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun")
     overrides = command_overrides(args.recovery, args.overlay, args.overrides)
     cfg = load_run_config(args.config, overrides)
+    apply_umask(cfg.logging)  # the run directory and key files are this user's alone; every role inherits it
     hf, source = load_hf_config(cfg, overrides)
     from megarl.preflight import check_config  # the data and model modules: only when the command runs
 
@@ -122,6 +125,7 @@ def run(args) -> int:
                               f"{', '.join(hosts)}")
         commands = mine
     keys = KeyFiles(ensure_run_keys(plan, launcher), key_dir_base(cfg))  # in memory, then one file per command
+    give_secret(STOP_KEY_ENV, keys.keys[STOP_KEY_ENV])  # the trainer signs its stop marker with it, this checks it
     if settings.log_dir:  # the Slurm steps' logs go there from their first line, before the preflight makes it
         os.makedirs(settings.log_dir, exist_ok=True)
     return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s, key_files=keys)

@@ -8,7 +8,8 @@ scorer with its own command and the trainer ``MEGARL_DEDICATED_AUTHKEY``.
 :func:`ensure_run_keys` returns the run's keys in memory: those the launching
 shell exported (taken, so `megarl launch` itself no longer shows them) and,
 where the launching environment has none, a fresh random secret
-(``secrets.token_hex``). megarl/launch/key_files.py hands them to each command
+(``secrets.token_hex``), and always a fresh stop key, which signs the stop marker
+trainer rank 0 writes for this launcher (megarl/stop_protocol.py). megarl/launch/key_files.py hands them to each command
 in a file of its own. torchrun across several nodes is the exception: each
 node runs its own ``megarl launch``, so the key must be exported on every
 node by hand (each launch takes it from its environment at once).
@@ -20,7 +21,13 @@ from typing import MutableMapping
 
 from megarl.errors import ConfigError
 from megarl.rollout.engine_key import engine_key_from_env, new_engine_key
-from megarl.secret_env import DEDICATED_AUTHKEY_ENV, ENGINE_KEY_ENV, SECRET_ENV_VARS, take_secret
+from megarl.secret_env import (
+    DEDICATED_AUTHKEY_ENV,
+    ENGINE_KEY_ENV,
+    SECRET_ENV_VARS,
+    STOP_KEY_ENV,
+    take_secret,
+)
 
 
 def has_own_engines(plan) -> bool:
@@ -46,11 +53,15 @@ def _ensure(name: str, make, plan, launcher: str, env: MutableMapping[str, str])
 def ensure_run_keys(plan, launcher: str, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """The run's keys: fresh ones put in ``env`` for the plan's processes that need them (the engine key when
     engines have commands of their own, the link key when the dedicated scorer has one). ``env`` None: a dict
-    in memory that starts with the keys this process was given (taken from its environment, which keeps none)."""
+    in memory that starts with the keys this process was given (taken from its environment, which keeps none),
+    and a fresh stop key when it has none (module doc)."""
+    in_memory = env is None
     if env is None:
         env = {name: value for name in SECRET_ENV_VARS if (value := take_secret(name))}
     if has_own_engines(plan) and not engine_key_from_env(env):
         _ensure(ENGINE_KEY_ENV, new_engine_key, plan, launcher, env)
     if has_own_dedicated(plan):
         _ensure(DEDICATED_AUTHKEY_ENV, lambda: secrets.token_hex(16), plan, launcher, env)
+    if in_memory and not env.get(STOP_KEY_ENV):  # per launch: each node's launcher checks the marker with its own
+        env[STOP_KEY_ENV] = secrets.token_hex(16)
     return dict(env)

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint_files import load_plain
 from megarl.errors import CheckpointError
 from megarl.trainer.sharded_write import quiet_upstream, save_sharded
 from megarl.trainer.state import load_trainer_state, unshare_adam_steps
@@ -142,10 +143,7 @@ def _read_small(in_dir: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {in_dir} is not a complete reshardable trainer checkpoint "
                               f"(its save did not finish?)")
-    try:
-        small = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
+    small = load_plain(path)
     if not isinstance(small, dict) or small.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
     return small

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint_files import load_plain
 from megarl.errors import CheckpointError
 from megarl.trainer.sharded_write import quiet_upstream, save_sharded
 
@@ -142,12 +143,7 @@ def save_strategy_state(trainer, state: dict, out_dir: str) -> None:
 
 
 def _read(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # pickle/zip errors of a damaged file
-        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
+    return load_plain(path)
 
 
 def load_strategy_state(trainer, in_dir: str) -> dict:

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint_files import load_plain
 from megarl.errors import CheckpointError
 
 
@@ -56,10 +57,7 @@ def load_trainer_state(trainer, in_dir: str) -> None:
     path = os.path.join(in_dir, f"rank{dist.get_rank()}.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing (a checkpoint of {dist.get_world_size()} trainer ranks?)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
+    state = load_plain(path)
     if state["world_size"] != dist.get_world_size() or state["layout"] != trainer._layout():
         raise CheckpointError(f"{path} was written by {state['world_size']} ranks with layout {state['layout']}; "
                               f"this run has {dist.get_world_size()} ranks with {trainer._layout()}")

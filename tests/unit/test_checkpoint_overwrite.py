@@ -7,6 +7,7 @@ at the k-th rename of the write (before it, and after the last one), so no
 ``megarl train --resume`` does (find the newest valid checkpoint, prepare the
 run directory) and must find a complete copy of the step, old or new.
 """
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from megarl.checkpoint import find_latest_checkpoint, list_checkpoints, verify_checkpoint, write_checkpoint
 from megarl.resume import prepare_resume
+from megarl.run_key import checkpoint_key, sign
 
 
 def filler(tag: str):
@@ -106,7 +108,8 @@ def test_the_states_between_the_renames_are_recognised(tmp_path):
         for name, tag in names.items():
             os.rename(write_checkpoint(root, 99, filler(tag), meta=meta(6)), root / name)
             manifest = root / name / "manifest.json"  # a checkpoint of step 6 under its in-between name
-            manifest.write_text(manifest.read_text().replace('"step": 99', '"step": 6'))
+            signed = sign({**json.loads(manifest.read_text()), "step": 6}, checkpoint_key(run))  # as the run would
+            manifest.write_text(json.dumps(signed))
         assert find_latest_checkpoint(run) == root / "step_6", case
         prepare_resume(run, root / "step_6")
         assert tag_of(root / "step_6") == want, case

@@ -27,7 +27,7 @@ from megarl.secret_env import SECRET_ENV_VARS, take_secret
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"MEGARL_ENGINE_KEY": "engine-key-31d7c0", "MEGARL_DEDICATED_AUTHKEY": "scorer-key-a81f22",
-        "MEGARL_AGENT_SERVICE_KEY": "service-key-5e06b9d4"}
+        "MEGARL_AGENT_SERVICE_KEY": "service-key-5e06b9d4", "MEGARL_STOP_KEY": "stop-key-90c4e1"}
 #: a process that takes its secrets as every `megarl train` role does, then says what it got and what /proc shows
 TAKE = r"""
     import json, os, re
@@ -57,7 +57,7 @@ def _take(env: dict[str, str]) -> dict:
 def test_each_command_gets_a_private_file_that_its_one_reader_deletes(tmp_path):
     files = KeyFiles(KEYS, tmp_path / "run")
     trainer, engine, scorer = files.env_for("trainer"), files.env_for("engine"), files.env_for("dedicated")
-    assert sorted(trainer) == sorted(n + "_FILE" for n in KEYS)  # rank 0 talks to all three
+    assert sorted(trainer) == sorted(n + "_FILE" for n in KEYS)  # rank 0 talks to engines, scorer, service and launcher
     assert list(engine) == ["MEGARL_ENGINE_KEY_FILE"] and list(scorer) == ["MEGARL_DEDICATED_AUTHKEY_FILE"]
     assert engine["MEGARL_ENGINE_KEY_FILE"] != trainer["MEGARL_ENGINE_KEY_FILE"]  # a file per reader
     assert stat.S_IMODE(files.directory.stat().st_mode) == 0o700
