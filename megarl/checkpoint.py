@@ -73,7 +73,7 @@ from megarl.checkpoint_files import (
     read_manifest,
     verify_checkpoint,
 )
-from megarl.checkpoint_writer import BackgroundWrite
+from megarl.checkpoint_writer import BackgroundWrite, torch_save_errors
 from megarl.errors import CheckpointError, ConfigError
 from megarl.trainer.dist_state import STATE_FILE, load_reshardable, prepare_reshardable
 from megarl.trainer.param_state import load_strategy_state, prepare_strategy_state
@@ -122,12 +122,15 @@ def prepare_rank_state(step_dir: str | Path, trainer, strategy_state: dict, *, b
     """Prepare this rank's trainer (trainer/) and strategy (strategy/) state; a collective of every rank. Returns
     ``write(group)``, which writes them (megarl/checkpoint_writer.py: in the background over the checkpoint group)."""
     step_dir = Path(step_dir)
-    trainer_write = prepare_reshardable(trainer, str(step_dir / "trainer"), background=background)
-    strategy_write = prepare_strategy_state(trainer, strategy_state, str(step_dir / "strategy"), background=background)
+    with torch_save_errors(f"the trainer's state in {step_dir}"):  # torch's CheckpointException: a BaseException
+        trainer_write = prepare_reshardable(trainer, str(step_dir / "trainer"), background=background)
+        strategy_write = prepare_strategy_state(trainer, strategy_state, str(step_dir / "strategy"),
+                                                background=background)
 
     def write(group) -> None:
-        trainer_write(group)
-        strategy_write(group)
+        with torch_save_errors(f"the trainer's state in {step_dir}"):
+            trainer_write(group)
+            strategy_write(group)
 
     return write
 

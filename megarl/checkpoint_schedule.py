@@ -7,16 +7,20 @@ links the engines' disk copy of their version, so it waits for the publisher's w
 A periodic checkpoint (``logging.save_every``) that fails (disk full, an I/O error) leaves no checkpoint
 behind that looks valid (``write_checkpoint`` writes into a temp directory and publishes it with one rename)
 and the previous one stays: the run goes on and tries again at the next save, and stops only after
-``logging.max_save_failures`` failures in a row. Any other checkpoint (the end of the run, before a
-stop) raises its failure at once. With ``logging.async_save`` a periodic checkpoint is prepared at the step
-boundary and written while the run goes on (megarl/checkpoint_writer.py); its write's failure is counted
-when the next checkpoint waits for it, and every other checkpoint waits for it first.
+``logging.max_save_failures`` failures in a row, blocking or in the background alike. A failure is whatever
+the save raises but the interpreter's exit and a cancellation (megarl/checkpoint_writer.py ``is_save_failure``:
+torch's ``CheckpointException`` is a ``BaseException``). Any other checkpoint (the end of the run, before a
+stop) raises its failure at once, as a :class:`~megarl.errors.CheckpointError`. With
+``logging.async_save`` a periodic checkpoint is prepared at the step boundary and written while the run goes
+on (megarl/checkpoint_writer.py); its write's failure is counted when the next checkpoint waits for it, and
+every other checkpoint waits for it first.
 """
 from __future__ import annotations
 
 import logging
 import time
 
+from megarl.checkpoint_writer import describe_failure, is_save_failure
 from megarl.errors import CheckpointError
 
 log = logging.getLogger("megarl.controller")
@@ -38,9 +42,11 @@ class CheckpointSchedule:
             if written is not None:
                 await written()
             await self.checkpointer.save(self, background=background)
-        except Exception as e:
-            if not periodic:
+        except BaseException as e:
+            if not is_save_failure(e) or (not periodic and isinstance(e, Exception)):
                 raise
+            if not periodic:
+                raise CheckpointError(f"the checkpoint of step {self.step} failed: {describe_failure(e)}") from e
             self._save_failed(e)
             return
         if not background:
@@ -54,13 +60,15 @@ class CheckpointSchedule:
         try:
             if await self.checkpointer.wait() is not None:
                 self._save_failures = 0
-        except Exception as e:
+        except BaseException as e:
+            if not is_save_failure(e):
+                raise
             self._save_failed(e)
 
-    def _save_failed(self, e: Exception) -> None:
+    def _save_failed(self, e: BaseException) -> None:
         self._save_failures += 1
         limit = self.cfg.logging.max_save_failures
-        cause = f"{type(e).__name__}: {e}"
+        cause = describe_failure(e)
         if self._save_failures >= limit:
             raise CheckpointError(
                 f"{self._save_failures} checkpoints in a row failed (logging.max_save_failures={limit}); the "

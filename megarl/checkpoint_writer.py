@@ -11,23 +11,60 @@ rename leaves a ``.tmp-`` directory, which is never read and is removed on resum
 checkpoint stays the newest valid one. A failed write (any rank) removes the temp directory and is
 reported when the loop next waits for the write.
 
+What a save raises. torch's distributed checkpoint raises ``CheckpointException``, a ``BaseException``
+subclass (the disk full, a file-size limit, an I/O error on any rank), which ``except Exception`` does not
+catch: :func:`torch_save_errors` turns it into a :class:`~megarl.errors.CheckpointError` naming each rank's
+error where megarl calls torch's writer, and :func:`is_save_failure` tells what a caller counts as a failed
+save: anything a save raises except the interpreter's own (``KeyboardInterrupt``, ``SystemExit``,
+``GeneratorExit``) and the cancellation of the task that waits for it, which keep their meaning. The write
+thread reports whatever ends it (a ``SystemExit`` there would otherwise end the thread silently and leave every
+rank waiting for its outcome).
+
 Every rank runs its writes one at a time and in the same order: a new save, a load and the end of a
 run first join the write in flight.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megarl.errors import CheckpointError
 from megarl.trainer.sharded_write import checkpoint_group
 
 log = logging.getLogger("megarl.checkpoint")
+
+#: what no save failure is, whatever raised it: these keep their meaning (module doc)
+NOT_SAVE_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+
+
+def is_save_failure(e: BaseException) -> bool:
+    """Whether ``e``, raised by a save, is that save failing (module doc)."""
+    return not isinstance(e, NOT_SAVE_FAILURES)
+
+
+def describe_failure(e: BaseException) -> str:
+    """``e`` in one line; torch's CheckpointException as each failed rank's own error."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def torch_save_errors(what: str) -> Iterator[None]:
+    """Around a call of torch's checkpoint writer: its CheckpointException becomes a CheckpointError."""
+    try:
+        yield
+    except CheckpointException as e:
+        raise CheckpointError(f"{what} could not be written ({describe_failure(e)}); the previous checkpoint "
+                              f"stands: free disk space or fix the error named") from e
 
 
 class BackgroundWrite:
@@ -47,14 +84,22 @@ class BackgroundWrite:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._write_and_meet()
+        finally:
+            if not self.future.done():  # nothing may leave a waiter without an outcome
+                self.future.set_exception(CheckpointError(f"the background write of {self.label} ended without "
+                                                          f"an outcome"))
+
+    def _write_and_meet(self) -> None:
         t0 = time.perf_counter()
         ranks = dist.is_available() and dist.is_initialized()  # a plain process (no trainer ranks): nothing to meet
         group = checkpoint_group() if ranks else None
         error = None
         try:
             self._write(group)
-        except Exception as e:  # reported to every rank: nobody waits for a part that never comes
-            error = f"rank {dist.get_rank() if ranks else 0}: {type(e).__name__}: {e}"
+        except BaseException as e:  # reported to every rank: nobody waits for a part that never comes
+            error = f"rank {dist.get_rank() if ranks else 0}: {describe_failure(e)}"
         try:
             errors: list = [error]
             if ranks:
@@ -67,9 +112,12 @@ class BackgroundWrite:
             self.seconds = time.perf_counter() - t0
             self.future.set_result(result)
         except BaseException as e:
-            if self._on_failure is not None:
-                self._on_failure()
-            self.future.set_exception(e)
+            try:
+                if self._on_failure is not None:
+                    self._on_failure()
+            finally:
+                self.future.set_exception(e if isinstance(e, Exception) else CheckpointError(
+                    f"the background write of {self.label} failed: {describe_failure(e)}"))
 
     def join(self) -> Any:
         """Wait for the write (on a thread that may block); its result, or its failure raised."""

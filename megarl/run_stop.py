@@ -9,8 +9,12 @@
   the step reached, rank 0 writes the stop marker `megarl launch` named, and the run
   stops with :class:`RunStopped`, whose exit code is :data:`EXIT_STOPPED` (75, "try
   again": launch/slurm.sbatch requeues the job on it). A repeated signal changes
-  nothing. A checkpoint that cannot finish within ``logging.stop_grace_s`` is
-  reported in one line and the newest complete one stands; the run still exits 75.
+  nothing. The stop's checkpoint (the wait for a write in flight and for the
+  engines' disk copy included) is bounded by the stop budget
+  (``logging.stop_grace_s``, megarl/stop_checkpoint.py): one that fails or cannot
+  finish in time is reported in one line, and when an earlier complete checkpoint
+  stands the run still exits 75 with a marker naming it; with none it fails
+  (a CheckpointError saying so), since a requeue would have nothing to resume.
 * An error from the train step (before its optimizer step happened), or the
   rollout loop's fatal error: checkpoint, then raise the error. The batch of a
   failed train step counts as a skipped step's (``ReplayBuffer.release``): its
@@ -35,7 +39,9 @@ import signal
 from time import monotonic as _now  # a test drives the save clock
 from typing import Iterator
 
-from megarl.errors import TrainingError
+from megarl.checkpoint_writer import is_save_failure
+from megarl.errors import CheckpointError, TrainingError
+from megarl.stop_checkpoint import exit_by_budget_end, newest_checkpoint, stop_checkpoint
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget, write_stop_marker
 from megarl.trainer.spmd import DrivingTrainer
 from megarl.types import Trajectory
@@ -68,26 +74,41 @@ class RunStops:
         return self._stop_event
 
     async def _stop_now(self) -> None:
-        """Checkpoint the step reached (every rank), write the stop marker and raise :class:`RunStopped`."""
+        """Checkpoint the step reached (every rank), write the stop marker and raise :class:`RunStopped`; within
+        the stop budget (module doc)."""
         stop_budget.start()  # a follower's signal, or one seen by the latch before the loop
         if isinstance(self.trainer, DrivingTrainer):
             self.trainer.stopped_by = self._stop_reason  # the followers exit with 75 too
-        try:
-            await self._checkpoint()
-            checkpointed = True
-        except Exception as e:  # noqa: BLE001 - the newest complete checkpoint stands; the stop goes on
-            stop_budget.unfinished(f"the checkpoint of step {self.step} ({type(e).__name__}: {e})")
-            checkpointed = False
-        write_stop_marker(self._stop_reason or "stop", self.step, checkpointed)
-        done = "checkpointed" if checkpointed else "not checkpointed (the newest checkpoint stands)"
-        raise RunStopped(f"stopped by {self._stop_reason} at step {self.step}, {done}; continue with "
+        reason = self._stop_reason or "stop"
+        done = await stop_checkpoint(self._checkpoint(), self.step)
+        # RUN_DIR/checkpoints; a checkpointer without one cannot say whether an earlier checkpoint stands
+        root = getattr(self.checkpointer, "root", None)
+        stands = newest_checkpoint(root)
+        if done.failure is None:
+            write_stop_marker(reason, self.step, True, checkpoint=stands)
+            raise RunStopped(f"stopped by {reason} at step {self.step}, checkpointed; continue with "
+                             f"`megarl train --resume RUN_DIR` (the same config)")
+        if stands is None and root is not None:
+            if done.cut_short:
+                exit_by_budget_end(1)
+            raise CheckpointError(
+                f"stopped by {reason} at step {self.step}, but its checkpoint {done.failure} and the run has no "
+                f"earlier checkpoint: nothing to resume from. Free disk space (or fix the error named), then start "
+                f"the run again; give a slow checkpoint more time with logging.stop_grace_s")
+        write_stop_marker(reason, self.step, False, checkpoint=stands)
+        if done.cut_short:
+            exit_by_budget_end(EXIT_STOPPED)
+        raise RunStopped(f"stopped by {reason} at step {self.step}, not checkpointed (its checkpoint "
+                         f"{done.failure}); the newest complete checkpoint stands ({stands}): continue from it with "
                          f"`megarl train --resume RUN_DIR` (the same config)")
 
     async def _checkpoint_before_error(self, error: BaseException) -> None:
         """Checkpoint before ``error`` ends the run; a failing save is logged and ``error`` still raised."""
         try:
             await self._checkpoint()
-        except Exception as e:  # e.g. a strategy whose scorer died cannot save its state: the newest one stands
+        except BaseException as e:  # e.g. a strategy whose scorer died cannot save its state: the newest one stands
+            if not is_save_failure(e):
+                raise
             log.warning("the checkpoint before stopping on %s failed (%s: %s); the run's newest checkpoint "
                         "is where --resume goes on", type(error).__name__, type(e).__name__, e)
 
