@@ -64,6 +64,7 @@ def test_an_agent_in_another_process_is_recovered_exactly_on_spliced_episodes(tm
                    "snapshot,interrupt_sync,dedicated", "--steps", "3", "--output", str(report),
                    f"model.checkpoint={tmp_path / 'text_model'}", "rollout.workflow=agent_http", "agent.tools=[]",
                    f"agent.command={sys.executable} tests/e2e/agent_http_probe.py {probe}",
+                   f"agent.command_writable=[{tmp_path}]",  # the probe's report; the rest is read-only to it
                    "rollout.splice_at_tokens=4", "rollout.max_concurrency=4", "rollout.max_new_tokens=48",
                    "agent.max_tokens=768", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

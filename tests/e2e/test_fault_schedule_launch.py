@@ -156,7 +156,8 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
               f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
               "rollout.health_interval_s=1", f"rollout.health_timeout_s={HEALTH_TIMEOUT_S}",
               f"rollout.generate_timeout_s={GENERATE_TIMEOUT_S}",
-              f"agent.command={sys.executable} tests/e2e/key_snoop_agent.py {snoops}"]
+              f"agent.command={sys.executable} tests/e2e/key_snoop_agent.py {snoops}",
+              f"agent.command_writable=[{snoops}]"]  # its reports; the rest of the filesystem is read-only to it
 
     # -- attempt 1: the engine stops answering after step 1, then SIGTERM to megarl launch
     log1 = tmp_path / "attempt1.log"

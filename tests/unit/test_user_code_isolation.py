@@ -75,7 +75,7 @@ def test_an_isolated_agent_command_is_refused_every_attempt(run_world):
     plan = _plan(run_world, REPO / "megarl", Path(sysconfig.get_paths()["purelib"]))
     keys = run_world["store"].num_keys()
     seen = _attack(plan, CommandLimits(), run_world["endpoint"])
-    attempts = {k: v for k, v in seen.items() if k not in ("endpoint", "scratch /tmp", "env")}
+    attempts = {k: v for k, v in seen.items() if k not in ("endpoint", "scratch /tmp", "env", "secrets")}
     assert len(attempts) == 7 and not [k for k, v in attempts.items() if v.startswith("done")], seen
     assert "Read-only file system" in seen[f"write {REPO / 'megarl'}"], seen
     assert seen["endpoint"] == "done" and seen["scratch /tmp"] == "done", seen  # what it needs still works
@@ -91,7 +91,7 @@ def test_the_attacker_succeeds_without_isolation(run_world, tmp_path, monkeypatc
     source.mkdir()
     venv.mkdir()
     seen = _attack(_plan(run_world, source, venv), CommandLimits(allow_unisolated=True), run_world["endpoint"])
-    assert all(v.startswith("done") for k, v in seen.items() if k not in ("env", "remount /")), seen
+    assert all(v.startswith("done") for k, v in seen.items() if k not in ("env", "secrets", "remount /")), seen
     assert run_world["store"].check(["planted"])
 
 
