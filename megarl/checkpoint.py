@@ -50,7 +50,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -212,29 +212,59 @@ def run_settings(cfg, world_size: int, hf_config: dict) -> dict:
     return out
 
 
-def _filter_jsonl(path: Path, keep: Callable[[dict], bool]) -> None:
+def _journal_line(raw: bytes, key: str) -> tuple[int | None, str]:
+    """(the record's ``key``, absent: 0) of one journal line; (None, why) when the line is damaged."""
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except ValueError:  # also a last line a kill cut short
+        return None, "not JSON"
+    if not isinstance(rec, dict):
+        return None, f"not a JSON object: {raw[:40].decode('utf-8', 'replace')}"
+    value = rec.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None, f"{key} is not an integer: {json.dumps(value)[:40]}"
+    return value, ""
+
+
+def _filter_jsonl(path: Path, key: str, upto: int) -> list[str]:
+    """Keep the lines of ``path`` whose ``key`` is at most ``upto``; returns its damaged lines, named (moved to
+    ``NAME.damaged``, never parsed again)."""
     if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:  # a line the kill cut short
+        return []
+    kept, damaged, named = [], [], []
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
             continue
-        if keep(rec):
-            kept.append(line)
+        value, why = _journal_line(raw, key)
+        if value is None:
+            damaged.append(raw)
+            named.append(f"{path.name} line {n} ({why})")
+        elif value <= upto:
+            kept.append(raw)
+    if damaged:
+        with path.with_name(path.name + ".damaged").open("ab") as f:
+            f.write(b"".join(line + b"\n" for line in damaged))
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_bytes(b"".join(line + b"\n" for line in kept))
     os.replace(tmp, path)
+    return named
 
 
 def rewind_run_logs(run_dir: Path, manifest: dict) -> None:
-    """Drop log lines of work the checkpoint does not contain (steps after it, groups accepted after it)."""
+    """Drop log lines of work the checkpoint does not contain (steps after it, groups accepted after it).
+
+    A damaged line (not UTF-8, not a JSON object, its step or count not an integer; a kill's cut-short last
+    line too) is skipped and kept aside in ``NAME.damaged``; one warning counts and names them."""
     step, accepted = int(manifest["step"]), int(manifest["accepted_total"])
-    _filter_jsonl(run_dir / "metrics.jsonl", lambda r: int(r.get("step", 0)) <= step)
-    _filter_jsonl(run_dir / "trained_ids.jsonl", lambda r: int(r.get("step", 0)) <= step)
-    _filter_jsonl(run_dir / "samples.jsonl", lambda r: int(r.get("step", 0)) <= step)
-    _filter_jsonl(run_dir / "accepted.jsonl", lambda r: int(r.get("accepted_total", 0)) <= accepted)
+    damaged = [line for name, key, upto in (("metrics", "step", step), ("trained_ids", "step", step),
+                                            ("samples", "step", step), ("accepted", "accepted_total", accepted))
+               for line in _filter_jsonl(run_dir / f"{name}.jsonl", key, upto)]
+    if damaged:
+        shown = "; ".join(damaged[:5]) + (f"; and {len(damaged) - 5} more" if len(damaged) > 5 else "")
+        log.warning("resume: %d damaged journal line(s) skipped (moved to NAME.jsonl.damaged in %s): %s",
+                    len(damaged), run_dir, shown)
 
 
 # -- the loop's checkpointer ------------------------------------------------------

@@ -53,7 +53,7 @@ def prepare_resume(run_dir: Path, step_dir: Path) -> ResumePoint:
     for stale in ("weights", "dedicated"):  # the killed run's working files
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     resumes = run_dir / "resumes.jsonl"
-    attempt = 1 + (len(resumes.read_text().splitlines()) if resumes.is_file() else 0)
+    attempt = 1 + (len(resumes.read_bytes().splitlines()) if resumes.is_file() else 0)  # a damaged line counts
     with resumes.open("a") as f:
         f.write(json.dumps({"attempt": attempt, "checkpoint": str(step_dir), "step": manifest["step"],
                             "version": manifest["version"], "time": time.time()}) + "\n")
