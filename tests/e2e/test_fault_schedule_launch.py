@@ -108,8 +108,10 @@ def commands(procs) -> dict:
 
 def assert_no_key_found(snoops) -> None:
     """No snooping agent command saw a key, in its environment or in any /proc/<pid>/environ it could read."""
-    reports = [json.loads(p.read_text()) for p in snoops.glob("snoop_*.json")]
+    reports = [json.loads(p.read_text()) for p in snoops.glob("snoop_*.json")]  # complete: written by a rename
     assert reports, "no agent command ran"
+    cut = len(list(snoops.glob(".snoop_*.json.tmp")))  # commands stopped mid-write (a SIGTERM): counted, not read
+    print(f"{len(reports)} snooping agent reports, {cut} cut short by a stop")
     for r in reports:
         seen = "\n".join([*(f"{k}={v}" for k, v in r["own_env"].items()), *r["readable"].values()])
         stolen = [name for name, value in KEYS.items() if value in seen]
