@@ -39,6 +39,7 @@ from megarl.process_isolation import protect  # noqa: E402
 from megarl.resume import ResumePoint, prepare_resume  # noqa: E402
 from megarl.rollout.engine_pool import PooledEngines  # noqa: E402
 from megarl.run_stop import stop_on_signals  # noqa: E402
+from megarl.stop_ready import announce_stop_ready  # noqa: E402
 from megarl.trainer.parallel import init_ranks  # noqa: E402
 from megarl.trainer.spmd import DrivingTrainer, receive_go, share_go  # noqa: E402
 
@@ -58,7 +59,9 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     stop_budget.configure(cfg.logging.stop_grace_s)
     apply_umask(cfg.logging)  # the run's files are this user's alone (logging.file_umask)
     with early_stop.installed():  # a stop signal from here to the loop is latched (module doc)
-        rank, world = init_ranks()
+        rank, world = init_ranks()  # every rank joins after its latch is installed
+        if rank == 0:
+            announce_stop_ready()  # `megarl launch` passes a stop on from now (megarl/stop_ready.py)
         if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
             # its own stop signal reaches rank 0 at the next step boundary (megarl/trainer/spmd.py)
             run_dir = Path(receive_go())

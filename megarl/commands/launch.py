@@ -32,7 +32,7 @@ from megarl.launch.key_files import KeyFiles, key_dir_base
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
-from megarl.launch.runner import run_commands, stop_marker_for
+from megarl.launch.runner import latch_launch_stops, run_commands, stop_marker_for
 from megarl.secret_env import STOP_KEY_ENV, give_secret
 
 
@@ -78,6 +78,7 @@ def _short(host: str) -> str:
 
 
 def run(args) -> int:
+    latch_launch_stops()  # a stop from here on is held, not fatal, and delivered once the trainer can take it
     from megarl.builder import load_run_config  # the strategies' config classes (torch): not for `megarl --help`
 
     launcher = args.launcher or ("slurm" if os.environ.get("SLURM_JOB_ID") else "torchrun")

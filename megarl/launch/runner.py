@@ -16,6 +16,11 @@ stop, not a failure: the trainer is left to finish its checkpoint (a server
 stopped by the same preemption as the trainer). Whatever the launcher itself
 reports, the command exits with 75 when trainer rank 0 wrote the stop marker
 (after its checkpoint), so a job script can requeue on it.
+
+A stop during this command's own start is latched (``latch_launch_stops``): one
+before the trainer started starts nothing more and exits with 75; one while the
+trainer starts is held until trainer rank 0 says every rank catches stop
+signals (megarl/stop_ready.py), then delivered (``_Stopping``).
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from pathlib import Path
 
 from megarl.launch.key_files import KeyFiles, child_env
 from megarl.launch.role_commands import SHUTDOWN_MARGIN_S
-from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, read_stop_marker
+from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, early_stop, read_stop_marker
+from megarl.stop_ready import ready_path
 
 #: the signal that carries a stop to the trainer's launcher process (module doc)
 FORWARD_SIGNAL = signal.SIGUSR1
@@ -42,6 +48,12 @@ def stop_marker_for(cfg) -> Path:
         return (Path(base) / "stop.json").absolute()
     job = os.environ.get("SLURM_JOB_ID") or str(os.getpid())
     return (Path("runs") / f".megarl-stop-{job}.json").absolute()
+
+
+def latch_launch_stops() -> None:
+    """From the first lines of `megarl launch`: a stop signal is recorded, not fatal, until :func:`run_commands`
+    takes it over (the command imports torch and reads the config first)."""
+    early_stop.install()
 
 
 def _stop(procs: list[tuple[object, subprocess.Popen]], grace_s: float = 30.0) -> None:
@@ -58,27 +70,53 @@ def _stop(procs: list[tuple[object, subprocess.Popen]], grace_s: float = 30.0) -
 
 
 class _Stopping:
-    """The run's stop: when it began and the trainer processes it was passed on to."""
+    """The run's stop: when it began, and its delivery to the trainer processes once they can take it.
 
-    def __init__(self, trainers: list[subprocess.Popen]) -> None:
+    A stop that comes while the trainer starts is held: SIGUSR1 would kill torchrun, or a rank, that has not
+    installed its handler yet. It is sent once trainer rank 0 wrote the ready file (megarl/stop_ready.py), to
+    every trainer process started by then and to any started after; a trainer that never writes one (not
+    megarl's) gets it ``stop_grace_s`` after the stop. A stop before the trainer started starts nothing more."""
+
+    def __init__(self, trainers: list[subprocess.Popen], ready: Path | None, hold_s: float) -> None:
         self.trainers = trainers
+        self.ready, self.hold_s = ready, hold_s
         self.since: float | None = None
+        self._sent: set[int] = set()
+        self._held = False
 
     def begin(self, why: str) -> None:
         if self.since is None:
             self.since = time.monotonic()
             print(f"[megarl launch] {why}: passing the stop on to the trainer ranks ({FORWARD_SIGNAL.name}); they "
                   f"checkpoint, then the run exits with {EXIT_STOPPED}", file=sys.stderr, flush=True)
+        self.deliver()
+
+    def deliver(self) -> None:
+        """Send the stop to each running trainer process that has not had it, if the trainer can take it."""
+        if self.since is None or not self.trainers:
+            return
+        if not self._can_take():
+            if not self._held:
+                self._held = True
+                print("[megarl launch] the trainer is starting: the stop is held until it catches stop signals",
+                      file=sys.stderr, flush=True)
+            return
         for p in self.trainers:
-            if p.poll() is None:
+            if p.poll() is None and p.pid not in self._sent:
+                self._sent.add(p.pid)
                 p.send_signal(FORWARD_SIGNAL)
+
+    def _can_take(self) -> bool:
+        return (self.ready is None or self.ready.is_file()
+                or time.monotonic() - (self.since or 0.0) >= self.hold_s)
 
 
 def _stopped_cleanly(marker: Path | None) -> bool:
     info = read_stop_marker(marker) if marker is not None else None
     if info is None:
         return False
-    kept = "checkpointed" if info.get("checkpointed") else "the newest earlier checkpoint stands"
+    kept = "checkpointed" if info.get("checkpointed") else \
+        f"not checkpointed; the newest earlier checkpoint stands: {info.get('checkpoint')}"
     print(f"[megarl launch] the trainer stopped on {info.get('signal')} at step {info.get('step')} ({kept}); "
           f"exit code {EXIT_STOPPED}: resume the run", file=sys.stderr, flush=True)
     marker.unlink(missing_ok=True)
@@ -93,10 +131,12 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
     whatever no reader took is removed when this returns."""
     ordered = sorted(commands, key=lambda c: not c.server)
     procs: list[tuple[object, subprocess.Popen]] = []
-    if stop_marker is not None:
-        stop_marker.unlink(missing_ok=True)  # a marker of an earlier launch says nothing about this one
+    ready = ready_path(stop_marker) if stop_marker is not None else None
+    for stale in (stop_marker, ready):  # an earlier launch's say nothing about this one
+        if stale is not None:
+            stale.unlink(missing_ok=True)
     trainer_procs: list[subprocess.Popen] = []
-    stopping = _Stopping(trainer_procs)
+    stopping = _Stopping(trainer_procs, ready, hold_s=stop_grace_s)
     # the trainer's own stop path takes up to stop_grace_s, torchrun waits SHUTDOWN_MARGIN_S more for its workers
     give_up_s = stop_grace_s + 2 * SHUTDOWN_MARGIN_S
 
@@ -105,16 +145,23 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
+        if early_stop.received is not None:  # during this command's own start (latch_launch_stops)
+            stopping.begin(early_stop.received)
         for c in ordered:
+            if stopping.since is not None and not trainer_procs:  # a stop before the trainer started
+                _stop(procs)
+                print(f"[megarl launch] stopped before the trainer started: nothing was written; exit code "
+                      f"{EXIT_STOPPED} (run the same command again)", file=sys.stderr, flush=True)
+                return EXIT_STOPPED
             print(f"[megarl launch] starting {c.name}: {c.shell()}", file=sys.stderr, flush=True)
             p = subprocess.Popen(list(c.argv), env=child_env(c.role, key_files))
             procs.append((c, p))
             if not c.server:
                 trainer_procs.append(p)
-            if stopping.since is not None:  # a stop before everything started: start nothing more
-                break
+                stopping.deliver()
         reported: set[str] = set()
         while True:
+            stopping.deliver()
             trainers_running = any(p.poll() is None for p in trainer_procs)
             for c, p in procs:
                 rc = p.poll()

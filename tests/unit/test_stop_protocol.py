@@ -65,7 +65,9 @@ def test_a_server_that_stopped_on_the_signal_is_a_stop_not_a_failure(tmp_path):
     slow = ("import pathlib, signal, sys, time\n"
             "def stop(*_):\n    from megarl.stop_protocol import write_stop_marker\n    time.sleep(1)\n"
             f"    pathlib.Path({str(done)!r}).touch(); write_stop_marker('SIGUSR1', 2, True); sys.exit(1)\n"
-            f"signal.signal(signal.SIGUSR1, stop)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n")
+            f"signal.signal(signal.SIGUSR1, stop)\npathlib.Path({str(ready)!r}).touch()\n"
+            "from megarl.stop_ready import announce_stop_ready\nannounce_stop_ready()\n"  # as trainer rank 0 does
+            "time.sleep(60)\n")
     trainer = RoleCommand("trainer", "trainer", "", ("env", f"{STOP_MARKER_ENV}={marker}", sys.executable, "-c", slow),
                           False)
     t0 = time.monotonic()
