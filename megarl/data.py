@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
+from megarl.config.input_paths import where_looked
 from megarl.errors import ConfigError, InputError
 
 log = logging.getLogger("megarl.data")
@@ -85,7 +86,8 @@ def read_rows(source: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
         return
     path = Path(source)
     if not path.is_file():
-        raise InputError(f"data file {path} does not exist (expected a .jsonl or .parquet file, or hf:NAME[:SPLIT])")
+        raise InputError(f"data file {path} does not exist (expected a .jsonl or .parquet file, or hf:NAME[:SPLIT])"
+                         f"{where_looked(source)}")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq  # optional package, only for .parquet data

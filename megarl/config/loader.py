@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from megarl.config.input_paths import resolve_input_paths
 from megarl.config.schema import MegaRLConfig, RecoveryConfig
 from megarl.errors import ConfigError
 
@@ -46,6 +47,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at top level, got {type(raw).__name__}")
         raw = _expand_includes(raw, path.parent)
+        resolve_input_paths(raw, path)  # the same files from any working directory (megarl/config/input_paths.py)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from megarl.config.input_paths import where_looked
 from megarl.errors import ConfigError
 from megarl.launch.cluster import Allocation, compress_hosts
 from megarl.launch.role_commands import describe_plan, render
@@ -194,7 +195,7 @@ def load_hf_config(cfg, overrides: list[str] | tuple[str, ...] = ()) -> tuple[di
         if path:
             p = Path(path)
             if not p.is_file():
-                raise ConfigError(f"{key}={path} does not exist")
+                raise ConfigError(f"{key}={path} does not exist{where_looked(path)}")
             return yaml.safe_load(p.read_text()) or {}, str(p)
     raise ConfigError(f"cannot validate the plan: model.checkpoint={cfg.model.checkpoint!r} has no config.json here "
                       f"and neither placement.model_config nor model.init_model is set")

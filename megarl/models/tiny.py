@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from megarl.config.input_paths import where_looked
 from megarl.errors import ConfigError
 from megarl.models.tiny_tokenizer import TinyTokenizer
 
@@ -23,8 +24,8 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 def load_model_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"model config {path} does not exist; pass a YAML of HF config.json fields "
-                          f"such as configs/models/tiny_qwen3.yaml")
+        raise ConfigError(f"model config {path} does not exist{where_looked(str(path))}; pass a YAML of HF "
+                          f"config.json fields such as configs/models/tiny_qwen3.yaml")
     fields = yaml.safe_load(path.read_text()) or {}
     arch = (fields.get("architectures") or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
