@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import load_rank_state, prepare_rank_state, save_rank_state
+from megarl.checkpoint_writer import describe_failure, is_save_failure
 from megarl.errors import CheckpointError, MegarlError
 from megarl.stop_protocol import RunStopped
 from megarl.types import AnchorResult, TrainBatch, Trajectory
@@ -301,8 +302,10 @@ def _run_on_all(channel: ControlChannel, fn) -> None:
     error = None
     try:
         fn()
-    except Exception as e:  # reported to every rank, so nobody waits in a collective that never comes
-        error = f"{type(e).__name__}: {e}"
+    except BaseException as e:  # reported to every rank, so nobody waits in a collective that never comes
+        if not is_save_failure(e):  # an interrupt or exit keeps its meaning
+            raise
+        error = describe_failure(e)  # torch's CheckpointException is a BaseException
         if channel.rank == 0:
             channel.gather_errors(error)
             raise
