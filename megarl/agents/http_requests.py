@@ -7,11 +7,12 @@ model's vocabulary (the stop token stays in the content, as the engine
 returns it), but not change the distribution (``temperature`` and ``top_p``
 must be the run's; penalties and ``logit_bias`` are refused), ask for several
 choices, or force a tool (``tool_choice`` other than ``auto``). ``stream`` and
-``stream_options.include_usage`` are honoured (http_stream.py). ``model`` must
-be the one served (``GET /v1/models``; 404 otherwise, as OpenAI answers), and
-``max_tokens`` at most the episode's token budget (``agent.max_tokens``, by
-default the model's context); below that, the run's
-``rollout.max_new_tokens`` caps it. Every field is checked for its type and
+``stream_options.include_usage`` are honoured (http_stream.py). Any ``model``
+name is served by the run's policy (an agent written for another endpoint
+sends its own), unless ``agent.strict_model_name`` asks for the one served
+(``GET /v1/models``; 404 otherwise, as OpenAI answers); ``max_tokens`` is at
+most the episode's token budget (``agent.max_tokens``, by default the model's
+context); below that, the run's ``rollout.max_new_tokens`` caps it. Every field is checked for its type and
 shape before anything uses it.
 """
 from __future__ import annotations
@@ -36,14 +37,14 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def completion_kwargs(body: Any, tokenizer: Any, *, model: str, max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+def completion_kwargs(body: Any, tokenizer: Any, *, model: str, max_tokens: int,
+                      strict_model_name: bool = False) -> tuple[dict[str, Any], list[int]]:
     """The keyword arguments of ``AgentClient.chat.completions.create`` for ``body``, and its stop token ids;
-    ``model`` is the served model's id, ``max_tokens`` the episode's token budget."""
+    ``model`` is the served model's id, ``max_tokens`` the episode's token budget; ``strict_model_name``
+    (agent.strict_model_name) refuses a request naming another model."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if body.get("model") is not None and body["model"] != model:
-        raise RequestError(f"the model {body['model']!r:.100} is not served here; megarl serves {model!r} "
-                           f"(GET /v1/models)", "model_not_found", 404)
+    _check_model(body.get("model"), model, strict_model_name)
     n = body.get("n")
     if n is not None and not _positive_int(n):
         raise RequestError(f"n={n!r:.40} must be a positive integer (megarl returns one choice: n=1)", "invalid_n")
@@ -95,6 +96,19 @@ def stream_mode(body: dict[str, Any]) -> tuple[bool, bool]:
         raise RequestError(f"stream_options must be {{'include_usage': true or false}}, got {options!r:.200}",
                            "invalid_stream")
     return True, options.get("include_usage", False)
+
+
+def _check_model(asked: Any, served: str, strict: bool) -> None:
+    """Any model name is served by the run's policy; with ``strict`` only the served one."""
+    if asked is None:
+        return
+    if not isinstance(asked, str):
+        raise RequestError(f"model must be text, got {asked!r:.100} (any name is served by the run's policy)",
+                           "invalid_model")
+    if strict and asked != served:
+        raise RequestError(f"the model {asked!r:.100} is not served here; megarl serves {served!r} "
+                           f"(GET /v1/models): send model={served!r}, or set agent.strict_model_name=false to serve "
+                           f"any name", "model_not_found", 404)
 
 
 def _tools(tools: Any) -> list[dict]:

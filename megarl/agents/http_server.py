@@ -12,9 +12,11 @@ Errors are OpenAI-shaped (``{"error": {"message", "type", "code"}}``) and carry
 ``x-should-retry: false`` (the openai package would otherwise resend a
 completion the engine may already be generating): 401 for a missing, unknown
 or finished key, 409 for a second completion while one of the same session is
-running, 400 for malformed input, 404 for a model other than the one served,
-408 for a body that has not arrived within the session's ``agent.timeout_s``,
-413 for one over 64 MiB. A completion past ``agent.max_turns`` or the token
+running, 400 for malformed input, 404 for a model other than the one served
+where ``agent.strict_model_name`` asks for it (any name is served otherwise;
+a response's ``model`` names the run's model, which served it), 408 for a
+body that has not arrived within the session's ``agent.timeout_s``, 413 for
+one over 64 MiB. A completion past ``agent.max_turns`` or the token
 budget, or one that fails inside megarl, fails the episode
 (:attr:`Session.error`); bad input does not, and uses no turn. The request
 checks live in http_requests.py. ``stream: true`` sends the finished
@@ -63,8 +65,11 @@ async def _openai_shaped(request: web.Request, handler):
 class AgentHttpServer:
     """The endpoint: ``await start()``, then :meth:`open_session` per episode and :meth:`close_session` after it."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, model: str = "megarl", service_key: str = "") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, model: str = "megarl", service_key: str = "",
+                 strict_model_name: bool = False) -> None:
         self.host, self.port, self.model = host, port, model
+        #: refuse a request naming a model other than ``model`` (agent.strict_model_name)
+        self.strict_model_name = strict_model_name
         #: episodes waiting for a long-lived agent service (POST /sessions with ``service_key``)
         self.offers = EpisodeOffers(self, service_key)
         self._sessions: dict[str, Session] = {}
@@ -160,7 +165,8 @@ class AgentHttpServer:
                 return body
             try:
                 kwargs, stop_ids = completion_kwargs(body, client.tokenizer, model=self.model,
-                                                     max_tokens=limits.max_tokens)
+                                                     max_tokens=limits.max_tokens,
+                                                     strict_model_name=self.strict_model_name)
                 stream, include_usage = stream_mode(body)
             except RequestError as e:
                 return error_response(e.status, str(e), "invalid_request_error", e.code)
@@ -185,9 +191,10 @@ class AgentHttpServer:
             session.busy = False
             session.idle.set()
         client.stats.n_tool_calls += len(resp.choices[0].message.tool_calls or ())  # the agent runs them itself
+        completion = {**resp.model_dump(mode="json"), "model": self.model}  # what served it, whatever was asked
         if stream:  # recorded above like any completion; only the delivery differs
-            return await send_streamed(request, resp.model_dump(mode="json"), include_usage)
-        return web.json_response(resp.model_dump(mode="json"))
+            return await send_streamed(request, completion, include_usage)
+        return web.json_response(completion)
 
 
 class SharedServers:
@@ -197,12 +204,13 @@ class SharedServers:
     def __init__(self) -> None:
         self._open: dict[tuple, list] = {}  # (loop, host, port) -> [server, users]
 
-    async def acquire(self, host: str, port: int, model: str, service_key: str = "") -> AgentHttpServer:
+    async def acquire(self, host: str, port: int, model: str, service_key: str = "",
+                      strict_model_name: bool = False) -> AgentHttpServer:
         key = (id(asyncio.get_running_loop()), host, port)
         if port and key in self._open:
             self._open[key][1] += 1
             return self._open[key][0]
-        server = AgentHttpServer(host, port, model, service_key)
+        server = AgentHttpServer(host, port, model, service_key, strict_model_name)
         await server.start()
         if port:
             self._open[key] = [server, 1]

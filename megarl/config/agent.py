@@ -34,6 +34,8 @@ class AgentConfig:
     """Address megarl's OpenAI-compatible agent endpoint listens on (rollout.workflow=agent_http); 0.0.0.0 exposes it on the cluster network (each episode's API key is its only authorization)."""
     http_port: int = 0
     """Port of the agent endpoint; 0 = a free port (the command learns it from OPENAI_BASE_URL)."""
+    strict_model_name: bool = False
+    """false: the agent endpoint serves the run's policy under any model name a request sends (an agent written for another OpenAI endpoint keeps its own; a response's model field names the run's model); true: a request naming another model than the run's (GET /v1/models) gets 404 model_not_found."""
     serve: bool = False
     """rollout.workflow=agent_http without a command: each episode waits for a long-lived agent service, which claims it with POST /sessions (Authorization: Bearer $MEGARL_AGENT_SERVICE_KEY; it gets the row and the episode's key) and ends it with POST /sessions/<key>/reward ({"reward": r} or {"answer": text}) within agent.timeout_s; needs a fixed agent.http_port."""
     rows_from_service: bool = False

@@ -247,9 +247,11 @@ class AgentHttpWorkflow(AgentWorkflow):
 
     def __init__(self, argv: list[str] | None, tokenizer: Any, limits: AgentLimits, *, host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 300.0, max_concurrency: int = 8, service_key: str = "",
-                 command_limits: CommandLimits | None = None) -> None:
-        """``argv`` None: episodes wait for a long-lived agent service holding ``service_key`` (http_service.py)."""
+                 command_limits: CommandLimits | None = None, strict_model_name: bool = False) -> None:
+        """``argv`` None: episodes wait for a long-lived agent service holding ``service_key`` (http_service.py);
+        ``strict_model_name``: the endpoint refuses a model name other than the run's (agent.strict_model_name)."""
         super().__init__(self._episode, tokenizer, None, limits)
+        self.strict_model_name = strict_model_name
         self.command_limits = command_limits or CommandLimits()
         self.argv, self.host, self.port, self.timeout_s = argv, host, port, timeout_s
         self.service_key = service_key
@@ -269,7 +271,8 @@ class AgentHttpWorkflow(AgentWorkflow):
             self._slots = asyncio.Semaphore(self.max_concurrency)
         async with self._starting:
             if self.server is None:
-                self.server = await SHARED.acquire(self.host, self.port, self.tokenizer.source, self.service_key)
+                self.server = await SHARED.acquire(self.host, self.port, self.tokenizer.source, self.service_key,
+                                                   self.strict_model_name)
 
     async def serve_rows(self, rows: Any) -> None:
         """Listen now and roll out the rows an agent service posts into ``rows`` (a ServiceRows): nothing

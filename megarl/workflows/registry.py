@@ -66,7 +66,8 @@ def _agent_http(cfg: Any, tokenizer: Any) -> Workflow:
     argv, service_key = agent_source(a)
     return AgentHttpWorkflow(argv, tokenizer, _agent_limits(cfg, tokenizer), host=a.http_host, port=a.http_port,
                              timeout_s=a.timeout_s, max_concurrency=cfg.rollout.max_concurrency,
-                             service_key=service_key, command_limits=CommandLimits.from_config(a))
+                             service_key=service_key, command_limits=CommandLimits.from_config(a),
+                             strict_model_name=a.strict_model_name)
 
 
 WORKFLOWS: dict[str, Callable[..., Workflow]] = {"single_turn": _single_turn, "multi_turn": _multi_turn,

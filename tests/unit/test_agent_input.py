@@ -34,8 +34,7 @@ def test_malformed_fields_get_a_4xx_use_no_turn_and_leave_the_episode_going(text
         "n true": ({"messages": USER, "n": True}, 400, "invalid_n"),
         "n zero": ({"messages": USER, "n": 0}, 400, "invalid_n"),
         "n two": ({"messages": USER, "n": 2}, 400, "invalid_n"),
-        "unknown model": ({"model": "gpt-4o", "messages": USER}, 404, "model_not_found"),
-        "model not text": ({"model": 3, "messages": USER}, 404, "model_not_found"),
+        "model not text": ({"model": 3, "messages": USER}, 400, "invalid_model"),
         "max_tokens past the context": ({"messages": USER, "max_tokens": 10**12}, 400, "invalid_max_tokens"),
         "max_tokens past agent.max_tokens": ({"messages": USER, "max_completion_tokens": 1025}, 400,
                                              "invalid_max_tokens"),
@@ -57,7 +56,7 @@ def test_malformed_fields_get_a_4xx_use_no_turn_and_leave_the_episode_going(text
     assert {k: (status, e["code"]) for k, (status, e) in got.items()} == {k: v[1:] for k, v in bad.items()}
     assert "tool_calls must be a list" in got["tool_calls not a list"][1]["message"]
     assert "n=True" in got["n true"][1]["message"] and "positive integer" in got["n true"][1]["message"]
-    assert "'gpt-4o'" in got["unknown model"][1]["message"] and "'tiny'" in got["unknown model"][1]["message"]
+    assert "model must be text, got 3" in got["model not text"][1]["message"]
     assert "1024" in got["max_tokens past agent.max_tokens"][1]["message"]
     assert ok.choices[0].message.content == "fine" and session.error is None
     assert client.stats.n_turns == 1 and len(model.contexts) == 1 and len(client.records) == 1
