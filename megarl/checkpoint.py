@@ -122,13 +122,14 @@ def prepare_rank_state(step_dir: str | Path, trainer, strategy_state: dict, *, b
     """Prepare this rank's trainer (trainer/) and strategy (strategy/) state; a collective of every rank. Returns
     ``write(group)``, which writes them (megarl/checkpoint_writer.py: in the background over the checkpoint group)."""
     step_dir = Path(step_dir)
-    with torch_save_errors(f"the trainer's state in {step_dir}"):  # torch's CheckpointException: a BaseException
+    # torch's CheckpointException is a BaseException: made a CheckpointError here
+    with torch_save_errors(f"the trainer's state in {step_dir}", str(step_dir)):
         trainer_write = prepare_reshardable(trainer, str(step_dir / "trainer"), background=background)
         strategy_write = prepare_strategy_state(trainer, strategy_state, str(step_dir / "strategy"),
                                                 background=background)
 
     def write(group) -> None:
-        with torch_save_errors(f"the trainer's state in {step_dir}"):
+        with torch_save_errors(f"the trainer's state in {step_dir}", str(step_dir)):
             trainer_write(group)
             strategy_write(group)
 

@@ -29,6 +29,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
+import shutil
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -57,14 +59,33 @@ def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+#: below this many free bytes a failed save's error says the disk is full: torch's writer reports ENOSPC as
+#: its zip writer's "unexpected pos" rather than the OS error
+LOW_SPACE_BYTES = 64 << 20
+
+
+def disk_note(path: str) -> str:
+    """'' or a note that the filesystem of ``path`` (or its nearest existing parent) is (nearly) full."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return ""
+    return f"; the filesystem of {where} has {free / 2**20:.1f} MiB free: it is (nearly) full" \
+        if free < LOW_SPACE_BYTES else ""
+
+
 @contextlib.contextmanager
-def torch_save_errors(what: str) -> Iterator[None]:
-    """Around a call of torch's checkpoint writer: its CheckpointException becomes a CheckpointError."""
+def torch_save_errors(what: str, path: str) -> Iterator[None]:
+    """Around a call of torch's checkpoint writer into ``path``: its CheckpointException becomes a
+    CheckpointError, which says so when the disk is full."""
     try:
         yield
     except CheckpointException as e:
-        raise CheckpointError(f"{what} could not be written ({describe_failure(e)}); the previous checkpoint "
-                              f"stands: free disk space or fix the error named") from e
+        raise CheckpointError(f"{what} could not be written ({describe_failure(e)}{disk_note(path)}); the "
+                              f"previous checkpoint stands: free disk space or fix the error named") from e
 
 
 class BackgroundWrite:

@@ -12,7 +12,9 @@ put back after. Modes (``-async``: ``logging.async_save=true``):
 * ``stop``: save 1 (step 2) and the stop's checkpoint fail: the stop names step_1, which stands;
 * ``stop-none``: no periodic checkpoint, the stop's fails: nothing stands;
 * ``stop-hang``: the stop's wait for the engines' disk copy never ends (a thread that sleeps):
-  the stop still ends within ``logging.stop_grace_s``.
+  the stop still ends within ``logging.stop_grace_s``;
+* ``full``: no file-size limit; the test mounted RUN_DIR as a tmpfs that two checkpoints fill, so every save
+  from the third on gets ENOSPC from the filesystem itself.
 
 Prints one JSON line (``RESULT {...}``: the exit code the CLI would return, the error, the steps reached) and
 exits with that code. Only the moment of the fault is the test's; the fault, the trainer, the writer, the
@@ -36,7 +38,8 @@ from megarl.errors import MegarlError
 from megarl.stop_protocol import stop_budget
 from megarl.trainer.megatron_trainer import MegatronTrainer
 
-FAIL = {"recover": {1, 2}, "limit": set(range(1, 100)), "stop": {1, 2}, "stop-none": {0}, "stop-hang": set()}
+FAIL = {"recover": {1, 2}, "limit": set(range(1, 100)), "stop": {1, 2}, "stop-none": {0}, "stop-hang": set(),
+        "full": set()}
 STEPS = 6
 STOP_AT = 3  # the step whose boundary stops the run in the stop modes
 

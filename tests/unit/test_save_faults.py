@@ -106,3 +106,21 @@ def test_a_stop_whose_checkpoint_cannot_finish_ends_within_the_stop_budget(ckpt,
     assert any("the checkpoint of step 3" in c for c in marker["cut_short"]), marker
     assert "the stop budget (logging.stop_grace_s=4 s) is spent" in out, out[-3000:]
     assert complete_steps(run) == [1, 2]
+
+
+def test_a_full_disk_stops_the_run_after_max_save_failures_and_keeps_what_was_complete(ckpt, tmp_path):
+    """The other real fault: the run directory is a 3 MiB tmpfs (a checkpoint here is ~1.2 MiB), so the saves of
+    steps 3, 4 and 5 get ENOSPC from the filesystem, which torch reports as its zip writer's "unexpected pos"; the
+    run stops saying the disk is full, steps 1 and 2 stay complete."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    run = tmp_path / "run"
+    run.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(run)], check=True)
+    try:
+        code, result, out, _ = run_child(ckpt, run, "full")
+        assert code == 2 and result["step"] == 5, out[-3000:]
+        assert "it is (nearly) full" in result["error"] and "logging.max_save_failures=3" in result["error"], result
+        assert complete_steps(run) == [1, 2] and not leftovers(run)
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
