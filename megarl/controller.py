@@ -41,14 +41,13 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
 from megarl.checkpoint_schedule import CheckpointSchedule
 from megarl.data import Prompt, prompt_stream
-from megarl.errors import TrainingError
 from megarl.evaluation import EvaluationSchedule
+from megarl.failure_causes import AGENT, AGENT_REWARD, REWARD, FailureWindow, generation_failure
 from megarl.group_tasks import gather_or_cancel
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.interruptible import InterruptibleGeneration
@@ -114,9 +113,8 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                          "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0}
         self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
         self.generation.may_hold = self._may_hold
-        self._reward_failure: str | None = None  # the latest failing reward call, for the error
-        #: whether each of the last B reward outcomes failed (what reward.max_fail_frac is checked on)
-        self.recent_rewards_failed: deque[bool] = deque(maxlen=self.B)
+        #: why each of the last B episode outcomes failed, if it did (what reward.max_fail_frac is checked on)
+        self.failures = FailureWindow(self.B)
         self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
         self._failed_groups_in_a_row = 0
         self._prev_workflow_stats: dict[str, int] = {}
@@ -158,20 +156,20 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 row.finished = True
                 self.strategy.on_segment_finished(row)
             failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
+            cause = AGENT if failure is not None else None
             if traj.reward is None:  # an agent may return the episode's reward itself
                 out = await self.rewards.score(traj)
                 traj.reward, failure = out.reward, (out.reason or "failed") if out.failed else None
+                cause = REWARD if out.failed else None
             elif failure is None and not math.isfinite(traj.reward):  # would poison its group's advantages
-                failure, traj.reward = f"the agent returned the reward {traj.reward}", 0.0
+                failure, cause, traj.reward = f"the agent returned the reward {traj.reward}", AGENT_REWARD, 0.0
             traj.reward_failed = failure is not None  # a failed episode is a failed reward (reward.on_failure)
             # one outcome per episode (scored, or given by its agent), counted with its failure at once, so that a
             # step's share of failed calls never counts calls whose failures are not in yet; a failed agent counts
             # against reward.max_fail_frac like a failed reward
             self.counters["n_reward_calls"] += 1
             self.counters["n_reward_failed"] += failure is not None
-            self.recent_rewards_failed.append(failure is not None)
-            if failure is not None:
-                self._reward_failure = f"trajectory {traj.traj_id}: {failure}"
+            self.failures.add(cause, f"trajectory {traj.traj_id}: {failure}")
             return traj
 
         try:
@@ -183,8 +181,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
             self._failed_groups_in_a_row += 1
             if self._failed_groups_in_a_row >= max(2, self.B // self.n) and self._fatal is None:
                 # a batch's worth of groups failed and nothing else finished: the next ones would too
-                self._fatal = TrainingError(f"{self._failed_groups_in_a_row} groups in a row failed in generation; "
-                                            f"the last with {type(e).__name__}: {e}")
+                self._fatal = generation_failure(self._failed_groups_in_a_row, e, self.cfg.rollout.workflow)
             await self.buffer.accept(group, [])
             return
         self._failed_groups_in_a_row = 0
@@ -209,7 +206,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 part.reward, part.advantage = t.reward, t.advantage
         self._items.pop(group.group_id, None)
         if self._fatal is None:  # with on_failure=drop nothing reaches a step: check here too, per B calls
-            self._fatal = self._reward_failure_error()
+            self._fatal = self._failure_error()
         accepted_total = await self.buffer.accept(group, kept)
         if kept and self.journal is not None:
             self.journal.write("accepted", {"step": self.step, "accepted_total": accepted_total,
@@ -327,7 +324,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 self.step += 1
                 record.update(pub)
                 record.update(self._step_record(trajs, t0, t_got, t_trained, t_start))
-                reward_error = self._reward_failure_error()
+                failure_error = self._failure_error()
                 self.on_step(record)
                 self._log_samples(trajs)
                 self._journal_trained(trajs, skipped)
@@ -335,9 +332,9 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 if max_skips > 0 and self._consecutive_skips >= max_skips:
                     await self._checkpoint()
                     raise self._skips_error(record["skip_reason"], max_skips)
-                if reward_error is not None:
+                if failure_error is not None:
                     await self._checkpoint()
-                    raise reward_error
+                    raise failure_error
                 await self._after_step()  # a stop request, or a checkpoint due (megarl/run_stop.py)
                 self._maybe_evaluate(total_steps)
             await self._checkpoint()

@@ -29,5 +29,10 @@ class RewardError(TrainingError):
     """Too many reward calls fail: the reward function or the data is broken (the error shows one failure)."""
 
 
+class AgentError(TrainingError):
+    """Too many agent episodes fail: the agent (agent.fn, agent.command or the agent service) is broken or past
+    its limits (the error names it and shows one failure)."""
+
+
 class ScorerError(TrainingError):
     """A strategy's scoring process (the dedicated scorer) died, hung up or did not answer in time."""

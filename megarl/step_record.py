@@ -1,10 +1,10 @@
 """What one step of the loop leaves behind: the train step on a batch and its metrics, the step record,
-decoded samples, the check of failed reward calls and the stall message.
+decoded samples, the check of failed episodes and the stall message.
 
 :class:`StepBookkeeping` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it
 reads the controller's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``,
 ``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundary ``_step_counters``),
-``recent_rewards_failed``, ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,
+``failures``, ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,
 ``eta`` and ``gen_stall_s``.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megarl.errors import RewardError, TrainingError
+from megarl.errors import TrainingError
 from megarl.losses.mismatch import behav_weight_stats, discrepancy
 from megarl.routes import stored_bytes
 from megarl.types import TrainBatch, Trajectory, training_rows
@@ -71,18 +71,10 @@ class StepBookkeeping:
             out.update(discrepancy(old, batch.logp_behav, batch.loss_mask))
         return out
 
-    def _reward_failure_error(self) -> RewardError | None:
-        """The error to stop with when more than reward.max_fail_frac of the last B reward calls failed (a window
-        of a batch's worth of calls: a step that happened to see one call, a failed one, is not a failing run)."""
-        recent = self.recent_rewards_failed
-        calls, failed = len(recent), sum(recent)
-        frac = self.cfg.reward.max_fail_frac
-        if calls < self.B or failed <= frac * calls:
-            return None
-        return RewardError(f"{failed} of {calls} reward calls failed at step {self.step} (more than "
-                           f"reward.max_fail_frac={frac}) with reward.fn={self.cfg.reward.fn!r}; one of them: "
-                           f"{self._reward_failure}. Fix the reward function or the data (data.answer_key), "
-                           f"or raise reward.max_fail_frac")
+    def _failure_error(self) -> TrainingError | None:
+        """The error to stop with when more than reward.max_fail_frac of the last B episodes failed, naming what
+        failed (an agent, the reward function) and the fix (megarl/failure_causes.py)."""
+        return self.failures.error(self.step, self.cfg, self.workflow)
 
     def _log_samples(self, trajs: list[Trajectory]) -> None:
         """``logging.log_samples`` trajectories of the step as decoded text, to ``samples.jsonl``."""

@@ -221,7 +221,7 @@ class RewardConfig:
     on_failure: Literal["zero", "drop"] = "zero"
     """A failed reward gives reward 0 (zero) or drops the sample (drop)."""
     max_fail_frac: float = 0.5
-    """Stop the run when more than this fraction of one step's reward calls fail (the error shows one failing call); 1 = never."""
+    """Stop the run when more than this fraction of the last batch's episodes fail, by their agent (n_agent_failed) or the reward function (the error names which, shows one failure of each and the fix); 1 = never."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: a training response longer than rollout.max_new_tokens - overlong_buffer tokens loses reward linearly, up to overlong_penalty at rollout.max_new_tokens (megarl/rewards/overlong.py); 0 = off. Never applied to evaluation. Single-turn workflows only."""
     overlong_penalty: float = 1.0

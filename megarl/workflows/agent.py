@@ -25,6 +25,7 @@ from megarl.data import MISSING, get_dotted
 from megarl.errors import ConfigError
 from megarl.rewards import resolve_reward_fn
 from megarl.types import NO_VERSION, Trajectory
+from megarl.workflows.agent_failures import agent_name, in_process_help
 from megarl.workflows.base import GenerateFn
 
 log = logging.getLogger("megarl.agents")
@@ -83,7 +84,7 @@ class AgentWorkflow:
                 traj.reward = float(reward)
         except Exception as e:  # an agent's failure costs its episode, never the run
             self._stats["n_agent_failed"] += 1
-            traj.meta["agent_error"] = f"{type(e).__name__}: {e}"[:500]
+            traj.meta["agent_error"] = _clip(f"{type(e).__name__}: {e}")
             traj.reward = 0.0
             if not self._logged_failure:  # once: a broken agent fails every episode the same way
                 log.warning("agent episode %s failed (counted in n_agent_failed): %s", traj.traj_id,
@@ -106,9 +107,19 @@ class AgentWorkflow:
         """Totals since the start (the controller logs what each step added)."""
         return dict(self._stats)
 
+    def failure_help(self, cause: str, n: int, example: str) -> str:
+        """What failed ``n`` episodes (megarl/failure_causes.py ``cause``), ``example`` the last, and the fix."""
+        return in_process_help(agent_name(self.agent_fn, BUILTIN_AGENTS), self.limits, cause, n, example)
+
     def close(self) -> None:
         if self.tools is not None:
             self.tools.close()
+
+
+def _clip(error: str, limit: int = 1000) -> str:
+    """``error`` within ``limit`` characters, its start and its end kept (an agent command's error ends with the
+    end of its stderr)."""
+    return error if len(error) <= limit else f"{error[:200]} [...] {error[-(limit - 207):]}"
 
 
 def check_token_exact(traj: Trajectory, records) -> None:

@@ -61,6 +61,7 @@ from megarl.process_isolation import exit_status, isolation_prefix
 from megarl.secret_env import AGENT_SERVICE_KEY_ENV, take_secret, user_code_env
 from megarl.types import Trajectory
 from megarl.workflows.agent import AgentWorkflow
+from megarl.workflows.agent_failures import command_help, service_help
 from megarl.workflows.base import GenerateFn
 
 #: stderr kept in a failed command's error
@@ -316,6 +317,12 @@ class AgentHttpWorkflow(AgentWorkflow):
                                     f"{self.timeout_s:g}s (POST /sessions, then POST /sessions/<key>/reward)") from None
         finally:
             self.server.offers.withdraw(session)
+
+    def failure_help(self, cause: str, n: int, example: str) -> str:
+        """What failed ``n`` episodes, ``example`` the last (its command's exit status and stderr), and the fix."""
+        if self.argv is None:
+            return service_help(self.timeout_s, self.limits, n, example)
+        return command_help(self.argv, self.timeout_s, self.limits, n, example)
 
     async def aclose(self) -> None:
         if self.server is not None:

@@ -14,7 +14,7 @@ from test_staleness_gate import SimulatedEngineForGateTests, SingleTurn, StepCou
 from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.builder import load_run_config
 from megarl.controller import Controller
-from megarl.errors import InputError, RewardError, TrainingError
+from megarl.errors import AgentError, InputError, RewardError, TrainingError
 from recovery.base import RecoveryContext
 from recovery.behav import Behav
 
@@ -67,7 +67,15 @@ def loop(overrides, *, engine=None, rewards=None, steps=4, workflow=None, record
                    strategy=Behav(None, RecoveryContext(trainer=trainer)),
                    publisher=Publisher(), loss_fn_factory=loss_fn_factory or (lambda b, a: None), advantages=advantages,
                    on_step=on_step or records.append, **optional)
-    asyncio.run(asyncio.wait_for(c.train(steps), 60))
+
+    async def main():
+        try:
+            await asyncio.wait_for(c.train(steps), 60)
+        finally:
+            if hasattr(c.workflow, "aclose"):  # an agent endpoint listening on this loop
+                await c.workflow.aclose()
+
+    asyncio.run(main())
     return c, records
 
 
@@ -140,7 +148,8 @@ def agent_workflow(name, tokenizer):
 
 def test_agents_failing_on_most_episodes_stop_the_run(text_tokenizer):
     # each episode's failure alone is counted and the run goes on; a run of them is no silent run of zeros
-    with pytest.raises(RewardError, match=r"reward calls failed .* RuntimeError: the agent broke"):
+    with pytest.raises(AgentError, match=r"episodes failed .* agent.fn='agent_fixtures:raises_after_one_turn' "
+                                         r".* RuntimeError: the agent broke"):
         loop([], workflow=agent_workflow("raises_after_one_turn", text_tokenizer))
 
 
@@ -248,9 +257,10 @@ def test_the_failure_share_is_checked_over_the_last_batch_of_reward_calls_not_on
     c._step_counters = dict(c.counters)
     c.counters["n_reward_calls"] += 1
     c.counters["n_reward_failed"] += 1  # this step's window: 1 of 1 failed
-    c.recent_rewards_failed.extend([False] * 7 + [True])
-    c._reward_failure = "trajectory g9-0: failed"
-    assert c._reward_failure_error() is None
-    c.recent_rewards_failed.extend([True] * 5)  # the last 8: 2 passed, 6 failed: more than max_fail_frac=0.5
-    err = c._reward_failure_error()
+    for cause in [None] * 7 + ["reward"]:
+        c.failures.add(cause, "trajectory g9-0: raise: ValueError: failed")
+    assert c._failure_error() is None
+    for _ in range(5):  # the last 8: 2 passed, 6 failed: more than max_fail_frac=0.5
+        c.failures.add("reward", "trajectory g9-0: raise: ValueError: failed")
+    err = c._failure_error()
     assert err is not None and str(err).startswith("6 of 8 reward calls failed at step 4")
