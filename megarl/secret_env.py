@@ -1,12 +1,13 @@
 """The run's secrets: one list of their variable names, how a process takes one, and the environment children get.
 
-A run holds four secrets: the engine key (``MEGARL_ENGINE_KEY``: whoever holds
+A run holds five secrets: the engine key (``MEGARL_ENGINE_KEY``: whoever holds
 it can load weights into any engine and so poison the rollouts that become
 training data), the dedicated scorer's link key (``MEGARL_DEDICATED_AUTHKEY``:
 the link carries pickles, so it runs code on the scorer), the agent
 service key (``MEGARL_AGENT_SERVICE_KEY``) and the stop key
 (``MEGARL_STOP_KEY``: it signs the stop marker that makes `megarl launch` exit
-75, a requeue). :data:`SECRET_ENV_VARS` names them;
+75, a requeue) and the world key (``MEGARL_WORLD_KEY``: the trainer ranks'
+store admits only its holders), the one secret every trainer rank takes. :data:`SECRET_ENV_VARS` names them;
 every child megarl starts for user code (agent commands, tool and reward
 workers, the code sandbox) gets :func:`scrubbed_env`, which holds none of
 them nor the variables that say where to read one.
@@ -46,8 +47,13 @@ DEDICATED_AUTHKEY_ENV = "MEGARL_DEDICATED_AUTHKEY"
 AGENT_SERVICE_KEY_ENV = "MEGARL_AGENT_SERVICE_KEY"
 #: signs the stop marker trainer rank 0 writes for `megarl launch` (megarl/stop_protocol.py)
 STOP_KEY_ENV = "MEGARL_STOP_KEY"
+#: the trainer world's store admits only processes holding it (megarl/trainer/world_store.py)
+WORLD_KEY_ENV = "MEGARL_WORLD_KEY"
 #: every secret of a run, by its environment variable
-SECRET_ENV_VARS = (ENGINE_KEY_ENV, DEDICATED_AUTHKEY_ENV, AGENT_SERVICE_KEY_ENV, STOP_KEY_ENV)
+SECRET_ENV_VARS = (ENGINE_KEY_ENV, DEDICATED_AUTHKEY_ENV, AGENT_SERVICE_KEY_ENV, STOP_KEY_ENV, WORLD_KEY_ENV)
+#: secrets every trainer rank takes, from one file per launched command that no reader deletes (the launch
+#: removes it when it ends); the others are trainer rank 0's alone
+SHARED_SECRETS = (WORLD_KEY_ENV,)
 FD_SUFFIX, FILE_SUFFIX = "_FD", "_FILE"
 
 _taken: dict[str, str] = {}
@@ -141,7 +147,7 @@ def not_private(st: os.stat_result) -> str:
     return ""
 
 
-def _read_file(name: str, path: str) -> str:
+def _read_file(name: str, path: str, delete: bool = True) -> str:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -155,7 +161,8 @@ def _read_file(name: str, path: str) -> str:
         raise ConfigError(f"{name}{FILE_SUFFIX}={path!r} {problem}: `chmod 600` it, or pass the secret another way")
     with open(path) as f:
         value = f.read().strip()
-    os.unlink(path)  # read once: nobody else finds it later
+    if delete:
+        os.unlink(path)  # read once: nobody else finds it later
     return value
 
 
@@ -170,8 +177,8 @@ def take_secret(name: str) -> str:
             return _taken.get(name, "")
         if os.environ.get(fd_var):
             value = _read_fd(name, os.environ[fd_var])
-        elif os.environ.get(file_var):
-            value = _read_file(name, os.environ[file_var])
+        elif os.environ.get(file_var):  # a shared secret's file is every trainer rank's: the launch removes it
+            value = _read_file(name, os.environ[file_var], delete=name not in SHARED_SECRETS)
         else:
             value = os.environ.get(plain, "")
         _wipe_initial_value(plain)
@@ -224,11 +231,13 @@ def trainer_follower(env: Mapping[str, str] | None = None) -> bool:
     return rank.strip() != "0"
 
 
-def drop_secrets() -> None:
-    """Remove every secret's carriers from this process's environment without reading them (a file stays for
-    its reader); the plain values are wiped from the exec-time block too."""
+def drop_secrets(keep: tuple[str, ...] = ()) -> None:
+    """Remove every secret's carriers but those of ``keep`` from this process's environment without reading them
+    (a file stays for its reader); the plain values are wiped from the exec-time block too."""
     with _lock:
         for name in SECRET_ENV_VARS:
+            if name in keep:
+                continue
             _wipe_initial_value(name)
             for var in secret_carriers(name):
                 os.environ.pop(var, None)
@@ -236,9 +245,12 @@ def drop_secrets() -> None:
 
 def take_all_secrets() -> None:
     """At a process's start: take every secret it was given, so none stays in its environment (module docstring).
-    A trainer follower needs none and reads none: it drops them (:func:`drop_secrets`)."""
+    A trainer follower takes the shared ones (:data:`SHARED_SECRETS`) and reads no other: it drops them
+    (:func:`drop_secrets`)."""
     if trainer_follower():
-        drop_secrets()
+        drop_secrets(keep=SHARED_SECRETS)
+        for name in SHARED_SECRETS:
+            take_secret(name)
         return
     for name in SECRET_ENV_VARS:
         take_secret(name)

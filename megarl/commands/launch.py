@@ -33,6 +33,7 @@ from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
 from megarl.launch.runner import latch_launch_stops, run_commands, stop_marker_for
+from megarl.process_isolation import protect
 from megarl.secret_env import STOP_KEY_ENV, give_secret
 
 
@@ -127,6 +128,7 @@ def run(args) -> int:
         commands = mine
     keys = KeyFiles(ensure_run_keys(plan, launcher), key_dir_base(cfg))  # in memory, then one file per command
     give_secret(STOP_KEY_ENV, keys.keys[STOP_KEY_ENV])  # the trainer signs its stop marker with it, this checks it
+    protect(key_dir_base(cfg))  # the key files' directory: hidden from the run's agent commands and sandboxes
     if settings.log_dir:  # the Slurm steps' logs go there from their first line, before the preflight makes it
         os.makedirs(settings.log_dir, exist_ok=True)
     return run_commands(commands, stop_marker=marker, stop_grace_s=cfg.logging.stop_grace_s, key_files=keys)

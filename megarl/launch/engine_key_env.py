@@ -9,7 +9,9 @@ scorer with its own command and the trainer ``MEGARL_DEDICATED_AUTHKEY``.
 shell exported (taken, so `megarl launch` itself no longer shows them) and,
 where the launching environment has none, a fresh random secret
 (``secrets.token_hex``), and always a fresh stop key, which signs the stop marker
-trainer rank 0 writes for this launcher (megarl/stop_protocol.py). megarl/launch/key_files.py hands them to each command
+trainer rank 0 writes for this launcher (megarl/stop_protocol.py), and a world
+key, which every trainer rank proves to join the trainer world's store
+(megarl/trainer/world_store.py). megarl/launch/key_files.py hands them to each command
 in a file of its own. torchrun across several nodes is the exception: each
 node runs its own ``megarl launch``, so the key must be exported on every
 node by hand (each launch takes it from its environment at once).
@@ -26,6 +28,7 @@ from megarl.secret_env import (
     ENGINE_KEY_ENV,
     SECRET_ENV_VARS,
     STOP_KEY_ENV,
+    WORLD_KEY_ENV,
     take_secret,
 )
 
@@ -54,7 +57,7 @@ def ensure_run_keys(plan, launcher: str, env: MutableMapping[str, str] | None = 
     """The run's keys: fresh ones put in ``env`` for the plan's processes that need them (the engine key when
     engines have commands of their own, the link key when the dedicated scorer has one). ``env`` None: a dict
     in memory that starts with the keys this process was given (taken from its environment, which keeps none),
-    and a fresh stop key when it has none (module doc)."""
+    and a fresh stop key and world key when it has none (module doc)."""
     in_memory = env is None
     if env is None:
         env = {name: value for name in SECRET_ENV_VARS if (value := take_secret(name))}
@@ -64,4 +67,6 @@ def ensure_run_keys(plan, launcher: str, env: MutableMapping[str, str] | None = 
         _ensure(DEDICATED_AUTHKEY_ENV, lambda: secrets.token_hex(16), plan, launcher, env)
     if in_memory and not env.get(STOP_KEY_ENV):  # per launch: each node's launcher checks the marker with its own
         env[STOP_KEY_ENV] = secrets.token_hex(16)
+    if in_memory:  # every trainer rank's, so with torchrun on several nodes exported by hand on each
+        _ensure(WORLD_KEY_ENV, lambda: secrets.token_hex(16), plan, launcher, env)
     return dict(env)

@@ -61,6 +61,8 @@ from megarl.errors import EngineError
 from megarl.rollout.engine_key import is_loopback
 
 log = logging.getLogger("megarl.publish")
+#: what the rendezvous is called in its errors by default (megarl/trainer/world_store.py names its own)
+WEIGHT_SYNC = "weight broadcast rendezvous"
 
 #: the key whose presence says the publish is over for everyone still receiving
 ABORT_KEY = "megarl/abort"
@@ -138,12 +140,12 @@ class RendezvousServer:
     """
 
     def __init__(self, host: str, port: int, secret: str, *, bind_host: str | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, label: str = WEIGHT_SYNC) -> None:
         self.secret = secret
         self.store = dist.HashStore()
         self.store.set_timeout(timedelta(seconds=timeout_s))
         family, sockaddr = _addr(bind_host or host, port)
-        if not bind_host and not is_loopback(host) and is_loopback(sockaddr[0]):
+        if not bind_host and not is_loopback(host) and is_loopback(sockaddr[0]) and label == WEIGHT_SYNC:
             log.warning("the weight broadcast host %r resolves to %s on this node, a loopback address engines on "
                         "other nodes cannot reach; if they run elsewhere, set placement.weight_sync_bind to this "
                         "node's cluster address (or 0.0.0.0 for every interface)", host, sockaddr[0])
@@ -153,8 +155,8 @@ class RendezvousServer:
             self._sock.bind(sockaddr)
         except OSError as e:
             self._sock.close()
-            raise EngineError(f"weight broadcast rendezvous cannot listen on {sockaddr[0]}:{port} ({e}); "
-                              "free the port or pick another (placement.weight_sync_port)") from e
+            raise EngineError(f"{label} cannot listen on {sockaddr[0]}:{port} ({e}); free the port or pick "
+                              "another (placement.weight_sync_port)") from e
         self._sock.listen(64)
         self.address = self._sock.getsockname()[0]
         self.port = self._sock.getsockname()[1]
@@ -249,9 +251,12 @@ class RendezvousServer:
 class RendezvousStore(dist.Store):
     """A client of a :class:`RendezvousServer`: the store a broadcast group's ranks rendezvous on."""
 
-    def __init__(self, host: str, port: int, secret: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, host: str, port: int, secret: str, timeout_s: float = 300.0,
+                 label: str = WEIGHT_SYNC) -> None:
         super().__init__()
-        self.host, self.port, self._timeout_s = host, port, timeout_s
+        self.host, self.port, self._timeout_s, self.label = host, port, timeout_s, label
+        self._secret = secret
+        self._clones: list[RendezvousStore] = []
         self._lock = threading.Lock()
         try:
             sock = _connect(host, port, timeout_s)
@@ -262,12 +267,12 @@ class RendezvousStore(dist.Store):
         except (OSError, ConnectionError) as e:
             if "sock" in locals():
                 sock.close()
-            raise EngineError(f"weight broadcast rendezvous {host}:{port} unreachable or refused this process's "
+            raise EngineError(f"{label} {host}:{port} unreachable or refused this process's "
                               f"secret ({type(e).__name__}: {e}); it listens on the trainer's address for this host "
                               "name unless placement.weight_sync_bind says otherwise") from e
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
             sock.close()
-            raise EngineError(f"{host}:{port} is not this group's weight broadcast rendezvous (it does not hold "
+            raise EngineError(f"{host}:{port} is not this group's {label} (it does not hold "
                               "the group's secret)")
         sock.settimeout(None)
         self._sock = sock
@@ -279,10 +284,10 @@ class RendezvousStore(dist.Store):
                 _send_frame(self._sock, req)
                 reply = _recv_frame(self._sock)
             except (OSError, ConnectionError) as e:
-                raise EngineError(f"weight broadcast rendezvous {self.host}:{self.port} lost "
+                raise EngineError(f"{self.label} {self.host}:{self.port} lost "
                                   f"({type(e).__name__}: {e})") from e
         if "error" in reply:
-            raise EngineError(f"weight broadcast rendezvous: {reply['error']}")
+            raise EngineError(f"{self.label}: {reply['error']}")
         return reply["ok"]
 
     # torch.distributed.Store's interface, as the process groups use it
@@ -311,6 +316,13 @@ class RendezvousStore(dist.Store):
     def compare_set(self, key, expected, desired) -> bytes:
         enc = [v.encode() if isinstance(v, str) else v for v in (expected, desired)]
         return _unb64(self._call(op="compare_set", key=key, expected=_b64(enc[0]), desired=_b64(enc[1])))
+
+    def clone(self) -> "RendezvousStore":
+        """Another client of the same server on a connection of its own (process groups take one each). Kept
+        here too: torch holds only the C++ side, and its calls need the Python object alive."""
+        twin = RendezvousStore(self.host, self.port, self._secret, self._timeout_s, self.label)
+        self._clones.append(twin)
+        return twin
 
     def aborted(self) -> str | None:
         """The abort mark's reason, or None while the publish goes on (raises once the server is gone)."""

@@ -1,8 +1,9 @@
 """torch.distributed + megatron parallel_state initialization (gloo on CPU, NCCL on GPU).
 
 Under torchrun the process group comes from the environment (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT); a plain ``python`` process gets a
-world of one. megatron's parallel_state is process-global: :func:`init_parallel`
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), its ranks meeting in the authenticated
+store of megarl/trainer/world_store.py when they hold the run's world key; a
+plain ``python`` process gets a world of one. megatron's parallel_state is process-global: :func:`init_parallel`
 reuses it when the sizes match and rebuilds it when they differ (tests build
 several trainers in one process).
 """
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.platform import prepare_megatron
 from megarl.platform.cpu import seed_model_parallel_rng
+from megarl.trainer.world_store import authenticated_store
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,12 @@ def init_distributed() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend=backend, init_method="env://")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = authenticated_store(rank, world)  # only holders of the run's world key (world_store.py)
+        if store is None:
+            dist.init_process_group(backend=backend, init_method="env://")
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     else:
         # one process, no torchrun: an in-memory store needs no port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -27,7 +27,8 @@ from megarl.secret_env import SECRET_ENV_VARS, take_secret
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"MEGARL_ENGINE_KEY": "engine-key-31d7c0", "MEGARL_DEDICATED_AUTHKEY": "scorer-key-a81f22",
-        "MEGARL_AGENT_SERVICE_KEY": "service-key-5e06b9d4", "MEGARL_STOP_KEY": "stop-key-90c4e1"}
+        "MEGARL_AGENT_SERVICE_KEY": "service-key-5e06b9d4", "MEGARL_STOP_KEY": "stop-key-90c4e1",
+        "MEGARL_WORLD_KEY": "world-key-7d1e03"}
 #: a process that takes its secrets as every `megarl train` role does, then says what it got and what /proc shows
 TAKE = r"""
     import json, os, re
@@ -65,7 +66,8 @@ def test_each_command_gets_a_private_file_that_its_one_reader_deletes(tmp_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     seen = _take({**_clean_env(), **trainer, "RANK": "0", "MEGARL_ROLE": "trainer"})
     assert seen == {"got": KEYS, "env": [], "proc": []}
-    assert not any(os.path.exists(p) for p in trainer.values())  # read once, then gone
+    # read once, then gone; the world key's file is every rank's and goes with the directory
+    assert [n for n, p in trainer.items() if os.path.exists(p)] == ["MEGARL_WORLD_KEY_FILE"]
     seen = _take({**_clean_env(), **engine, "MEGARL_ROLE": "engine", "RANK": "1"})  # a server is no follower
     assert seen["got"] == {**dict.fromkeys(KEYS, ""), "MEGARL_ENGINE_KEY": KEYS["MEGARL_ENGINE_KEY"]}
     files.close()  # the scorer's file, never read, goes with the directory
@@ -74,12 +76,14 @@ def test_each_command_gets_a_private_file_that_its_one_reader_deletes(tmp_path):
 
 def test_a_trainer_follower_needs_no_key_and_leaves_rank_0_its_file(tmp_path):
     """Every trainer rank inherits the same NAME_FILE from torchrun's agent; a follower reading it first would
-    take rank 0's key away. The follower drops the carriers (and a plain key's value from /proc) unread."""
+    take rank 0's key away. The follower drops the carriers (and a plain key's value from /proc) unread, but the
+    world key's, which every rank takes and nobody deletes."""
     with KeyFiles(KEYS, tmp_path) as files:
         env = {**_clean_env(), **files.env_for("trainer"), "MEGARL_ROLE": "trainer"}
         for follower in ({"RANK": "1"}, {"OMPI_COMM_WORLD_RANK": "3"}):  # torchrun's rank, mpirun's before bootstrap
             seen = _take({**env, **follower, "MEGARL_AGENT_SERVICE_KEY": "plain-follower-key-1"})
-            assert seen == {"got": dict.fromkeys(KEYS, ""), "env": [], "proc": []}, follower
+            want = {**dict.fromkeys(KEYS, ""), "MEGARL_WORLD_KEY": KEYS["MEGARL_WORLD_KEY"]}
+            assert seen == {"got": want, "env": [], "proc": []}, follower
             assert all(os.path.exists(env[n + "_FILE"]) for n in KEYS)
         assert _take({**env, "RANK": "0"})["got"] == KEYS  # rank 0 still finds every file
 

@@ -29,11 +29,12 @@ from megarl.workflows.agent_http import CommandLimits, run_command
 REPO = Path(__file__).resolve().parents[2]
 #: the run's keys as a launching shell exports them (values found by substring in what a child sees)
 KEYS = {"MEGARL_ENGINE_KEY": "engine-key-4f1c9a", "MEGARL_DEDICATED_AUTHKEY": "scorer-key-77d2e0",
-        "MEGARL_AGENT_SERVICE_KEY": "service-key-0b93aa11", "MEGARL_STOP_KEY": "stop-key-5e21c7"}
+        "MEGARL_AGENT_SERVICE_KEY": "service-key-0b93aa11", "MEGARL_STOP_KEY": "stop-key-5e21c7",
+        "MEGARL_WORLD_KEY": "world-key-c3a9f2"}
 
 
 def test_the_secret_list_names_each_key_once():
-    assert sorted(SECRET_ENV_VARS) == sorted(KEYS)  # the four secrets of a run, by hand
+    assert sorted(SECRET_ENV_VARS) == sorted(KEYS)  # the five secrets of a run, by hand
     env = {**KEYS, "MEGARL_ENGINE_KEY_FD": "7", "MEGARL_DEDICATED_AUTHKEY_FILE": "/x", "PATH": "/bin", "HOME": "/h"}
     assert scrubbed_env(env, OPENAI_API_KEY="ep") == {"PATH": "/bin", "HOME": "/h", "OPENAI_API_KEY": "ep"}
 
