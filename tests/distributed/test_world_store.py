@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from torch.distributed import TCPStore
+from torch.distributed import DistNetworkError, TCPStore
 
 from megarl.errors import EngineError
 from megarl.rollout.client import free_port
@@ -62,7 +62,7 @@ def test_a_stranger_gets_nothing_of_a_keyed_world(tmp_path, keyed):
         host, world_port = address
         with pytest.raises(EngineError, match="trainer world store .* refused this process's secret"):
             RendezvousStore(host, world_port, "00" * 16, timeout_s=10, label="trainer world store")
-        with pytest.raises(Exception):  # torch's own client speaks no handshake: the server closes on it
+        with pytest.raises(DistNetworkError):  # torch's own client speaks no handshake: the server closes on it
             TCPStore(host, world_port, is_master=False, timeout=timedelta(seconds=5)).list_keys()
     finally:
         _finish(proc, tmp_path)
