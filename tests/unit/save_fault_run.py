@@ -14,7 +14,9 @@ put back after. Modes (``-async``: ``logging.async_save=true``):
 * ``stop-hang``: the stop's wait for the engines' disk copy never ends (a thread that sleeps):
   the stop still ends within ``logging.stop_grace_s``;
 * ``full``: no file-size limit; the test mounted RUN_DIR as a tmpfs that two checkpoints fill, so every save
-  from the third on gets ENOSPC from the filesystem itself.
+  from the third on gets ENOSPC from the filesystem itself;
+* ``readonly``: no file-size limit; the test made RUN_DIR/checkpoints a read-only mount after the first
+  checkpoint, so every later save gets EROFS.
 
 Prints one JSON line (``RESULT {...}``: the exit code the CLI would return, the error, the steps reached) and
 exits with that code. Only the moment of the fault is the test's; the fault, the trainer, the writer, the
@@ -39,7 +41,7 @@ from megarl.stop_protocol import stop_budget
 from megarl.trainer.megatron_trainer import MegatronTrainer
 
 FAIL = {"recover": {1, 2}, "limit": set(range(1, 100)), "stop": {1, 2}, "stop-none": {0}, "stop-hang": set(),
-        "full": set()}
+        "full": set(), "readonly": set()}
 STEPS = 6
 STOP_AT = 3  # the step whose boundary stops the run in the stop modes
 
@@ -92,7 +94,7 @@ def main(ckpt: str, run_dir: str, mode: str) -> int:
     real = MegatronTrainer(ckpt, lr=1e-2, micro_batch_tokens=64)
     weights = run / "weights"
     for v in range(1, 40):  # what the publisher would have written for each version
-        (weights / f"v{v}").mkdir(parents=True)
+        (weights / f"v{v}").mkdir(parents=True, exist_ok=True)
         (weights / f"v{v}" / "config.json").write_text("{}")
     ck = Checkpointer(run, real, Copies(real), weights, keep_last=0, rank_states=LimitedDisk(real, FAIL[kind]))
     c, trainer, _, _ = make_controller(0, checkpointer=ck, overrides=overrides)

@@ -124,3 +124,25 @@ def test_a_full_disk_stops_the_run_after_max_save_failures_and_keeps_what_was_co
         assert complete_steps(run) == [1, 2] and not leftovers(run)
     finally:
         subprocess.run(["umount", str(run)], check=True)
+
+
+def test_a_read_only_checkpoint_directory_stops_the_run_and_keeps_the_checkpoint_there(ckpt, tmp_path):
+    """The third real fault: RUN_DIR/checkpoints, holding a complete checkpoint, is a read-only mount (a disk
+    remounted read-only on I/O errors does this); every save gets EROFS, the run stops after
+    logging.max_save_failures, and the checkpoint that was there is still complete."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root (CI runs as root)")
+    run = tmp_path / "run"
+    code, _, out, _ = run_child(ckpt, run, "stop-hang", timeout=90)  # any mode that leaves step_1 and step_2
+    assert complete_steps(run) == [1, 2], out[-3000:]
+    (run / "stop.json").unlink(missing_ok=True)
+    root = str(run / "checkpoints")
+    subprocess.run(["mount", "--bind", root, root], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", root], check=True)
+        code, result, out, _ = run_child(ckpt, run, "readonly")
+        assert code == 2, out[-3000:]
+        assert "Read-only file system" in result["error"] and "logging.max_save_failures=3" in result["error"], result
+        assert complete_steps(run) == [1, 2]
+    finally:
+        subprocess.run(["umount", root], check=True)
