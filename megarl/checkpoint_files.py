@@ -117,7 +117,15 @@ def verify_checkpoint(step_dir: str | Path) -> dict:
     if not signed_by(manifest, checkpoint_key(run_dir_of(step_dir))):
         raise CheckpointError(f"{step_dir / MANIFEST} is not signed with this run's key "
                               f"({key_path(run_dir_of(step_dir))}): it was changed after the run wrote it, or "
-                              f"written by another run or an older megarl; it is not loaded")
+                              f"written by another run or an older megarl; it is not loaded. A checkpoint of an "
+                              f"older megarl whose origin you know: `megarl trust-checkpoint {step_dir}`")
+    check_files(step_dir, manifest)
+    return manifest
+
+
+def check_files(step_dir: Path, manifest: dict) -> None:
+    """Every file ``manifest`` lists is in ``step_dir`` with its size and sha256; CheckpointError names the first
+    that is not."""
     for rel, want in sorted(manifest["files"].items()):
         path = step_dir / rel
         if not path.is_file():
@@ -127,4 +135,3 @@ def verify_checkpoint(step_dir: str | Path) -> dict:
             raise CheckpointError(f"{path} has {size} bytes, the manifest says {want['size']}: truncated or corrupt")
         if sha256_file(path) != want["sha256"]:
             raise CheckpointError(f"{path} does not match its sha256 in {step_dir / MANIFEST}: corrupt")
-    return manifest

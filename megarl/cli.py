@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "plan": "plan",
     "prepare-data": "prepare_data",
     "export-hf": "export_hf",
+    "trust-checkpoint": "trust_checkpoint",
 }
 
 

@@ -101,3 +101,23 @@ def test_a_stop_marker_not_signed_by_the_trainer_is_ignored(tmp_path, stop_key, 
     info = json.loads(marker.read_text())
     marker.write_text(json.dumps({**info, "step": 4}))  # changed after signing
     assert read_stop_marker(marker) is None
+
+
+def test_a_checkpoint_of_an_older_megarl_is_refused_until_trusted(tmp_path):
+    """Unsigned (as megarl wrote them before): refused, naming `megarl trust-checkpoint`; the command signs it after
+    checking every file, and refuses one whose files do not match its manifest."""
+    from megarl.cli import main
+
+    run = tmp_path / "run"
+    step = write_checkpoint(run / "checkpoints", 1, fill, meta={"version": 1, "accepted_total": 8})
+    manifest = {k: v for k, v in json.loads((step / "manifest.json").read_text()).items() if k != "mac"}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=rf"megarl trust-checkpoint {step}"):
+        verify_checkpoint(step)
+    assert main(["trust-checkpoint", str(step)]) == 0
+    assert verify_checkpoint(step)["step"] == 1
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    (step / "controller.pt").write_bytes(b"changed")
+    assert main(["trust-checkpoint", str(step)]) == 2  # a CheckpointError, naming the file
+    with pytest.raises(CheckpointError, match="is not signed"):
+        verify_checkpoint(step)
