@@ -12,8 +12,11 @@ Python environment every later process imports. The prefix gives the command
   directories (:func:`protect`: the run directory with its checkpoints, keys
   and stop marker) are covered by an empty read-only tmpfs, and ``/tmp`` and
   ``/dev/shm`` are fresh private tmpfs (its scratch space, and no view of the
-  run's shared-memory weight buckets); a caller's ``writable`` directories
-  (the code sandbox's working directory) stay writable;
+  run's shared-memory weight buckets or other processes' sockets there), into
+  which what it needs to run is brought back read-only (:func:`needed_to_run`:
+  the interpreter, megarl, its working directory, where its script lies, when
+  they lie there); a caller's ``writable`` directories (the code sandbox's
+  working directory) stay writable;
 * a network of its own: none at all (``network="none"``, the code sandbox),
   or only the agent endpoint (``network="endpoint"``: an empty network
   namespace whose loopback listens on the endpoint's port and is joined to the
@@ -76,10 +79,20 @@ def _namespaces(network: Network, user: bool) -> tuple[str, ...]:
     return ("unshare", *(("--user", "--map-root-user") if user else ()), *ns)
 
 
-def _build(namespaces: tuple[str, ...], hide, writable, endpoint: tuple[str, int] | None) -> tuple[str, ...]:
+def needed_to_run(extra=()) -> list[str]:
+    """Directories an isolated command reads to run at all: the interpreter's, megarl's checkout (the programs
+    in megarl/isolation/), the working directory, PYTHONPATH's, and ``extra`` (e.g. where its script lies)."""
+    dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent),
+            str(_HERE.parents[1]), os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep), *extra]
+    return [str(Path(d).absolute()) for d in dirs if d]
+
+
+def _build(namespaces: tuple[str, ...], hide, writable, endpoint: tuple[str, int] | None,
+           readable=()) -> tuple[str, ...]:
     spec = json.dumps({"hide": [str(Path(p).absolute()) for p in hide],
-                       "writable": [str(Path(p).absolute()) for p in writable], "scratch_mb": SCRATCH_MB,
-                       "endpoint": list(endpoint) if endpoint else None, "drop_caps": list(_DROP_CAPS)})
+                       "writable": [str(Path(p).absolute()) for p in writable], "readable": needed_to_run(readable),
+                       "scratch_mb": SCRATCH_MB, "endpoint": list(endpoint) if endpoint else None,
+                       "drop_caps": list(_DROP_CAPS)})
     return (*namespaces, *_PY, str(_HERE / "ns_setup.py"), spec, *_DROP_CAPS, *_PY, str(_HERE / "ns_init.py"))
 
 
@@ -152,11 +165,12 @@ def _working_namespaces(network: Network) -> tuple[str, ...]:
 
 
 def isolation_prefix(network: Network = "host", writable: tuple[str, ...] = (),
-                     endpoint: tuple[str, int] | None = None) -> tuple[str, ...]:
+                     endpoint: tuple[str, int] | None = None, readable: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The prefix that isolates a command (module docstring) with ``network`` ("endpoint": ``endpoint``, the
     (host, port) the command reaches as 127.0.0.1 on the same port, and nothing else), the directories in
-    ``writable`` left writable; () when no variant works here."""
+    ``writable`` left writable and those in ``readable`` kept in view where its fresh /tmp would cover them
+    (besides :func:`needed_to_run`'s); () when no variant works here."""
     if (network == "endpoint") != (endpoint is not None):
         raise ValueError("network='endpoint' takes the endpoint's (host, port), and only it does")
     namespaces = _working_namespaces(network)
-    return _build(namespaces, protected(), writable, endpoint) if namespaces else ()
+    return _build(namespaces, protected(), writable, endpoint, readable) if namespaces else ()

@@ -1,6 +1,7 @@
 """First stage of an isolated command (see __init__.py): mounts, then the endpoint-only network, then exec.
 
-argv[1] is JSON: {"hide": [dirs], "writable": [dirs], "scratch_mb": n, "endpoint": [host, port] or null,
+argv[1] is JSON: {"hide": [dirs], "writable": [dirs], "readable": [dirs the command needs, brought back where
+the fresh /tmp or /dev/shm would cover them], "scratch_mb": n, "endpoint": [host, port] or null,
 "drop_caps": the setpriv argv that runs the forwarder without capabilities};
 argv[2:] is what runs next. Any failure exits 125 before the command runs: a command never starts with its
 filesystem half read-only or its network half cut.
@@ -51,15 +52,36 @@ def flags_of(opts, readonly: bool) -> int:
     return REMOUNT | BIND | (RDONLY if readonly else 0) | sum(FLAGS.get(o, 0) for o in opts if o != "ro")
 
 
+SCRATCH = ("/tmp", "/dev/shm")
+
+
+def _under_scratch(d: str) -> bool:
+    return any(d == s or d.startswith(s + "/") for s in SCRATCH)
+
+
+def _outermost(dirs) -> list:
+    """The directories of ``dirs`` that exist and lie in no other one of them."""
+    found = sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
+    return [d for d in found if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in found)]
+
+
 def set_up_mounts(spec: dict) -> None:
     mount(None, "/", None, REC | PRIVATE)
+    # what the command reads under /tmp or /dev/shm (the interpreter, megarl, its working directory) before the
+    # fresh tmpfs covers them: brought back read-only
+    readable = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY)) for d in _outermost(spec["readable"])
+                if _under_scratch(d)]
     keep = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY)) for d in spec["writable"]]
     for point, opts in sorted({(p, tuple(o)) for p, o in mounts()}):
         if "ro" not in opts:  # every mount read-only, its other flags kept (a user namespace may not drop them)
             mount(None, point, None, flags_of(opts, readonly=True))
-    for d, size_mb in (("/tmp", spec["scratch_mb"]), ("/dev/shm", SHM_MB)):
+    for d, size_mb in zip(SCRATCH, (spec["scratch_mb"], SHM_MB)):
         if os.path.isdir(d):
             mount("tmpfs", d, "tmpfs", NOSUID | NODEV, f"size={size_mb}m,mode=1777")
+    for d, fd in readable:  # a bind of the directory as it was, read-only like the mount it came from
+        os.makedirs(d, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", d, None, BIND)
+        os.close(fd)
     for d, fd in keep:  # a bind of the directory as it was (also under the new /tmp), made writable again
         os.makedirs(d, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", d, None, BIND)

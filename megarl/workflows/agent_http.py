@@ -108,14 +108,15 @@ class CommandLimits:
             limits.prefix(("127.0.0.1", 1))  # refuse the run now, not at its first episode
         return limits
 
-    def prefix(self, endpoint: tuple[str, int]) -> tuple[str, ...]:
+    def prefix(self, endpoint: tuple[str, int], argv: tuple[str, ...] = ()) -> tuple[str, ...]:
         """What the command runs under (module docstring), reaching ``endpoint`` (host, port) as 127.0.0.1 on the
         same port; () with a warning when no isolation can be made and ``allow_unisolated``, else a ConfigError
         naming the opt-out."""
+        scripts = tuple(os.path.dirname(os.path.abspath(a)) for a in argv if os.path.isfile(a))  # kept in view
         if self.network == "endpoint":
-            prefix = isolation_prefix(network="endpoint", writable=self.writable, endpoint=endpoint)
+            prefix = isolation_prefix(network="endpoint", writable=self.writable, endpoint=endpoint, readable=scripts)
         else:
-            prefix = isolation_prefix(network="host", writable=self.writable)
+            prefix = isolation_prefix(network="host", writable=self.writable, readable=scripts)
         if prefix or not self.allow_unisolated:
             if not prefix:
                 raise ConfigError("agent.command cannot be isolated here: neither 'unshare --pid' (root) nor a user "
@@ -198,7 +199,7 @@ async def run_command(argv: list[str], row: dict[str, Any], env: dict[str, str],
     endpoint), in this environment without the run's secrets and rendezvous facts plus ``env``; its stdout.
     AgentCommandError on a non-zero exit or past ``timeout_s``."""
     limits = limits or CommandLimits()
-    prefix = limits.prefix(endpoint)
+    prefix = limits.prefix(endpoint, tuple(argv))
     proc = await asyncio.create_subprocess_exec(*prefix, *argv, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, env=user_code_env(**env),

@@ -1,5 +1,7 @@
 """Which model a plan is made for: a checkpoint pointed elsewhere on the command line is not planned with the
 config's own model fields."""
+from pathlib import Path
+
 import pytest
 
 from megarl.builder import load_run_config
@@ -8,12 +10,13 @@ from megarl.errors import ConfigError
 from megarl.launch.placement import load_hf_config
 
 CONFIG = "configs/qwen3_4b_h100.yaml"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_configs_own_checkpoint_is_planned_with_its_model_fields():
     cfg = load_run_config(CONFIG)
     hf, source = load_hf_config(cfg, [])
-    assert source == "configs/models/qwen3_4b.yaml" and hf["num_hidden_layers"] == 36
+    assert source == str(REPO / "configs/models/qwen3_4b.yaml") and hf["num_hidden_layers"] == 36  # resolved
 
 
 def test_another_unreadable_checkpoint_is_refused_unless_its_fields_are_given(tmp_path):
