@@ -51,12 +51,15 @@ STOP_KEY_ENV = "MEGARL_STOP_KEY"
 WORLD_KEY_ENV = "MEGARL_WORLD_KEY"
 #: every secret of a run, by its environment variable
 SECRET_ENV_VARS = (ENGINE_KEY_ENV, DEDICATED_AUTHKEY_ENV, AGENT_SERVICE_KEY_ENV, STOP_KEY_ENV, WORLD_KEY_ENV)
-#: secrets every trainer rank takes, from one file per launched command that no reader deletes (the launch
-#: removes it when it ends); the others are trainer rank 0's alone
+#: secrets every trainer rank takes, from one file per launched command that no reader deletes as it reads it
+#: (the first rank of each node removes it once the trainer world formed: remove_shared_files); the others are
+#: trainer rank 0's alone
 SHARED_SECRETS = (WORLD_KEY_ENV,)
 FD_SUFFIX, FILE_SUFFIX = "_FD", "_FILE"
 
 _taken: dict[str, str] = {}
+#: the files shared secrets were read from (every trainer rank reads the same one): removed once all have
+_shared_files: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -177,8 +180,10 @@ def take_secret(name: str) -> str:
             return _taken.get(name, "")
         if os.environ.get(fd_var):
             value = _read_fd(name, os.environ[fd_var])
-        elif os.environ.get(file_var):  # a shared secret's file is every trainer rank's: the launch removes it
+        elif os.environ.get(file_var):  # a shared secret's file is every trainer rank's: remove_shared_files
             value = _read_file(name, os.environ[file_var], delete=name not in SHARED_SECRETS)
+            if name in SHARED_SECRETS:
+                _shared_files[name] = os.environ[file_var]
         else:
             value = os.environ.get(plain, "")
         _wipe_initial_value(plain)
@@ -186,6 +191,18 @@ def take_secret(name: str) -> str:
             os.environ.pop(var, None)
         _taken[name] = value
         return value
+
+
+def remove_shared_files() -> None:
+    """Delete the files this process read shared secrets from: call it once every process that reads them has
+    (the trainer world formed); a file already gone is no error."""
+    with _lock:
+        for path in _shared_files.values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        _shared_files.clear()
 
 
 def give_secret(name: str, value: str) -> None:

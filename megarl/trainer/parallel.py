@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.platform import prepare_megatron
 from megarl.platform.cpu import seed_model_parallel_rng
+from megarl.secret_env import remove_shared_files
 from megarl.trainer.world_store import authenticated_store
 
 
@@ -64,6 +65,9 @@ def init_distributed() -> None:
             dist.init_process_group(backend=backend, init_method="env://")
         else:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+            dist.barrier()  # every rank has read the world key's file by now: the first on each node removes it
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                remove_shared_files()
     else:
         # one process, no torchrun: an in-memory store needs no port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -24,9 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _world(tmp_path: Path, key: str | None):
+    """Two ranks; the key, when given, in a 0600 file both read, as `megarl launch` hands it over."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "MEGARL_WORLD_KEY"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **({"MEGARL_WORLD_KEY": key} if key else {}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGARL_WORLD_KEY")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if key:
+        key_file = tmp_path / "world.key"
+        key_file.write_text(key)
+        key_file.chmod(0o600)
+        env["MEGARL_WORLD_KEY_FILE"] = str(key_file)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                              f"--master-port={port}", str(REPO / "tests/distributed/run_world_store.py"),
                              str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -59,6 +65,7 @@ def test_a_stranger_gets_nothing_of_a_keyed_world(tmp_path, keyed):
             assert address is None and groups, keys
             return
         assert address is not None and groups == [], keys
+        assert not (tmp_path / "world.key").exists(), "every rank read it: the first rank of the node removes it"
         host, world_port = address
         with pytest.raises(EngineError, match="trainer world store .* refused this process's secret"):
             RendezvousStore(host, world_port, "00" * 16, timeout_s=10, label="trainer world store")
