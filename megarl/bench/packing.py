@@ -7,8 +7,9 @@ largest count: megarl/trainer/packing.py ``round_robin_plan``) with the current 
 slowest DP rank's workload (the estimate the plan balances, padding included) over the mean
 rank's, and over the padding-free mean (the same denominator for both plans); micro-batches per
 rank; dummies. ``bound`` is the slowest/padding-free mean no plan can beat: the heaviest single
-row's workload over that mean. The last column is the same plan for the THD layout (no padding at
-tp 1). The step time runs the real trainer on 2 CPU ranks (torchrun, gloo;
+row's workload over that mean. Then the same plan for the THD layout (no padding at tp 1), and the
+plan's own time (CPU time of one ``plan_packing``, mean over the batches; every rank plans every
+batch before its forward), padded and THD. The step time runs the real trainer on 2 CPU ranks (torchrun, gloo;
 megarl/bench/packing_step.py) with both plans alternately in one run and reports the ratio.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from megarl.errors import ConfigError
@@ -83,8 +85,12 @@ def table(n_rows: int = 256, n_batches: int = 8, budget: int = 32768, dp_sizes=D
             for lens in dist_batches:
                 work = [row_workload(n, DEFAULT_LINEAR_WEIGHT) for n in lens]
                 ideal = sum(work) / dp
-                plans = {"before": round_robin_plan(lens, dp, budget), "after": plan_packing(lens, dp, budget),
-                         "thd": plan_packing(lens, dp, budget, layout="thd")}
+                plans = {"before": round_robin_plan(lens, dp, budget)}
+                for tag, layout in (("after", "padded"), ("thd", "thd")):
+                    start = time.process_time()
+                    plans[tag] = plan_packing(lens, dp, budget, layout=layout)
+                    took = (time.process_time() - start) * 1e3
+                    acc[f"{tag}_plan_ms"] = acc.get(f"{tag}_plan_ms", 0.0) + took / n_batches
                 for tag, plan in plans.items():
                     for k, v in _stats(plan, lens, ideal).items():
                         acc[f"{tag}_{k}"] = acc.get(f"{tag}_{k}", 0.0) + v / n_batches
@@ -98,8 +104,9 @@ def render(rows: list[dict], n_rows: int, budget: int, n_batches: int = 8) -> st
              f"{n_batches} batches (a recorded run: every step); "
              f"workload {DEFAULT_LINEAR_WEIGHT} L + L^2 per row (before -> after)", "",
              "| distribution | dp | padding | slowest/mean rank | slowest/padding-free mean | bound "
-             "| micro-batches per rank | dummies | thd: slowest/mean rank, /padding-free mean, micro-batches |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| micro-batches per rank | dummies | thd: slowest/mean rank, /padding-free mean, micro-batches "
+             "| plan time, ms (padded, thd) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['distribution']} | {r['dp']} | {r['before_padding']:.1%} -> {r['after_padding']:.1%} | "
                      f"{r['before_slowest_over_rank_mean']:.3f} -> {r['after_slowest_over_rank_mean']:.3f} | "
@@ -107,7 +114,8 @@ def render(rows: list[dict], n_rows: int, budget: int, n_batches: int = 8) -> st
                      f"{r['before_mbs_per_rank']:.1f} -> {r['after_mbs_per_rank']:.1f} | "
                      f"{r['before_dummies']:.1f} -> {r['after_dummies']:.1f} | "
                      f"{r['thd_slowest_over_rank_mean']:.3f}, {r['thd_slowest_over_mean']:.3f}, "
-                     f"{r['thd_mbs_per_rank']:.1f} |")
+                     f"{r['thd_mbs_per_rank']:.1f} | {r['after_plan_ms']:.1f}, "
+                     f"{r['thd_plan_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

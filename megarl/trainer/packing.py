@@ -11,10 +11,17 @@ functions, no collective) and keeps its own share. Three steps:
    micro-batches: expert parallelism exchanges tokens inside every layer) by splitting the
    heaviest micro-batches in two. Two more packings compete with that one: rows dealt longest
    first into as many micro-batches, and into dp more, each row to the micro-batch it loads least
-   (``balanced_bins``); the plan whose heaviest DP rank is lightest wins. Only when the batch has
-   fewer rows than the count are weight-0 dummies added.
+   (``balanced_bins``). Each is dealt over DP ranks by step 3. A last one deals rows first: each row,
+   longest first, to the rank with the least workload, then each rank's rows packed first fit and
+   split up to the largest count (``rows_first``; weight-0 dummies where a rank's rows run out). It
+   wins where a few giant rows dominate: a rank that holds one takes fewer of the other rows, where
+   dealt micro-batches give it as many full ones as the rest. The plan whose heaviest DP rank is
+   lightest wins. The others add weight-0 dummies only when the batch has fewer rows than the count.
 3. Equal-count Karmarkar-Karp (the largest differencing method with sets of equal size) deals the
    micro-batches over DP ranks on a compute estimate, ``workload``.
+
+Planning is O(n log n) in the rows: heaps, one sort, and a max-tree for the token sums' first fit
+(16,384 rows plan in about 0.15 s of one CPU core).
 
 One plan serves both layouts; megarl/trainer/layouts.py builds each micro-batch's tensors.
 
@@ -33,6 +40,7 @@ import heapq
 from dataclasses import dataclass
 
 from megarl.errors import ConfigError
+from megarl.trainer.partition import karmarkar_karp
 
 #: linear_weight_for(hidden=4096, ffn=12288, q_width=4096, kv_width=1024) (module doc)
 DEFAULT_LINEAR_WEIGHT = 47104
@@ -81,55 +89,97 @@ def group_workload(lengths: list[int], layout: str, linear_weight: int) -> int:
     return len(lengths) * row_workload(max(lengths), linear_weight)
 
 
-def first_fit_decreasing(lengths: dict[int, int], budget: int, layout: str) -> list[list[int]]:
-    """Row ids packed longest first into the first micro-batch whose cost stays <= ``budget``;
-    each group lists its rows longest first (ties by row id)."""
-    groups: list[list[int]] = []
-    fill: list[tuple[int, int]] = []  # rows and token sum of each group (its first row is its longest)
-    shortest = min(lengths.values(), default=0)
-    open_ids: list[int] = []  # groups that can still take the shortest row
-    for r in sorted(lengths, key=lambda r: (-lengths[r], r)):
-        n = lengths[r]
-        for pos in range(len(open_ids)):
-            g = open_ids[pos]
-            rows, total = fill[g]
-            if (total + n if layout == "thd" else (rows + 1) * lengths[groups[g][0]]) <= budget:
-                groups[g].append(r)
-                fill[g] = (rows + 1, total + n)
+class _Room:
+    """What each of up to ``size`` groups can still take (the budget less its tokens), in a max-tree: the
+    first group with room for a row in O(log size). Groups not opened yet have the whole budget, so the
+    first fit of a row no open group takes is the next new group."""
+
+    def __init__(self, size: int, budget: int) -> None:
+        self.leaves = 1 << max(0, size - 1).bit_length()
+        self.tree = [budget] * (2 * self.leaves)
+
+    def first(self, n: int) -> int:
+        """The lowest group index with room for ``n`` tokens (the caller checks n <= budget)."""
+        tree, i = self.tree, 1
+        while i < self.leaves:
+            i = 2 * i if tree[2 * i] >= n else 2 * i + 1
+        return i - self.leaves
+
+    def take(self, g: int, n: int) -> None:
+        tree, i = self.tree, g + self.leaves
+        tree[i] -= n
+        i //= 2
+        while i:
+            best = max(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == best:
                 break
-        else:
-            g, pos = len(groups), len(open_ids)
-            groups.append([r])
-            fill.append((1, n))
-            open_ids.append(g)
-        rows, total = fill[g]
-        if (total + shortest if layout == "thd" else (rows + 1) * lengths[groups[g][0]]) > budget:
-            del open_ids[pos]  # full for every row still to come
+            tree[i] = best
+            i //= 2
+
+
+def longest_first(lengths: dict[int, int]) -> list[int]:
+    """Row ids longest first, ties by row id (a stable sort keeps the ids' order among equals)."""
+    return sorted(sorted(lengths), key=lengths.__getitem__, reverse=True)
+
+
+def first_fit_decreasing(lengths: dict[int, int], budget: int, layout: str,
+                         order: list[int] | None = None) -> list[list[int]]:
+    """Row ids packed longest first into the first micro-batch whose cost stays <= ``budget``;
+    each group lists its rows longest first (ties by row id). O(n log n): rows come longest first, so a
+    rectangle that can take one more row takes every row still to come (one is open at a time), and a
+    token sum's first fit is a search of a max-tree (:class:`_Room`). ``order``: :func:`longest_first`
+    of ``lengths`` when the caller has it."""
+    order = longest_first(lengths) if order is None else order
+    groups: list[list[int]] = []
+    if layout == "thd":
+        fit = [n for n in lengths.values() if n <= budget]
+        # first fit leaves at most one group half full or less: at most 2 sum / budget + 1 groups of rows
+        # that fit, beside one group per row over the budget
+        room = _Room(min(len(order), len(order) - len(fit) + 2 * sum(fit) // budget + 2), budget)
+        for r in order:
+            n = lengths[r]
+            g = room.first(n) if n <= budget else len(groups)  # over the budget: a group of its own
+            if g == len(groups):
+                groups.append([])
+            groups[g].append(r)
+            room.take(g, n)
+        return groups
+    current = None  # the rectangle that can still take a row
+    for r in order:
+        if current is None:
+            current = len(groups)
+            groups.append([])
+        groups[current].append(r)
+        if (len(groups[current]) + 1) * lengths[groups[current][0]] > budget:
+            current = None
     return groups
 
 
 def _halve(group: list[int], lengths: dict[int, int], layout: str, linear_weight: int) -> tuple[list, list]:
     """Two halves of a group (rows longest first) with loads as even as a greedy deal makes them."""
-    a: list[int] = []
-    b: list[int] = []
+    halves: tuple[list[int], list[int]] = ([], [])
+    sums = [0, 0]  # thd: the sum of the rows' workloads; padded: the rows (the first is the longest)
     for r in group:  # longest first: each row to the lighter half
-        la = group_workload([lengths[x] for x in a], layout, linear_weight)
-        lb = group_workload([lengths[x] for x in b], layout, linear_weight)
-        (a if la <= lb else b).append(r)
-    return a, b
+        loads = [s if layout == "thd" else s * row_workload(lengths[h[0]], linear_weight) if h else 0
+                 for s, h in zip(sums, halves)]
+        side = 0 if loads[0] <= loads[1] else 1
+        halves[side].append(r)
+        sums[side] += row_workload(lengths[r], linear_weight) if layout == "thd" else 1
+    return halves
 
 
 def split_to_multiple(groups: list[list[int]], lengths: dict[int, int], multiple: int, layout: str,
-                      linear_weight: int) -> list[list[int]]:
+                      linear_weight: int, *, at_least: int = 0) -> list[list[int]]:
     """``groups`` with the heaviest multi-row group split in two until the count is a multiple of
-    ``multiple`` or every group holds one row (splitting never raises a group's cost)."""
+    ``multiple`` and at least ``at_least``, or every group holds one row (splitting never raises a
+    group's cost)."""
     groups = [list(g) for g in groups]
 
     def load(g):
         return group_workload([lengths[r] for r in g], layout, linear_weight)
 
     loads = [load(g) for g in groups]
-    while len(groups) % multiple:
+    while len(groups) % multiple or len(groups) < at_least:
         splittable = [i for i, g in enumerate(groups) if len(g) > 1]
         if not splittable:
             break
@@ -140,14 +190,35 @@ def split_to_multiple(groups: list[list[int]], lengths: dict[int, int], multiple
     return groups
 
 
-def balanced_bins(lengths: dict[int, int], count: int, budget: int, layout: str,
-                  linear_weight: int) -> list[list[int]] | None:
+def rows_first(lengths: dict[int, int], dp: int, budget: int, layout: str, linear_weight: int,
+               order: list[int] | None = None) -> list[list[list[int]]]:
+    """Each DP rank's micro-batches when rows are dealt to ranks first: rows longest first, each to the
+    rank with the least workload so far, then every rank's rows packed first fit and split up to the
+    largest count (weight-0 dummies where a rank's rows cannot be split that far). Where a few giant rows
+    dominate, a rank that holds one takes fewer of the others; with micro-batches dealt instead, every
+    rank runs as many full micro-batches as the rest beside its giant."""
+    heap = [(0, d) for d in range(dp)]
+    shares: list[dict[int, int]] = [{} for _ in range(dp)]
+    orders: list[list[int]] = [[] for _ in range(dp)]
+    for r in longest_first(lengths) if order is None else order:
+        load, d = heapq.heappop(heap)
+        shares[d][r] = lengths[r]
+        orders[d].append(r)
+        heapq.heappush(heap, (load + row_workload(lengths[r], linear_weight), d))
+    packed = [first_fit_decreasing(share, budget, layout, rows) for share, rows in zip(shares, orders)]
+    count = max(len(groups) for groups in packed)
+    packed = [split_to_multiple(groups, lengths, 1, layout, linear_weight, at_least=count) for groups in packed]
+    return [groups + [[] for _ in range(count - len(groups))] for groups in packed]
+
+
+def balanced_bins(lengths: dict[int, int], count: int, budget: int, layout: str, linear_weight: int,
+                  order: list[int] | None = None) -> list[list[int]] | None:
     """Rows longest first into ``count`` micro-batches: the first ``count`` rows one each, every later
     row into the micro-batch whose workload after taking it is least among those it fits in (cost <=
     budget); None when a row fits nowhere. With one micro-batch per DP rank this evens the ranks where
     splitting cannot. Rows come longest first, so a row joining a rectangle never widens it: its
     workload after one more row, (rows + 1) x the longest row's, is known before the row is."""
-    order = sorted(lengths, key=lambda r: (-lengths[r], r))
+    order = longest_first(lengths) if order is None else order
     if count < 1 or count > len(order):
         return None
     bins = [[r] for r in order[:count]]
@@ -158,15 +229,18 @@ def balanced_bins(lengths: dict[int, int], count: int, budget: int, layout: str,
     heapq.heapify(heap)
     totals = [lengths[b[0]] for b in bins]
     loads = [row_workload(t, linear_weight) for t in totals]
+    aside: list[tuple[int, int]] = []  # thd: (-room, bin) of bins too full for the row before
     for r in order[count:]:
-        n, aside = lengths[r], []
+        n = lengths[r]
+        while aside and -aside[0][0] >= n:  # rows only get shorter: a bin set aside may take this one
+            _, i = heapq.heappop(aside)
+            heapq.heappush(heap, (loads[i], i))
         while heap:
             key, i = heapq.heappop(heap)
             rows, top = len(bins[i]), lengths[bins[i][0]]
             if layout == "thd":
-                key = loads[i]  # the same row adds the same workload anywhere: the least loaded bin that fits
-                if totals[i] + n > budget:
-                    aside.append((key, i))  # a shorter row may fit later
+                if totals[i] + n > budget:  # the least loaded bin that fits: this one waits for a shorter row
+                    heapq.heappush(aside, (totals[i] - budget, i))
                     continue
             elif (rows + 1) * top > budget:
                 continue  # full for every row to come
@@ -178,32 +252,7 @@ def balanced_bins(lengths: dict[int, int], count: int, budget: int, layout: str,
             break
         else:
             return None
-        for item in aside:
-            heapq.heappush(heap, item)
     return bins
-
-
-def karmarkar_karp(weights: list[int], k: int) -> list[list[int]]:
-    """Indices of ``weights`` split into ``k`` sets of equal size (``len(weights) % k == 0``) with sums
-    as even as the largest differencing method makes them. Deterministic: ties go by index."""
-    if k < 1 or len(weights) % k:
-        raise ValueError(f"karmarkar_karp needs a count divisible by k={k}, got {len(weights)} weights")
-    order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
-    heap: list = []
-    for start in range(0, len(order), k):
-        # one partial partition: k sets of one item each, sorted by sum (largest first)
-        sets = [(weights[i], [i]) for i in order[start:start + k]]
-        sets.sort(key=lambda s: (-s[0], s[1]))
-        heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), start, sets))
-    while len(heap) > 1:
-        _, id1, s1 = heapq.heappop(heap)
-        _, id2, s2 = heapq.heappop(heap)
-        # largest set of one with the smallest of the other: the spreads cancel
-        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(s1, reversed(s2))]
-        merged.sort(key=lambda s: (-s[0], sorted(s[1])))
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), min(id1, id2), merged))
-    _, _, sets = heap[0]
-    return sorted((sorted(s[1]) for s in sets), key=lambda s: s[0])
 
 
 @dataclass
@@ -234,19 +283,32 @@ def plan_packing(seq_lens: list[int], dp: int, budget: int, *, layout: str = "pa
         raise ValueError(f"packing layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if dp < 1 or budget < 1:
         raise ValueError(f"plan_packing needs dp >= 1 and budget >= 1, got dp={dp}, budget={budget}")
+    if not seq_lens:
+        raise ValueError("plan_packing got an empty batch (no rows): a step trains at least one row; check "
+                         "that the batch was filled before it was planned")
     lengths = {r: int(n) for r, n in enumerate(seq_lens)}
-    split = split_to_multiple(first_fit_decreasing(lengths, budget, layout), lengths, dp, layout, linear_weight)
+    order = longest_first(lengths)
+    work = [row_workload(lengths[r], linear_weight) for r in range(len(lengths))]
+    split = split_to_multiple(first_fit_decreasing(lengths, budget, layout, order), lengths, dp, layout,
+                              linear_weight)
     best = None
     # candidates in order of preference: the split packing, the balanced one into as many micro-batches
-    # and into dp more; the one whose heaviest DP rank is lightest wins (ties: the earlier)
-    candidates = [split] + [balanced_bins(lengths, n, budget, layout, linear_weight)
-                            for n in (len(split), len(split) + dp) if n <= len(lengths)]
-    for groups in candidates:
+    # and into dp more (micro-batches dealt by Karmarkar-Karp), then rows dealt to ranks first; the one
+    # whose heaviest DP rank is lightest wins (ties: the earlier)
+    candidates = [(split, None)] + [(balanced_bins(lengths, n, budget, layout, linear_weight, order), None)
+                                    for n in (len(split), len(split) + dp) if n <= len(lengths)]
+    if dp > 1:
+        dealt = rows_first(lengths, dp, budget, layout, linear_weight, order)
+        per = len(dealt[0])
+        candidates.append(([g for mbs in dealt for g in mbs], [list(range(d * per, (d + 1) * per)) for d in range(dp)]))
+    for groups, shares in candidates:
         if groups is None:
             continue
         groups = groups + [[] for _ in range(-len(groups) % dp)]  # dummies: fewer rows than the count needs
-        weights = [group_workload([lengths[r] for r in g], layout, linear_weight) for g in groups]
-        shares = karmarkar_karp(weights, dp)
+        # rows longest first in every group: a rectangle's workload is its row count times its first row's
+        weights = [sum(work[r] for r in g) if layout == "thd" else len(g) * work[g[0]] if g else 0
+                   for g in groups]
+        shares = shares or karmarkar_karp(weights, dp)
         heaviest = max(sum(weights[i] for i in share) for share in shares)
         if best is None or heaviest < best[0]:
             best = (heaviest, groups, weights, shares)

@@ -23,8 +23,10 @@ def test_the_table_reports_each_plan_as_computed_by_hand():
     assert r["after_mbs_per_rank"] == len(new.ranks[0]) and r["before_dummies"] == sum(
         1 for mbs in old.ranks for g in mbs if not g)
     assert r["bound"] >= 1.0 and r["after_slowest_over_mean"] >= r["bound"] - 1e-12  # nothing beats the bound
+    assert 0 <= r["after_plan_ms"] < 1000 and 0 <= r["thd_plan_ms"] < 1000  # the plan's own CPU time
     text = render(rows, 16, 20000, n_batches=1)
     assert text.count("\n| ") == 3 and "| long_tail | 4 |" in text and "means over 1 batches" in text
+    assert "plan time, ms (padded, thd)" in text and f"| {r['after_plan_ms']:.1f}, {r['thd_plan_ms']:.1f} |" in text
 
 
 def test_the_command_prints_the_table():
