@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megarl.launch.listen_check import check_world_address
 from megarl.rollout.rendezvous import RendezvousServer, RendezvousStore
 from megarl.secret_env import WORLD_KEY_ENV, take_secret
 
@@ -50,10 +51,14 @@ def authenticated_store(rank: int, world_size: int, timeout_s: float = 1800.0) -
                     os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
         return None
     secret = hashlib.sha256(secret.encode()).hexdigest()  # any text a user exports; the handshake takes hex
+    host = ""
+    if rank == 0:  # refused before the rendezvous: a loopback store would keep the other nodes retrying
+        master_addr = os.environ["MASTER_ADDR"]
+        host = _own_address(master_addr, int(os.environ["MASTER_PORT"]))
+        check_world_address(host, master_addr, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     base, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
                                       timeout=timedelta(seconds=timeout_s)))
     if rank == 0:
-        host = _own_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         server = RendezvousServer(host, 0, secret, timeout_s=timeout_s, label=LABEL)
         _alive.append(server)
         base.set(ADDRESS_KEY, f"{server.address} {server.port}")
