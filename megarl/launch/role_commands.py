@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from megarl.errors import ConfigError
 from megarl.launch.cluster import compress_hosts
 from megarl.launch.engine_key_env import has_own_engines
+from megarl.launch.slurm_scripts import engine_tasks_script, node_rank_script
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
 from megarl.secret_env import DEDICATED_AUTHKEY_ENV, FILE_SUFFIX
 from megarl.stop_protocol import STOP_MARKER_ENV
@@ -192,23 +193,11 @@ def _slurm_mem(plan, gpus: int) -> list[str]:
     return [f"--mem={max(1, mem * gpus // G)}M"]
 
 
-def _node_rank_script(hosts, argv_before: list[str], argv_after: list[str]) -> str:
-    """``bash -c`` text that runs torchrun with this node's rank in ``hosts`` as ``--node-rank``.
-
-    The rank comes from the Slurm node name (SLURMD_NODENAME), so node rank 0, where trainer rank 0 (the
-    controller) runs, is ``hosts[0]``: the host the rendezvous and the engines' weight broadcast address
-    name. torchrun's c10d rendezvous would order nodes its own way (sorted host names), not the plan's.
-    """
-    cases = " ".join(f"{shlex.quote(h)}) r={i};;" for i, h in enumerate(hosts))
-    return (f'case "$SLURMD_NODENAME" in {cases} *) echo "megarl: node $SLURMD_NODENAME is not a trainer host '
-            f'({",".join(hosts)})" >&2; exit 1;; esac; exec {shlex.join(argv_before)} --node-rank="$r" '
-            f"{shlex.join(argv_after)}")
-
-
-def _slurm_step(plan, name: str, gpus: int, settings: LaunchSettings) -> list[str]:
-    """A step's GPUs in the batch's own form (--gpus-per-node, module doc) and its own log file."""
-    log = os.path.join(settings.log_dir, f"slurm-megarl-%j.{name}.out")
-    return [*([f"--gpus-per-node={gpus}"] if plan.device == "gpu" else []), *_slurm_cpus(plan, gpus),
+def _slurm_step(plan, name: str, gpus: int, settings: LaunchSettings, task_gpus: int | None = None) -> list[str]:
+    """A step's GPUs in the batch's own form (--gpus-per-node, module doc), its cores per task (``task_gpus``
+    GPUs' share; default all of ``gpus``) and its own log file (one per task where a step has several)."""
+    log = os.path.join(settings.log_dir, f"slurm-megarl-%j.{name}{'.%t' if task_gpus else ''}.out")
+    return [*([f"--gpus-per-node={gpus}"] if plan.device == "gpu" else []), *_slurm_cpus(plan, task_gpus or gpus),
             *_slurm_mem(plan, gpus), "--exact", f"--job-name=megarl-{name}", f"--output={log}"]
 
 
@@ -224,18 +213,36 @@ def _slurm(plan, python: str, check: bool, settings: LaunchSettings) -> list[Rol
             f"--nproc-per-node={t.ranks_per_node}", *_torchrun_stop(settings),
             *_entry(plan, python, check=check, module_flag=True)]
     out = [RoleCommand("trainer", "trainer", "", tuple(srun + _env_prefix(env)
-                                                       + ["bash", "-c", _node_rank_script(t.hosts, torchrun, rest)]),
+                                                       + ["bash", "-c", node_rank_script(t.hosts, torchrun, rest)]),
                        False)]
     if check:
         return out
+    by_host: dict[str, list] = {}
     for s in plan.servers:
-        if s.spawned:
+        if not s.spawned:  # engines of one node share a step (megarl/launch/slurm_scripts.py); the scorer has its own
+            by_host.setdefault(f"{s.role}@{s.host}", []).append(s)
+    for group in by_host.values():
+        s = group[0]
+        if len(group) == 1:
+            srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}",
+                    *_slurm_step(plan, s.name, s.tp, settings)]
+            env = role_env(plan, s.role, s, set_visible_devices=False)
+            out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(env) + _entry(plan, python,
+                                                                                                check=False)), True))
             continue
-        srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *_slurm_step(plan, s.name, s.tp, settings)]
-        prog = _entry(plan, python, check=False)
-        env = role_env(plan, s.role, s, set_visible_devices=False)
-        out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(env) + prog), True))
+        out.append(_slurm_shared_engines(plan, group, python, settings))
     return out
+
+
+def _slurm_shared_engines(plan, engines, python: str, settings: LaunchSettings) -> RoleCommand:
+    """One step for the engines of one node, a task each with its own slice of the step's GPUs."""
+    name, n, gpus = f"engines.{engines[0].host}", len(engines), sum(s.tp for s in engines)
+    srun = ["srun", "--nodes=1", f"--ntasks={n}", f"--ntasks-per-node={n}", f"--nodelist={engines[0].host}",
+            *_slurm_step(plan, name, gpus, settings, task_gpus=engines[0].tp), "--kill-on-bad-exit=1"]
+    tasks = [(_env_prefix(role_env(plan, "engine", s, set_visible_devices=False)) + _entry(plan, python, check=False),
+              s.tp) for s in engines]
+    script = engine_tasks_script(tasks, gpus=plan.device == "gpu")
+    return RoleCommand(name, "engine", "", tuple(srun + ["bash", "-c", script]), True)
 
 
 # -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------

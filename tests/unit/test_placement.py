@@ -186,14 +186,14 @@ def test_commands_per_launcher():
     alloc = Allocation(("g1", "g2", "g3", "g4"), 8, "slurm", job_id="42", cpus_per_node=96)
     plan = plan_for(CFG_30B, alloc=alloc)
     slurm = render(plan, "slurm", python="py")
-    assert [c.name for c in slurm] == ["trainer", "engine0", "engine1", "engine2", "engine3"]
+    assert [c.name for c in slurm] == ["trainer", "engines.g3", "engines.g4"]  # one step per engine node
     tr = slurm[0].shell()
     for piece in ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=g1,g2 --gpus-per-node=8 --cpus-per-task=96",
                   "MEGARL_ENGINE_ADDRS=g3:8100,g3:8101,g4:8100,g4:8101", "--master-addr=g1 --master-port=29500",
                   '--nnodes=2 --node-rank="$r"', "--nproc-per-node=8"):
         assert piece in tr
-    assert "--nodelist=g3 --gpus-per-node=4 --cpus-per-task=48" in slurm[1].shell()
-    assert "MEGARL_WEIGHT_SYNC_RANK=5" in slurm[2].shell() and slurm[2].server
+    assert "--ntasks=2 --ntasks-per-node=2 --nodelist=g3 --gpus-per-node=8 --cpus-per-task=48" in slurm[1].shell()
+    assert "MEGARL_WEIGHT_SYNC_RANK=5" in slurm[1].shell() and slurm[2].server
     torchrun = render(plan, "torchrun", python="py")
     assert [(c.name, c.host) for c in torchrun[:2]] == [("trainer.node0", "g1"), ("trainer.node1", "g2")]
     assert "--node-rank=1 --master-addr=g1 --master-port=29500" in torchrun[1].shell()
@@ -244,8 +244,9 @@ def test_slurm_steps_take_a_share_of_the_node_memory():
                   python="py")
     assert "--gpus-per-node=8 --cpus-per-task=96 --mem=1024000M --exact" in cmds[0].shell()
     engines = [c for c in cmds if c.role == "engine"]
-    assert [c.shell().count("--nodelist=g3 --gpus-per-node=4 --cpus-per-task=48 --mem=512000M --exact")
-            for c in engines] == [1, 1, 0, 0]
+    # the two engines of a node share one step: each task its GPUs' share of the cores, the step the node's memory
+    assert [c.shell().count("--nodelist=g3 --gpus-per-node=8 --cpus-per-task=48 --mem=1024000M --exact")
+            for c in engines] == [1, 0]
 
 
 # -- misfits, with their numbers --------------------------------------------------------------------
@@ -316,12 +317,12 @@ def test_param_counts_of_the_real_models():
 # -- roles, overlays, MPI bootstrap -----------------------------------------------------------------
 def test_role_env_round_trip():
     plan = plan_for(CFG_30B, ["recovery.name=dedicated"], nodes=5)
-    cmds = {c.name: c for c in render(plan, "slurm", python="py")}
+    cmds = {c.name: c for c in render(plan, "torchrun", python="py")}
     env = dict(a.split("=", 1) for a in cmds["engine1"].argv if "=" in a and a.startswith(("MEGARL_", "CUDA_")))
     role = current_role(env)
     assert (role.role, role.engine_index, role.server_port, role.server_tp, role.weight_sync_rank) == \
         ("engine", 1, 8101, 4, 5)
-    trainer_env = dict(a.split("=", 1) for a in cmds["trainer"].argv if a.startswith("MEGARL_"))
+    trainer_env = dict(a.split("=", 1) for a in cmds["trainer.node0"].argv if a.startswith("MEGARL_"))
     t = current_role(trainer_env)
     assert t.launched and len(t.engine_addrs) == 4 and t.dedicated_addr == "node05:8100"
     assert not current_role({}).launched
@@ -437,6 +438,9 @@ def test_engines_with_own_commands_share_the_run_key_through_the_environment(mon
     for launcher in ("torchrun", "slurm", "mpirun"):
         cmds = {c.name: c for c in render(plan, launcher, python="py")}
         assert not any("MEGARL_ENGINE_KEY=" in a for c in cmds.values() for a in c.argv), launcher
+        if launcher == "slurm":  # the engines of a node share a step: their commands are in its script
+            assert f"MEGARL_SERVER_HOST={engines[0].host}" in cmds[f"engines.{engines[0].host}"].argv[-1]
+            continue
         assert _env_of(cmds["engine0"])["MEGARL_SERVER_HOST"] == engines[0].host, launcher
     mpi = {c.name: c for c in render(plan, "mpirun", python="py")}
     assert "-x MEGARL_ENGINE_KEY" in mpi["trainer"].shell() and "-x MEGARL_ENGINE_KEY" in mpi["engine0"].shell()
