@@ -1,13 +1,24 @@
 """The real `megarl train` and `megarl verify-recovery` CLIs: vLLM CPU engine + Megatron trainer."""
 import json
+import shlex
 
 import pytest
 from conftest import assert_exact_fp32, assert_namespaced, run_megarl
+from doc_blocks import block
 
 SMALL = ["trainer.batch_size=32", "rollout.group_size=8", "logging.progress=none", "eval.path="]
 
 
 megarl = run_megarl
+
+
+def readme_train(strategy: str) -> list[str]:
+    """The README's `megarl train` command that sets recovery.name=STRATEGY (its block "train-strategies"), its
+    words after `megarl`; the runs below append their own settings (steps, batch, output) to it."""
+    (cmd,) = [c for c in block("train-strategies").commands() if f"recovery.name={strategy}" in shlex.split(c)]
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["megarl", "train"], cmd
+    return argv[1:]
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +27,8 @@ def async_run(ckpt, tmp_path_factory):
     # few requests in flight make generation the bottleneck, so publishes often find requests to interrupt;
     # rollout.splice_at_tokens makes sequences of several versions certain (a fast engine can finish every
     # admitted sample before a publish)
-    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out), f"model.checkpoint={ckpt}",
+    # the README's snapshot command, as written, with these settings appended
+    r = megarl(*readme_train("snapshot"), f"logging.output_dir={out}", f"model.checkpoint={ckpt}",
                "trainer.total_steps=8", "rollout.eta=2", "rollout.max_concurrency=4", "rollout.splice_at_tokens=2",
                *SMALL,
                "eval.path=configs/data/reverse_digits_eval.jsonl", "eval.every=4", "eval.n_samples=2")
@@ -87,7 +99,8 @@ def test_samples_are_decoded_text(async_run):
 
 
 def test_sync_run_trains_only_current_version(ckpt, tmp_path):
-    r = megarl("train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(tmp_path), f"model.checkpoint={ckpt}",
+    # the README's ewma command, as written, with these settings appended
+    r = megarl(*readme_train("ewma"), f"logging.output_dir={tmp_path}", f"model.checkpoint={ckpt}",
                "trainer.total_steps=3", "rollout.eta=0", "logging.tensorboard=false", "rollout.backend=hf", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
