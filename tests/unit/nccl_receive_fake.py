@@ -65,3 +65,28 @@ class _Work:
                 raise RuntimeError("Operation timed out!")
             time.sleep(0.01)
         return True
+
+
+class NcclLazyInitFake:
+    """A receiver's group whose first collective call blocks until every rank came, as NCCL's does: NCCL
+    creates the communicator inside the first collective (``ncclCommInitRank`` returns once all ranks
+    joined). Here that init is a real gloo barrier with the peers, so a peer that never joins holds the call
+    until gloo's own timeout (or until the peer's group closes). Later calls are the real gloo ones."""
+
+    def __init__(self, pg) -> None:
+        self._pg, self.initialized = pg, False
+        #: set when the first call entered its init
+        self.entered = threading.Event()
+
+    def broadcast(self, tensor, src):
+        if not self.initialized:
+            self.entered.set()
+            self._pg.barrier().wait()  # every rank must come: a peer that never does holds this call
+            self.initialized = True
+        return self._pg.broadcast(tensor, src)
+
+    def abort(self) -> None:
+        """NCCL's abort of a communicator being set up; gloo has none: the barrier ends when the peer closes."""
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)

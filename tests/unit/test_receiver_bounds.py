@@ -70,3 +70,47 @@ def test_a_receiver_leaves_when_the_rendezvous_is_gone(wait):
         assert time.monotonic() - t0 < 0.3 + POLL_S + 0.5
     finally:
         sender.close()
+
+
+def test_the_first_call_is_bounded_when_the_sender_never_sets_up_the_communicator():
+    """NCCL sets its communicator up inside the first collective call, which returns only once every rank
+    came (nccl_receive_fake.NcclLazyInitFake: a real gloo barrier with the sender, which never joins it): the
+    call is under the step deadline too, and the engine's update lock is free once the receive failed."""
+    import asyncio
+
+    from nccl_receive_fake import NcclLazyInitFake
+
+    from megarl.rollout.weight_sync import receive_named_tensors
+
+    sender, joined = _joined(2, "nccl")
+    lazy = NcclLazyInitFake(joined.pg)
+    group = ReceiverGroup(lazy, joined.store, "nccl", 2)
+
+    async def update(lock: asyncio.Lock):
+        async with lock:  # as the engines hold theirs over a weight update
+            list(receive_named_tensors(group, torch.device("cpu")))
+
+    async def run():
+        lock = asyncio.Lock()
+        with pytest.raises(BroadcastLeft, match=r"for 2 s \(.*\) while the communicator was set up"):
+            await update(lock)
+        return lock.locked()
+
+    try:
+        t0 = time.monotonic()
+        assert asyncio.run(run()) is False
+        assert lazy.entered.is_set() and not lazy.initialized
+        assert 2 <= time.monotonic() - t0 < 2 + POLL_S + 1.5
+        # the abort mark ends the init the same way
+        sender2, joined2 = _joined(60, "nccl")
+        try:
+            group2 = ReceiverGroup(NcclLazyInitFake(joined2.pg), joined2.store, "nccl", 60)
+            threading.Timer(0.3, sender2.abort, args=("version 9: sender died",)).start()
+            t0 = time.monotonic()
+            with pytest.raises(BroadcastLeft, match="version 9: sender died"):
+                group2.broadcast(torch.empty(2, dtype=torch.int64), 0).wait()
+            assert time.monotonic() - t0 < 0.3 + POLL_S + 1.0
+        finally:
+            sender2.close()
+    finally:
+        sender.close()
