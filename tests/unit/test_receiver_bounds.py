@@ -8,32 +8,39 @@ waits: gloo's (a blocking ``wait(timeout)``) and the polling one NCCL takes
 (``is_completed()``; leaving calls ``ProcessGroup.abort``), the latter over
 the same gloo group, as NCCL cannot run here.
 """
+import asyncio
 import threading
 import time
 
 import pytest
 import torch
+from nccl_receive_fake import NcclLazyInitFake
 
 from megarl.rollout.client import free_port
 from megarl.rollout.receiver_group import POLL_S, BroadcastLeft, ReceiverGroup
-from megarl.rollout.weight_sync import WeightBroadcaster, join_weight_group
+from megarl.rollout.weight_sync import WeightBroadcaster, join_weight_group, receive_named_tensors
 
 WAITS = pytest.mark.parametrize("wait", ["gloo", "nccl"], ids=["blocking-gloo", "polling-as-nccl"])
 
 
-def _joined(timeout_s: float, wait: str):
-    """(rank 0's broadcaster, rank 1's group waiting as ``wait`` does): the group formed, nothing sent."""
+def _joined(timeout_s: float, wait: str, lazy_init: bool = False):
+    """(rank 0's broadcaster, rank 1's group waiting as ``wait`` does): the group formed, nothing sent.
+    ``lazy_init``: the receiver's first call sets a communicator up with a sender that never comes
+    (nccl_receive_fake.NcclLazyInitFake)."""
     sender = WeightBroadcaster("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=timeout_s)
     th = threading.Thread(target=sender.connect)
     th.start()
     group, _store, _device = join_weight_group(sender.group_info(rank=1))
     th.join(timeout=30)
-    return sender, ReceiverGroup(group.pg, group.store, wait, group.timeout_s)
+    pg = NcclLazyInitFake(group.pg) if lazy_init else group.pg
+    return sender, ReceiverGroup(pg, group.store, wait, group.timeout_s)
 
 
-@WAITS
-def test_a_receiver_leaves_at_the_abort_mark_within_one_poll(wait):
-    sender, group = _joined(60, wait)
+# in-communicator-init: NCCL only (gloo sets its group up when it is made, not in the first call)
+@pytest.mark.parametrize("wait,lazy_init", [("gloo", False), ("nccl", False), ("nccl", True)],
+                         ids=["blocking-gloo", "polling-as-nccl", "polling-as-nccl-in-communicator-init"])
+def test_a_receiver_leaves_at_the_abort_mark_within_one_poll(wait, lazy_init):
+    sender, group = _joined(60, wait, lazy_init)
     try:
         threading.Timer(0.3, sender.abort, args=("version 7: broadcast failed",)).start()
         t0 = time.monotonic()
@@ -75,16 +82,10 @@ def test_a_receiver_leaves_when_the_rendezvous_is_gone(wait):
 def test_the_first_call_is_bounded_when_the_sender_never_sets_up_the_communicator():
     """NCCL sets its communicator up inside the first collective call, which returns only once every rank
     came (nccl_receive_fake.NcclLazyInitFake: a real gloo barrier with the sender, which never joins it): the
-    call is under the step deadline too, and the engine's update lock is free once the receive failed."""
-    import asyncio
-
-    from nccl_receive_fake import NcclLazyInitFake
-
-    from megarl.rollout.weight_sync import receive_named_tensors
-
-    sender, joined = _joined(2, "nccl")
-    lazy = NcclLazyInitFake(joined.pg)
-    group = ReceiverGroup(lazy, joined.store, "nccl", 2)
+    call is under the step deadline too, and the engine's update lock is free once the receive failed. The
+    abort mark ends it as well (test_a_receiver_leaves_at_the_abort_mark_within_one_poll)."""
+    sender, group = _joined(2, "nccl", lazy_init=True)
+    lazy = group.pg
 
     async def update(lock: asyncio.Lock):
         async with lock:  # as the engines hold theirs over a weight update
@@ -101,16 +102,5 @@ def test_the_first_call_is_bounded_when_the_sender_never_sets_up_the_communicato
         assert asyncio.run(run()) is False
         assert lazy.entered.is_set() and not lazy.initialized
         assert 2 <= time.monotonic() - t0 < 2 + POLL_S + 1.5
-        # the abort mark ends the init the same way
-        sender2, joined2 = _joined(60, "nccl")
-        try:
-            group2 = ReceiverGroup(NcclLazyInitFake(joined2.pg), joined2.store, "nccl", 60)
-            threading.Timer(0.3, sender2.abort, args=("version 9: sender died",)).start()
-            t0 = time.monotonic()
-            with pytest.raises(BroadcastLeft, match="version 9: sender died"):
-                group2.broadcast(torch.empty(2, dtype=torch.int64), 0).wait()
-            assert time.monotonic() - t0 < 0.3 + POLL_S + 1.0
-        finally:
-            sender2.close()
     finally:
         sender.close()
