@@ -39,6 +39,7 @@ def failures(report: dict[str, Any]) -> list[str]:
                        f"logp_behav by up to {oracle['max_abs_err']:.3g} (> {oracle['tol']:.3g}); the trainer's "
                        f"forward at each token's version does not reproduce the engine (wrong routes, version or "
                        f"alignment)")
+        out.extend(_route_failures(name, rep))
         if not rep["claims_exact"] or rep["measured_exact"]:
             continue
         if rep["n_tokens"] == 0:
@@ -52,6 +53,34 @@ def failures(report: dict[str, Any]) -> list[str]:
             out.append(f"{name} claims exactness but its max abs error {rep['max_abs_err']:.3g} exceeds "
                        f"--tol {rep['tol']:.3g} by {rep['max_abs_err'] - rep['tol']:.3g}")
     return out
+
+
+def _route_failures(name: str, rep: dict[str, Any]) -> list[str]:
+    """Where routing replay matters (recovery/_routes_matter.py): the flip positions, and the policy's routes."""
+    out = []
+    m = rep.get("routes_matter", {})
+    if m.get("passed") is False:
+        if m["n_replay_closer"] < m["n_flip_positions"] or m["gap_replay_mean"] >= m["gap_live_mean"]:
+            out.append(f"{name}: replaying the engine's routes brought the trainer closer to logp_behav than live "
+                       f"routing at only {m['n_replay_closer']:.0f} of the {m['n_flip_positions']:.0f} positions "
+                       f"where the trainer's routers choose other experts (mean gap {m['gap_replay_mean']:.3g} "
+                       f"replayed, {m['gap_live_mean']:.3g} live): the reference does not replay the engine's routes")
+        if m["anchor_other_routes"]:
+            out.append(f"{name} claims exactness but its anchor was computed with other routes than the engine's "
+                       f"at {m['anchor_other_routes']:.0f} of the {m['n_flip_positions']:.0f} positions where the "
+                       f"routes matter")
+    wrong = rep.get("routes", {}).get("policy_routes_wrong", 0)
+    if wrong:
+        out.append(f"{name}: the policy forward replays other routes than the newest segment's at {wrong} positions")
+    return out
+
+
+def _matter_part(m: dict[str, Any]) -> str:
+    verdict = {None: "nothing to judge", True: "passed", False: "FAILED"}[m["passed"]]
+    return (f" | where routes matter ({m['n_flip_positions']:.0f} positions): replay closer to the engine at "
+            f"{m['n_replay_closer']:.0f} (mean gap {m['gap_replay_mean']:.3g} replayed, {m['gap_live_mean']:.3g} "
+            f"live); anchor with the engine's routes at {m['anchor_engine_routes']:.0f}, other routes at "
+            f"{m['anchor_other_routes']:.0f}, unseen {m['anchor_unseen']:.0f}: {verdict}")
 
 
 def _oracle_part(o: dict[str, Any]) -> str:
@@ -134,7 +163,8 @@ def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path,
               f"max_abs_err={rep['max_abs_err']:.3g} mean_abs_err={rep['mean_abs_err']:.3g}{by_conv} "
               f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']} "
               f"(interrupted {rep['n_interrupted']}, held {rep['n_splice_holds']})"
-              + _oracle_part(rep["oracle"]) + (_routes_line(rep["routes"]) if "routes" in rep else ""), flush=True)
+              + _oracle_part(rep["oracle"]) + (_routes_line(rep["routes"]) if "routes" in rep else "")
+              + (_matter_part(rep["routes_matter"]) if "routes_matter" in rep else ""), flush=True)
         out.write_text(json.dumps(report, indent=2,
                                   default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

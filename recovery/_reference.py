@@ -38,7 +38,9 @@ from megarl.types import NO_VERSION, TrainBatch
 ORACLE_TOL = 1e-5
 
 
-def _policy(batch: TrainBatch) -> torch.Tensor:
+def policy_tokens(batch: TrainBatch) -> torch.Tensor:
+    """[B, L-1] bool on the CPU: the tokens a policy version generated (the verifier's own rule, not the
+    strategies' ``recovery._scoring.policy_mask``)."""
     return ((batch.loss_mask != 0) & (batch.versions != NO_VERSION)).cpu()
 
 
@@ -46,7 +48,7 @@ def _pieces(batch: TrainBatch, b: int, replay: bool) -> list[tuple[int, torch.Te
     """(version, owned mask [L-1], routes [L-1, layers, k] or None) of row ``b``: one per route segment, and one
     per version for the row's tokens no segment owns (routed live)."""
     width = batch.loss_mask.shape[1]
-    policy = _policy(batch)[b]
+    policy = policy_tokens(batch)[b]
     versions = batch.versions[b].cpu()
     left = policy.clone()
     out = []
@@ -94,7 +96,7 @@ def true_logp_old(batch: TrainBatch, params_by_version: dict[int, dict[str, torc
 
 def engine_oracle(truth: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
     """|reference - logp_behav| over the policy tokens: max, sum and count (judged by the caller)."""
-    mask = _policy(batch)
+    mask = policy_tokens(batch)
     gap = (truth - batch.logp_behav.float().cpu())[mask].abs()
     gap = torch.where(torch.isfinite(gap), gap, torch.full_like(gap, math.inf))
     return {"max": float(gap.max()) if gap.numel() else 0.0, "sum": float(gap.sum()), "n": float(gap.numel())}
@@ -104,7 +106,7 @@ def copy_share(anchor: torch.Tensor, truth: torch.Tensor, batch: TrainBatch) -> 
     """(copied, telling): of the policy tokens whose reference differs from ``logp_behav`` in any bit (the
     ``telling`` ones: on the others a copy and a forward look alike), how many carry ``logp_behav``'s exact
     bits in ``anchor``."""
-    mask = _policy(batch)
+    mask = policy_tokens(batch)
     behav = batch.logp_behav.float().cpu()[mask]
     telling = truth.float().cpu()[mask] != behav
     copied = (anchor.detach().float().cpu()[mask] == behav) & telling

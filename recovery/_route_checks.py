@@ -33,8 +33,10 @@ def empty_counts() -> dict[str, dict[str, float]]:
 
 
 def count_flips(batch: TrainBatch, params_by_version: dict[int, dict[str, torch.Tensor]], trainer: Any,
-                counts: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Add ``batch``'s flips to ``counts`` (:func:`empty_counts`); returns this batch's shares as metrics."""
+                counts: dict[str, dict[str, float]], flipped: torch.Tensor | None = None) -> dict[str, float]:
+    """Add ``batch``'s flips to ``counts`` (:func:`empty_counts`); returns this batch's shares as metrics.
+    ``flipped`` ([B, L-1] bool, filled in place): the flip positions, the policy tokens a segment owns whose
+    input position the trainer at the segment's version routes elsewhere (recovery/_routes_matter.py)."""
     now = live_routes(trainer, batch)
     at_version: dict[tuple[int, int], torch.Tensor] = {}
     batch_counts = empty_counts()
@@ -48,6 +50,13 @@ def count_flips(batch: TrainBatch, params_by_version: dict[int, dict[str, torch.
                     at_version[key] = live_routes(trainer, batch.select([b]))[0]
             engine = torch.from_numpy(as_int16(seg.routes))[None]
             n = min(seg.end, at_version[key].shape[0])
+            if flipped is not None:
+                own = engine[0, :n].long().sort(-1).values != at_version[key][:n].long().sort(-1).values
+                both = (engine[0, :n] >= 0).all(-1) & (at_version[key][:n] >= 0).all(-1)
+                at = torch.zeros(flipped.shape[1], dtype=torch.bool)
+                at[:n] = (own.any(-1) & both).any(-1)
+                at[:seg.start] = False
+                flipped[b] |= at & (batch.versions[b].cpu() == seg.version) & (batch.loss_mask[b].cpu() != 0)
             for kind, live in (("same_version", at_version[key][None, :n]), ("current_weights", now[b:b + 1, :n])):
                 d = route_disagreement(engine[:, :n], live)
                 for acc in (counts[kind], batch_counts[kind]):

@@ -25,9 +25,21 @@ sampling version) apart from those of version drift (trainer at its current
 weights; recovery/_route_checks.py), and r_d with the trainer's own routing.
 A negative control (recovery/_negative_controls.py) may corrupt the routes
 every forward sees (``corrupt_routes``), to show the oracle fails.
+
+The reference is computed from a copy of the batch taken before the wrapped
+strategy runs, so nothing the strategy does to the batch reaches it. Where
+routing replay matters (recovery/_routes_matter.py: the positions where the
+trainer's own routers at a token's version choose other experts than the
+engine, which exist in bf16 and not in fp32) the report's ``routes_matter``
+judges that replay brings the reference closer to the engine than live
+routing, and that an exact strategy's anchor was computed with the engine's
+routes there (route ids); ``routes.policy_routes_wrong`` counts positions
+where the policy forward's routes are not the newest segment's.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import time
 from typing import Any, Callable
@@ -37,9 +49,10 @@ import torch
 from megarl.losses.mismatch import discrepancy
 from megarl.routes import newest_routes
 from megarl.types import AnchorResult, TrainBatch, Trajectory
-from recovery._reference import ORACLE_TOL, copy_share, engine_oracle, true_logp_old
+from recovery._reference import ORACLE_TOL, copy_share, engine_oracle, policy_tokens, true_logp_old
 from recovery._route_checks import count_flips, empty_counts, summarize
-from recovery._scoring import policy_mask
+from recovery._routes_matter import RouteTap, judge, policy_routes_wrong, summary
+from recovery._routes_matter import empty as empty_routes_matter
 from recovery.base import DelegatingStrategy, RecoveryStrategy
 
 __all__ = ["DEFAULT_TOL", "ORACLE_TOL", "VerifyingStrategy", "compare", "true_logp_old"]
@@ -50,7 +63,7 @@ def compare(anchor: torch.Tensor, truth: torch.Tensor, batch: TrainBatch) -> dic
 
     A non-finite anchor at a policy token counts as an infinite error.
     """
-    mask = policy_mask(batch).cpu()
+    mask = policy_tokens(batch)
     err = (anchor.detach().float().cpu() - truth.float())[mask].abs()
     err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))
     versions = batch.versions.cpu()
@@ -103,8 +116,14 @@ class VerifyingStrategy(DelegatingStrategy):
         #: with routing replay: route flips by cause, and r_d without replay
         self.flips = empty_counts()
         self.no_replay = {"r_d_max": 0.0, "r_d_sum": 0.0, "r_d_n": 0.0}
+        #: where replay matters (recovery/_routes_matter.py): flip positions, replay vs live, anchor routes
+        self.routes_matter = empty_routes_matter()
+        self.policy_routes_wrong = 0
+        self._tap: RouteTap | None = None
 
     def on_weights_published(self, version: int) -> None:
+        if self._tap is None:  # before the strategy's first forward
+            self._tap = RouteTap(self.ctx.trainer)
         self.params_by_version[version] = self.ctx.trainer.get_params()
         self.inner.on_weights_published(version)
 
@@ -112,9 +131,18 @@ class VerifyingStrategy(DelegatingStrategy):
         if self.corrupt_routes is not None and batch.route_segments is not None:
             segs = [self.corrupt_routes(list(s)) for s in batch.route_segments]
             batch.route_segments, batch.routes = segs, newest_routes(segs, batch.routes.shape[1])
+        # the reference's own copy, taken before the strategy runs: whatever the strategy does to the batch
+        # (its routes, versions, masks) cannot reach the truth it is judged against
+        pristine = copy.deepcopy(batch)
         t0 = time.perf_counter()
         result = self.inner.anchor(batch, trajs)
         self.inner_anchor_s = time.perf_counter() - t0
+        with self._tap.paused() if self._tap is not None else contextlib.nullcontext():
+            return self._check(batch, pristine, trajs, result)
+
+    def _check(self, batch: TrainBatch, pristine: TrainBatch, trajs: list[Trajectory],
+               result: AnchorResult) -> AnchorResult:
+        """The verifier's side of ``anchor``: the wrapped strategy's ``result`` against the truth."""
         anchor = result.logp_anchor
         logp_theta = None
         if anchor is None or self.by_convention:
@@ -122,10 +150,10 @@ class VerifyingStrategy(DelegatingStrategy):
             logp_theta = self.ctx.trainer.logprobs(batch)
         if anchor is None:
             anchor = result.from_theta(logp_theta, batch)
-        truth = true_logp_old(batch, self.params_by_version, self.ctx.trainer)
-        c = compare(anchor, truth, batch)
+        truth = true_logp_old(pristine, self.params_by_version, self.ctx.trainer)
+        c = compare(anchor, truth, pristine)
         for convention, acc in self.by_convention.items():
-            cc = compare(self.inner.anchor_with(logp_theta, batch, convention), truth, batch)
+            cc = compare(self.inner.anchor_with(logp_theta, batch, convention), truth, pristine)
             acc[0] = max(acc[0], cc["max_abs_err"])
             acc[1] += cc["mean_abs_err"] * cc["n_tokens"]
         s = self.stats
@@ -134,27 +162,30 @@ class VerifyingStrategy(DelegatingStrategy):
         s["n_tokens"] += int(c["n_tokens"])
         s["n_sequences"] += batch.size
         s["n_spliced_sequences"] += int(c["n_spliced_sequences"])
-        s["n_spliced_across_update"] += self._across_update(batch)
+        s["n_spliced_across_update"] += self._across_update(pristine)
         s["max_versions_per_sequence"] = max(s["max_versions_per_sequence"], int(c["max_versions_per_sequence"]))
-        oracle = engine_oracle(truth, batch)  # |reference - logp_behav|: r_d, and in fp32 the oracle's error
+        oracle = engine_oracle(truth, pristine)  # |reference - logp_behav|: r_d, and in fp32 the oracle's error
         s["r_d_abs_max"] = max(s["r_d_abs_max"], oracle["max"])
         s["r_d_abs_sum"] += oracle["sum"]
         s["r_d_n_tokens"] += int(oracle["n"])
-        copied, telling = copy_share(anchor, truth, batch)
+        copied, telling = copy_share(anchor, truth, pristine)
         s["copied"] += copied
         s["telling"] += telling
         if "r_d/n_tokens" in c:
             result.metrics.update({k: c[k] for k in ("r_d/abs_logp_mean", "r_d/abs_logp_max")})
         result.metrics["verify/max_abs_err"] = c["max_abs_err"]
         result.metrics["verify/oracle_max_abs_err"] = oracle["max"]
-        if batch.route_segments is not None:
-            result.metrics.update(self._without_replay(batch))
+        if pristine.route_segments is not None:
+            result.metrics.update(self._without_replay(pristine, truth, anchor))
+            self.policy_routes_wrong += policy_routes_wrong(batch)
+        if self._tap is not None:
+            self._tap.forget(list(batch.traj_ids))
         return result
 
     def _across_update(self, batch: TrainBatch) -> int:
         """Spliced sequences whose first and last versions' weights differ (a step without gradient publishes the
         same weights again: a splice across it tests nothing)."""
-        mask = policy_mask(batch).cpu()
+        mask = policy_tokens(batch)
         n = 0
         for b in range(batch.size):
             vs = sorted(set(batch.versions[b].cpu()[mask[b]].tolist()))
@@ -162,12 +193,16 @@ class VerifyingStrategy(DelegatingStrategy):
             n += len(vs) >= 2 and a is not None and z is not None and any(not torch.equal(a[k], z[k]) for k in a)
         return n
 
-    def _without_replay(self, batch: TrainBatch) -> dict[str, float]:
-        """What routing replay changes on this batch: route flips by cause, and r_d when the true logp_old is
-        computed with the trainer's own routing."""
-        out = count_flips(batch, self.params_by_version, self.ctx.trainer, self.flips)
-        truth = true_logp_old(batch, self.params_by_version, self.ctx.trainer, replay=False)
-        d = discrepancy(truth, batch.logp_behav.cpu(), policy_mask(batch).cpu())
+    def _without_replay(self, batch: TrainBatch, truth: torch.Tensor, anchor: torch.Tensor) -> dict[str, float]:
+        """What routing replay changes on this batch: route flips by cause, r_d when the true logp_old is
+        computed with the trainer's own routing, and the checks at the flip positions (``truth``: the reference
+        with replay; ``anchor``: the strategy's, whose routes are looked at when it claims exactness)."""
+        flipped = torch.zeros(batch.loss_mask.shape, dtype=torch.bool)
+        out = count_flips(batch, self.params_by_version, self.ctx.trainer, self.flips, flipped)
+        live = true_logp_old(batch, self.params_by_version, self.ctx.trainer, replay=False)
+        judge(self.routes_matter, flipped & policy_tokens(batch), batch, truth, live, anchor,
+              self._tap if self.inner.exact else None)
+        d = discrepancy(live, batch.logp_behav.cpu(), policy_tokens(batch))
         out.update({f"{k}_no_replay": v for k, v in d.items()})
         if "r_d/n_tokens" in d:
             r = self.no_replay
@@ -204,7 +239,9 @@ class VerifyingStrategy(DelegatingStrategy):
         if any(c["n_tokens"] for c in self.flips.values()):
             r = self.no_replay
             rep["routes"] = {**summarize(self.flips), "r_d_abs_max_no_replay": r["r_d_max"],
-                             "r_d_abs_mean_no_replay": r["r_d_sum"] / max(r["r_d_n"], 1.0)}
+                             "r_d_abs_mean_no_replay": r["r_d_sum"] / max(r["r_d_n"], 1.0),
+                             "policy_routes_wrong": self.policy_routes_wrong}
+            rep["routes_matter"] = summary(self.routes_matter)
         if self.by_convention:
             rep["convention"] = self.inner.cfg.convention
             rep["conventions"] = {c: {"max_abs_err": mx, "mean_abs_err": total / n}

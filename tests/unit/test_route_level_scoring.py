@@ -156,3 +156,4 @@ def test_the_reference_scores_every_token_with_its_segments_routes(ckpt):
     trainer, loop = RouteEchoScorer(ckpt, version=7), LoopState()
     batch, _, params = drive(Snapshot(SnapshotConfig(), loop.context(trainer)), trainer, loop)
     assert wrong_routes(verifier.true_logp_old(batch, params, trainer), batch) == []
+

@@ -1,0 +1,149 @@
+"""Where routing replay matters, judged by ``megarl verify-recovery`` in bf16 (and any engine precision).
+
+In fp32 the trainer's routers at a token's own version choose the engine's
+experts everywhere, so a forward that forgot to replay routes computes the
+same log-probs as one that replayed them: the engine oracle cannot see
+replay at all. The positions that tell are the **flip positions**: policy
+tokens whose input position the trainer's own routers, at the token's
+version, route to other experts than the engine did (any MoE layer;
+recovery/_route_checks.py finds them). Two checks run on them:
+
+- **replay vs live**: the reference with the engine's routes replayed must be
+  closer to the engine's ``logp_behav`` than the same forward routed live, at
+  every flip position and in sum. A reference (or a trainer) that does not
+  really replay fails here.
+- **anchor routes**: the anchor of an exact strategy must have been computed
+  with the engine's routes there, compared as route ids, not log-probs.
+  :class:`RouteTap` records every forward the trainer runs for the strategy
+  (its rows, the routes replayed, the log-probs out); the forward that
+  produced a token's anchor value (bit for bit) tells which routes it used.
+  Forwards in another process (the dedicated strategy's scorer) are not seen:
+  those tokens count as ``unseen``, and the route-level unit tests
+  (tests/unit/test_route_level_scoring.py) cover them.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from megarl.routes import as_int16, known
+from megarl.types import TrainBatch
+
+
+def empty() -> dict[str, float]:
+    return {"n_flip_positions": 0.0, "n_replay_closer": 0.0, "gap_replay_sum": 0.0, "gap_live_sum": 0.0,
+            "anchor_engine_routes": 0.0, "anchor_other_routes": 0.0, "anchor_unseen": 0.0}
+
+
+class RouteTap:
+    """Records the rows, replayed routes and log-probs of every ``trainer.logprobs`` call while not paused.
+
+    It wraps the trainer instance's ``logprobs`` (a measurement of ``megarl verify-recovery``, which owns the
+    run's trainer for its duration); :meth:`paused` keeps the verifier's own forwards out of the record."""
+
+    def __init__(self, trainer: Any) -> None:
+        #: traj_id -> (log-probs, routes replayed or None: every position live) of each recorded forward row
+        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._on = True
+        inner = trainer.logprobs
+
+        def logprobs(batch: TrainBatch, *args, **kw):
+            out = inner(batch, *args, **kw)
+            if self._on:
+                lp = out.detach().float().cpu()
+                routes = None if batch.routes is None else batch.routes.cpu()
+                for j, traj_id in enumerate(batch.traj_ids):
+                    self.rows.setdefault(traj_id, []).append((lp[j], None if routes is None else routes[j]))
+            return out
+
+        trainer.logprobs = logprobs
+
+    @contextmanager
+    def paused(self):
+        self._on = False
+        try:
+            yield
+        finally:
+            self._on = True
+
+    def forget(self, traj_ids: list[str]) -> None:
+        for t in traj_ids:
+            self.rows.pop(t, None)
+
+    def routes_of(self, traj_id: str, index: int, value: float) -> list[torch.Tensor | None]:
+        """The routes ([index + 1, layers, k]; None: routed live) of every recorded forward of ``traj_id`` whose
+        log-prob at ``index`` is ``value`` bit for bit."""
+        return [None if routes is None else routes[:index + 1] for lp, routes in self.rows.get(traj_id, [])
+                if index < lp.shape[0] and float(lp[index]) == value]
+
+
+def _owner(segments, version: int, index: int):
+    return next((s for s in segments if s.version == version and s.start <= index < s.end), None)
+
+
+def _engine_routes(routes: torch.Tensor | None, seg, index: int) -> bool:
+    """Whether ``routes`` (a forward's, positions ``0..index``; None: live) are the segment's at every position
+    the segment routed, as expert sets."""
+    if routes is None:
+        return False
+    n = min(index + 1, seg.end)
+    want = torch.from_numpy(as_int16(seg.routes[:n])).long()
+    mask = torch.from_numpy(known(seg.routes[:n]))
+    got = routes[:n].long()
+    return bool((want.sort(-1).values == got.sort(-1).values).all(-1)[mask].all())
+
+
+def judge(counts: dict[str, float], flipped: torch.Tensor, batch: TrainBatch, truth: torch.Tensor,
+          no_replay: torch.Tensor, anchor: torch.Tensor, tap: RouteTap | None) -> None:
+    """Add ``batch``'s flip positions (``flipped`` [B, L-1] bool) to ``counts`` (:func:`empty`): replay vs live
+    against ``logp_behav``, and which routes the anchor was computed with (``tap``: None, not looked at)."""
+    behav = batch.logp_behav.float().cpu()
+    anchor = anchor.detach().float().cpu()
+    gap_replay = (truth - behav).abs()
+    gap_live = (no_replay - behav).abs()
+    for b, i in flipped.nonzero().tolist():
+        counts["n_flip_positions"] += 1
+        counts["n_replay_closer"] += float(gap_replay[b, i] < gap_live[b, i])
+        counts["gap_replay_sum"] += float(gap_replay[b, i])
+        counts["gap_live_sum"] += float(gap_live[b, i])
+        if tap is None:
+            continue
+        seg = _owner(batch.route_segments[b], int(batch.versions[b, i]), i)
+        used = tap.routes_of(batch.traj_ids[b], i, float(anchor[b, i]))
+        key = ("anchor_unseen" if not used else "anchor_engine_routes"
+               if any(_engine_routes(r, seg, i) for r in used) else "anchor_other_routes")
+        counts[key] += 1
+
+
+def summary(counts: dict[str, float]) -> dict[str, Any]:
+    """The report's ``routes_matter``; ``passed`` (None without flip positions: nothing to judge): replay was
+    closer at every flip position and in sum, and no anchor used other routes than the engine's there."""
+    n = counts["n_flip_positions"]
+    rep: dict[str, Any] = {k: v for k, v in counts.items() if not k.endswith("_sum")}
+    rep["gap_replay_mean"] = counts["gap_replay_sum"] / max(n, 1.0)
+    rep["gap_live_mean"] = counts["gap_live_sum"] / max(n, 1.0)
+    rep["passed"] = None
+    if n:
+        rep["passed"] = (counts["n_replay_closer"] == n and counts["gap_replay_sum"] < counts["gap_live_sum"]
+                         and counts["anchor_other_routes"] == 0)
+    return rep
+
+
+def policy_routes_wrong(batch: TrainBatch) -> int:
+    """Positions where the routes the policy forward replays (``batch.routes``) are not those of the newest
+    segment that routed the position (megarl/routes.py, the rule), compared as expert sets."""
+    if batch.routes is None:
+        return 0
+    routes = batch.routes.cpu().long().sort(-1).values
+    wrong = 0
+    for b, segs in enumerate(batch.route_segments or []):
+        for t in range(routes.shape[1]):
+            newest = next((s for s in reversed(segs) if t < s.end and known(s.routes[t:t + 1]).all()), None)
+            if newest is None:
+                wrong += int((routes[b, t] >= 0).any())
+                continue
+            want = torch.from_numpy(as_int16(newest.routes[t])).long().sort(-1).values
+            wrong += int(not torch.equal(want, routes[b, t]))
+    return wrong
