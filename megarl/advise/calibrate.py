@@ -6,8 +6,9 @@
    an MoE model the calibration captures routes (``rollout.routing_replay=true``
    when the config has it off), so that the same-version route flips and r_d
    without replay can be counted; the cost runs keep the config's setting.
-2. Cost: each strategy a few steps through `megarl bench`'s runs while the
-   time budget lasts (megarl/advise/costs.py), and the plan's memory.
+2. Cost: each strategy a few steps through `megarl bench`'s runs, repeated in
+   interleaved rounds while the time budget lasts (megarl/advise/costs.py),
+   and the plan's memory.
 3. The rules (megarl/advise/rules.py), then RUN_DIR/advise.json (every
    measurement, the recommendation and its reasons), RUN_DIR/advise.md (the
    table and the paragraph) and RUN_DIR/advise.png.
@@ -30,10 +31,13 @@ from megarl.errors import ConfigError
 DEFAULT_STEPS = 20
 DEFAULT_COST_STEPS = 4
 DEFAULT_TIME_BUDGET_S = 480.0
+DEFAULT_REPEATS = 3
 
 
-def check_args(steps: int, cost_steps: int, time_budget_s: float) -> None:
+def check_args(steps: int, cost_steps: int, time_budget_s: float, repeats: int = DEFAULT_REPEATS) -> None:
     """One error per bad argument, naming it and the range that works."""
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: give at least 1 (an interval needs 2, a useful one 3 or more)")
     if steps < 2:
         raise ConfigError(f"--steps {steps}: the calibration needs at least 2 steps (a token lag needs a publish)")
     if cost_steps and cost_steps < 2:
@@ -58,7 +62,7 @@ def _config_facts(cfg: Any, hf: dict) -> dict[str, Any]:
 def advise(config: str, overrides: list[str], output: str, *, steps: int = DEFAULT_STEPS,
            cost_steps: int = DEFAULT_COST_STEPS, strategies: tuple[str, ...] = costs.ORDER,
            time_budget_s: float = DEFAULT_TIME_BUDGET_S, host_memory_gb: float | None = None,
-           log: Callable[[str], None] = print) -> dict[str, Any]:
+           repeats: int = DEFAULT_REPEATS, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Calibrate, time, decide; write advise.json, advise.md and advise.png into ``output``. Returns advise.json's
     content, with ``paths``."""
     from megarl.builder import CalibrationProbe, load_run_config  # torch and the strategies: when the command runs
@@ -66,7 +70,7 @@ def advise(config: str, overrides: list[str], output: str, *, steps: int = DEFAU
     from megarl.rollout.engine_pool import EnginePool
     from megarl.train import train
 
-    check_args(steps, cost_steps, time_budget_s)
+    check_args(steps, cost_steps, time_budget_s, repeats)
     deadline = time.monotonic() + time_budget_s
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,8 +100,10 @@ def advise(config: str, overrides: list[str], output: str, *, steps: int = DEFAU
         calibration = {**probes[-1].summary(), "run_s": time.monotonic() - t0}
         log(f"[calibration] done in {calibration['run_s']:.0f} s")
         asked = [s for s in strategies if s in costs.ORDER]
-        timed = (costs.time_strategies(config, overrides, asked, cost_steps, out / "cost", pool, deadline, log)
-                 if cost_steps else {"steps": 0, "runs": {}, "skipped": {s: "--cost-steps 0" for s in asked}})
+        timed = (costs.time_strategies(config, overrides, asked, cost_steps, out / "cost", pool, deadline, log,
+                                       repeats=repeats)
+                 if cost_steps else {"steps": 0, "repeats": 0, "repeats_done": 0, "order": [], "runs": {},
+                                     "skipped": {s: "--cost-steps 0" for s in asked}})
     m: dict[str, Any] = {"config": {"path": config, "overrides": overrides, **facts}, "notes": notes,
                          "calibration": calibration, "cost": timed,
                          "memory": costs.planned_memory(base, overrides, host_memory_gb)}

@@ -1,8 +1,9 @@
 """What `megarl advise` prints and writes: the strategy table, the reasons, advise.json and advise.png.
 
 Table columns: strategy; measured cost per step (the strategy's own seconds on
-the trainer's critical path, of the median step, and the median publish
-stall; or why it was not measured); memory fit (the
+the trainer's critical path, of the median step, medians over the interleaved
+repeats, with the share's interval and the step's ratio to behav's and its
+interval; the median publish stall; or why it was not measured); memory fit (the
 plan's host bytes per trainer node, trainer and scorer GPU on GPU plans);
 how far its anchor sits from the exact ``logp_old`` (mean |anchor - exact|
 and the share of tokens it clips differently); the expected effect (what the
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.advise.rules import EXACT
+from megarl.bench.interleave import ratio_text
 
 STRATEGIES = ("behav", "loglinear", "linear", "recompute", "ewma", "snapshot", "interrupt_sync", "dedicated")
 
@@ -35,7 +37,26 @@ def _cost_cell(m: dict[str, Any], name: str) -> str:
         return "not measured: " + m["cost"]["skipped"].get(name, "not asked for")
     stall = run.get("publish_stall_s_median")
     cell = f"+{run['added_step_s']:.3f} s of {run['step_time_s_median']:.3f} s"
+    share, ratio = run.get("share_interval"), run.get("step_ratio_to_behav")
+    if share and share["low"] is not None:
+        cell += f" ({share['share']:.1%} [{share['low']:.1%}, {share['high']:.1%}])"
+    if ratio and ratio["low"] is not None and name != "behav":
+        cell += f"; step {ratio_text(ratio)} x behav's"
     return cell + (f"; stall {stall:.3f} s / publish" if stall is not None else "")
+
+
+def repeats_line(m: dict[str, Any]) -> str:
+    """How the costs were measured: the repeats, their order, the intervals (megarl/bench/interleave.py)."""
+    c = m["cost"]
+    if not c["runs"]:
+        return "No timing runs."
+    done = c.get("repeats_done", 1)
+    said = f"Costs: medians over {done} of {c.get('repeats', 1)} repeats of {c.get('steps', '?')} steps, "
+    if done < 2:
+        return said + "so without intervals (--repeats 3 gives them)."
+    return said + ("interleaved (every strategy once per round, the order reversed every other round); in [ ] a "
+                   "90% t interval over the repeats: of the per-repeat shares of the step, and of the log of the "
+                   "per-repeat step ratios to behav's.")
 
 
 def _size(gb: float) -> str:
@@ -84,7 +105,7 @@ def render_markdown(m: dict[str, Any]) -> str:
     """The table and the paragraph."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(m)]
-    return "\n".join(lines) + "\n\n" + paragraph(m) + "\n"
+    return "\n".join(lines) + "\n\n" + repeats_line(m) + "\n\n" + paragraph(m) + "\n"
 
 
 def paragraph(m: dict[str, Any]) -> str:

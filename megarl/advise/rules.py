@@ -14,7 +14,12 @@ Agentic RL"):
    nothing masked, exact anchors level with behav in every grid).
 2. :func:`cheapest_fitting_exact`: when exactness can change the update, the
    exact strategy with the smallest measured added step time among those that
-   fit in memory.
+   fit in memory. When the per-round difference of its added time to another
+   fitting exact strategy has a 90% t interval over the interleaved repeats
+   that holds 0, the measured cost does not decide and the cost-free order of
+   :data:`EXACT` does: snapshot adds parameter copies, interrupt_sync also
+   stops generation at every publish, dedicated also a scorer process and its
+   device.
 3. :func:`by_staleness`: when it cannot, choose by staleness and cost: with a
    mean token lag of at most :data:`STALE_LAG` optimizer steps behav (no
    cost; its anchor is the exact one within r_d); above it an anchor that
@@ -22,8 +27,11 @@ Agentic RL"):
    threshold in 0.5-0.65x behav's steps on every grid and ended above behav
    on the MoE grid at 5 seeds): ewma when it fits in memory and its measured
    own time per step is at most :data:`EWMA_COST_SHARE` of its step, else
-   linear (no forward; 0.57x behav's steps on the dense grid). loglinear is
-   never chosen: it ended below behav on the MoE grid at 5 seeds.
+   linear (no forward; 0.57x behav's steps on the dense grid). With repeats,
+   the share is the mean of the per-round shares; when its 90% t interval
+   holds :data:`EWMA_COST_SHARE`, the measured cost does not decide and the
+   cost-free rule does: ewma (when it fits). loglinear is never chosen: it
+   ended below behav on the MoE grid at 5 seeds.
 4. :func:`routing_replay`: for an MoE model, turn routing replay on when the
    trainer's own routers choose other experts than the engine's at the same
    version for more than :data:`FLIP_SHARE` of the tokens.
@@ -31,6 +39,8 @@ Agentic RL"):
 from __future__ import annotations
 
 from typing import Any
+
+from megarl.bench.interleave import holds, t_interval
 
 NEGLIGIBLE_SHARE = 0.01
 """Share of policy tokens below which a difference in the loss (masked, down-weighted, clipped differently) is
@@ -79,8 +89,23 @@ def cheapest_fitting_exact(m: dict[str, Any]) -> tuple[str | None, str]:
         return None, (f"no exact strategy was both measured and fits in memory (not measured: "
                       f"{', '.join(unmeasured) or 'none'})")
     cost, name = min(ok)
+    tied = [(s, d) for c, s in ok if s != name and (d := _difference(m, s, name)) is not None and holds(d, 0.0)]
+    if tied:
+        pick = next(s for s in EXACT if s == name or s in dict(tied))
+        gaps = "; ".join(f"{s} - {name}: {d['mean']:+.3f} s [{d['low']:+.3f}, {d['high']:+.3f}]" for s, d in tied)
+        return pick, (f"{name} measured cheapest ({cost:.3f} s of its own per step), but its difference to "
+                      f"{', '.join(s for s, _ in tied)} over the interleaved repeats holds 0 ({gaps}): the measured "
+                      f"cost does not decide, so the cost-free order {', '.join(EXACT)}: {pick}")
     return name, (f"{name} is the cheapest exact strategy that fits in memory ({cost:.3f} s of its own per step, "
                   f"measured)")
+
+
+def _difference(m: dict[str, Any], a: str, b: str) -> dict[str, Any] | None:
+    """Per interleaved round, ``a``'s own seconds minus ``b``'s, and their t interval (None under 2 rounds)."""
+    ra, rb = (m["cost"]["runs"][s].get("per_repeat") or [] for s in (a, b))
+    if len(ra) != len(rb) or len(ra) < 2:
+        return None
+    return t_interval([x["added_step_s"] - y["added_step_s"] for x, y in zip(ra, rb)])
 
 
 def by_staleness(m: dict[str, Any]) -> tuple[str, str]:
@@ -93,13 +118,28 @@ def by_staleness(m: dict[str, Any]) -> tuple[str, str]:
     said = f"the mean token lag is {lag:.2f} optimizer steps (> {STALE_LAG:g}): an anchor that follows the policy"
     if run is None:
         why = "ewma was not measured"
+    elif not _fits(m, "ewma"):
+        why = "ewma does not fit in memory"
     else:
         added, step = run["added_step_s"], run["step_time_s_median"]
         cost = f"ewma adds {added:.3f} s of its own to a {step:.3f} s step"
-        if added <= EWMA_COST_SHARE * step and _fits(m, "ewma"):
+        share = run.get("share_interval")
+        if holds(share, EWMA_COST_SHARE):
+            return "ewma", said + (f"; {cost}, and its share of the step over {share['n']} interleaved repeats, "
+                                   f"{_pct(share)}, holds {EWMA_COST_SHARE:.0%}: the measured cost does not decide, "
+                                   f"so the cost-free rule: ewma, which fits in memory")
+        cheap = share["share"] <= EWMA_COST_SHARE if share and share["low"] is not None else added <= \
+            EWMA_COST_SHARE * step
+        cost += f" ({_pct(share)} over {share['n']} repeats)" if share and share["low"] is not None else ""
+        if cheap:
             return "ewma", said + f"; {cost} (<= {EWMA_COST_SHARE:.0%}) and fits in memory"
-        why = "ewma does not fit in memory" if not _fits(m, "ewma") else f"{cost} (> {EWMA_COST_SHARE:.0%})"
+        why = f"{cost} (> {EWMA_COST_SHARE:.0%})"
     return "linear", said + f"; {why}, so linear (no forward)"
+
+
+def _pct(share: dict[str, Any] | None) -> str:
+    return "" if share is None or share["low"] is None else \
+        f"{share['share']:.0%} [{share['low']:.0%}, {share['high']:.0%}]"
 
 
 def routing_replay(m: dict[str, Any]) -> tuple[bool | None, str]:

@@ -58,6 +58,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from megarl.bench import interleave
+
 #: the stacked phases of overhead.png, in order; each a per-step key of step_phases()
 PHASES = ("wait_batch", "recovery", "train_step", "publish_drain", "publish_recovery", "weight_sync",
           "recovery_hooks", "other")
@@ -274,8 +276,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
 def target_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for t in report["targets"]:
-        status = {True: "PASS", False: "FAIL", None: "SKIP"}[t["passed"]]
-        value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
+        status, value = interleave.target_cells(t)
         lines.append(f"{status}  {t['target']}: {value} (target {t['op']} {t['bound']:g})")
     return lines
 
@@ -286,8 +287,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     overrides = " ".join(f"`{o}`" for o in meta.get("overrides", []))
     out = ["# megarl bench", "",
            f"Config `{meta.get('config', '?')}`{' with ' + overrides if overrides else ''}, "
-           f"{meta.get('steps', '?')} steps per strategy, eta={meta.get('eta', '?')}, one run each, "
-           "sequentially in this order.", ""]
+           f"{meta.get('steps', '?')} steps per run, eta={meta.get('eta', '?')}, "
+           f"{meta.get('runs', 'one run each, one after another')}.", ""]
     if "cpu_count" in meta:
         out += [f"Machine: {meta['cpu_count']} CPUs, load average {meta['loadavg_start']:.2f} at the start and "
                 f"{meta['loadavg_end']:.2f} at the end (other processes share the cores: single runs are noisy).",

@@ -1,6 +1,7 @@
-"""`megarl bench` orchestration: one real training run per strategy, then the report.
+"""`megarl bench` orchestration: real training runs per strategy, interleaved and repeated, then the report.
 
-Every strategy runs from the same config and seed, one after another, each in
+Every strategy runs from the same config and seed, its runs interleaved with the
+other strategies' and repeated (megarl/bench/interleave.py), each in
 its own fresh Python process (``python -m megarl.bench.run SPEC``) so that its
 peak memory is its own: the parent samples the resident set of that process
 and all its descendants (reward workers, the dedicated scorer) and of the
@@ -43,7 +44,7 @@ try:
 except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
     psutil = None
 
-from megarl.bench import plots, replay_cost, replay_engine_cost, report
+from megarl.bench import interleave, plots, replay_cost, replay_engine_cost, report
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
@@ -274,10 +275,12 @@ def machine_meta() -> dict[str, Any]:
 
 def bench(config: str, strategies: list[str], steps: int | None, output: str, overrides: list[str], *,
           compare_sync: bool = False, verify: bool = True, eta: int | None = None,
-          disjoint_cores: str | None = None, log=print) -> dict[str, Any]:
-    """Run every strategy (and, with ``compare_sync``, async vs sync on shared and on disjoint cores; with
-    ``rollout.routing_replay``, the replay's cost: megarl/bench/replay_cost.py), then write report.json,
-    report.md and the plots."""
+          disjoint_cores: str | None = None, repeats: int = interleave.DEFAULT_REPEATS,
+          log=print) -> dict[str, Any]:
+    """Run every strategy ``repeats`` times, interleaved (megarl/bench/interleave.py), and, with
+    ``compare_sync``, async vs sync on shared and on disjoint cores; with ``rollout.routing_replay``, the
+    replay's cost (megarl/bench/replay_cost.py); then write report.json, report.md and the plots. Repeat 1
+    of a strategy runs in OUTPUT/NAME, repeat r > 1 in OUTPUT/repeats/NAME_r."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_run_config(config, overrides)  # fails fast on a bad config or override
@@ -285,15 +288,17 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
     eta = cfg.rollout.eta if eta is None else eta
     planned = sync_runs(eta, *split_cores(disjoint_cores)) if compare_sync else []  # bad cores fail here
     meta = {"config": config, "overrides": overrides, "steps": steps, "eta": cfg.rollout.eta, "verify": verify,
-            **machine_meta()}
-    runs: dict[str, dict[str, Any]] = {}
+            "repeats": repeats, "runs": interleave.describe(repeats), **machine_meta()}
+    rounds: list[dict[str, dict[str, Any]]] = [{} for _ in range(repeats)]
     by_key: dict[str, list[dict]] | None = None
     with EnginePool(out / "engines") as pool:  # one set of engines for every run whose engine settings agree
-        for i, name in enumerate(strategies, 1):
-            log(f"[{i}/{len(strategies)}] {name} ...")
-            runs[name] = run_strategy({"config": config, "overrides": overrides, "strategy": name, "steps": steps,
-                                       "run_dir": str(out / name), "verify": verify}, pool)
-            child = runs[name]["child"]
+        order = interleave.schedule(strategies, repeats)
+        for i, (r, name) in enumerate(order, 1):
+            log(f"[{i}/{len(order)}] {name}" + (f" (repeat {r + 1} of {repeats})" if repeats > 1 else "") + " ...")
+            run_dir = out / name if r == 0 else out / "repeats" / f"{name}_{r + 1}"
+            rounds[r][name] = run_strategy({"config": config, "overrides": overrides, "strategy": name,
+                                            "steps": steps, "run_dir": str(run_dir), "verify": verify}, pool)
+            child = rounds[r][name]["child"]
             log(f"      done in {child['total_s']:.0f} s, peak RSS {child['peak_rss_mb']:.0f} MB")
         if planned:
             by_key = {}
@@ -313,15 +318,18 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
             log("[routing replay] engine batches without and with captured routes ...")
             replay.update(measure_engine_capture(cfg, pool))
     meta["loadavg_end"] = os.getloadavg()[0]
-    rep = report.build_report(runs, by_key, meta=meta)
+    rep = interleave.combine_reports([report.build_report(runs, by_key if r == 0 else None, meta=meta)
+                                      for r, runs in enumerate(rounds)])
     markdown = report.render_markdown(rep)
+    if rep["ratios"]:
+        markdown += "\n## Step time ratios\n\n" + "\n".join(interleave.ratio_lines(rep)) + "\n"
     if replay is not None:
         rep["routing_replay"] = replay
         markdown += replay_cost.render_markdown(replay)
     write_report(out, rep, markdown)
-    if runs:
+    if strategies:
         plots.overhead_plot(rep, out / "overhead.png")
-        plots.reward_plot({n: r["records"] for n, r in runs.items()}, out / "reward.png")
+        plots.reward_plot({n: r["records"] for n, r in rounds[0].items()}, out / "reward.png")
     return rep
 
 

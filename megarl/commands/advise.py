@@ -18,6 +18,10 @@ def register(sub) -> None:
                    help=f"calibration steps (default {calibrate.DEFAULT_STEPS})")
     p.add_argument("--cost-steps", type=int, default=calibrate.DEFAULT_COST_STEPS,
                    help=f"steps of each strategy's timing run (default {calibrate.DEFAULT_COST_STEPS}; 0: none)")
+    p.add_argument("--repeats", type=int, default=calibrate.DEFAULT_REPEATS,
+                   help=f"rounds of timing runs, interleaved: every strategy once per round, the order reversed "
+                        f"every other round; costs are medians over them with a 90%% t interval (default "
+                        f"{calibrate.DEFAULT_REPEATS}; a later round runs only when all of it fits the budget)")
     p.add_argument("--strategies", default=",".join(costs.ORDER),
                    help="strategies to time, in this order, while the budget lasts (default all, cheapest first)")
     p.add_argument("--time-budget-s", type=float, default=calibrate.DEFAULT_TIME_BUDGET_S,
@@ -37,7 +41,8 @@ def run(args) -> int:
 
     chosen = tuple(strategy_names(args.strategies))
     m = advise(args.config, args.overrides, args.output, steps=args.steps, cost_steps=args.cost_steps,
-               strategies=chosen, time_budget_s=args.time_budget_s, host_memory_gb=args.host_memory_gb)
+               strategies=chosen, time_budget_s=args.time_budget_s, host_memory_gb=args.host_memory_gb,
+               repeats=args.repeats)
     print()
     print(report.render_markdown(m))
     for note in m["notes"]:

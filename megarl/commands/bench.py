@@ -61,6 +61,9 @@ def register(sub) -> None:
                    help="--quality: reward for 'steps to threshold' (default half the best cell's mean final-window "
                         "reward)")
     p.add_argument("--estimate-only", action="store_true", help="--sweep / --quality: print the estimate and stop")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per strategy, interleaved: every strategy once per round, the order reversed every "
+                        "other round; each step-time ratio gets a 90%% t interval over the repeats (default 3)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the comparison with the true logp_old (max_abs_err_vs_exact becomes null)")
     p.add_argument("--packing", action="store_true",
@@ -116,6 +119,9 @@ def _from_runs(args) -> int:
 
 
 def run(args) -> int:
+    if args.repeats is not None and (args.sweep or args.quality or args.packing):
+        raise ConfigError("--repeats repeats the strategies' runs of a plain bench; --sweep, --quality and "
+                          "--packing do not take it (--quality repeats with --seeds)")
     if args.from_runs is not None:
         return _from_runs(args)
     if args.packing:
@@ -192,9 +198,16 @@ def run(args) -> int:
     if not chosen and not args.compare_sync and not cfg.rollout.routing_replay:
         raise ConfigError("--strategies none runs nothing; add --compare-sync or name strategies (with "
                           "rollout.routing_replay=true it measures the replay's cost alone)")
+    from megarl.bench.interleave import DEFAULT_REPEATS, ratio_lines
+
+    repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: give at least 1 (3 or more for an interval that means something)")
     report = bench(args.config, chosen, args.steps, args.output, overrides, compare_sync=args.compare_sync,
-                   verify=not args.no_verify, eta=args.eta, disjoint_cores=args.disjoint_cores)
+                   verify=not args.no_verify, eta=args.eta, disjoint_cores=args.disjoint_cores, repeats=repeats)
     print_table(report)
+    for line in ratio_lines(report):
+        print(line)
     if "routing_replay" in report:
         from megarl.bench.replay_cost import summary_line
 

@@ -30,7 +30,7 @@ FIELDS = {"step_time_s_median", "recovery_s_median", "critical_path_overhead_fra
 def test_bench_two_strategies(tmp_path):
     out = tmp_path / "bench"
     cmd = [MEGARL, "bench", "--config", "configs/bench_cpu.yaml", "--strategies", "snapshot,loglinear",
-           "--steps", "3", "--output", str(out), "rollout.backend=vllm", "trainer.batch_size=16",
+           "--steps", "3", "--repeats", "1", "--output", str(out), "rollout.backend=vllm", "trainer.batch_size=16",
            "rollout.max_new_tokens=24", f"model.checkpoint={tmp_path / 'ckpt'}"]
     # as in a new user's shell: the engines' KV cache and threads come from the config
     env = {k: v for k, v in os.environ.items() if k not in ENGINE_VARS}
@@ -62,6 +62,8 @@ def test_bench_two_strategies(tmp_path):
 
     md = (out / "report.md").read_text()
     assert "| snapshot |" in md and "| loglinear |" in md and "SKIP" in md
+    assert "one run each, one after another (no repeats: no intervals)" in md  # --repeats 1
+    assert "- loglinear / snapshot: " in md and "(one repeat: no interval)" in md  # against the first
     assert "## Publish stall per publish (median ms)" in md
     for png in ("overhead.png", "reward.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -161,7 +161,7 @@ def test_markdown_lists_targets_with_measured_values():
     assert "PASS  ewma step time / recompute step time: 1.000 (target <= 1.05)" in md
     assert "SKIP  async / sync throughput (tokens/s): not measured (target >= 2)" in md
     assert not math.isnan(rep["strategies"]["ewma"]["critical_path_overhead_frac"])
-    assert "Config `c.yaml`, 3 steps per strategy" in md
+    assert "Config `c.yaml`, 3 steps per run, eta=?, one run each, one after another." in md
     rep["meta"].update(overrides=["trainer.batch_size=16"], cpu_count=2, loadavg_start=1.5, loadavg_end=2.25)
     md = R.render_markdown(rep)
     assert "Config `c.yaml` with `trainer.batch_size=16`, 3 steps" in md
