@@ -200,8 +200,9 @@ class ReplayBuffer:
     def state_dict(self) -> dict:
         """Accepted-but-untrained groups (trajectories as plain data) and the gate's counters.
 
-        Running groups are not part of it: nothing of them was accepted, the
-        controller regenerates their prompts on resume (``running`` restarts at 0).
+        Running groups are not part of it: nothing of them was accepted; the
+        controller keeps them and admits them again on resume (``running`` restarts
+        at 0; megarl/running_groups.py).
         """
         return {"accepted_total": self.accepted_total, "released_total": self.released_total, "seq": self._seq,
                 "ready": [{"group_id": g.group_id, "start_version": g.start_version, "seq": g.seq,

@@ -26,7 +26,7 @@ Nothing lost: every ``logging.save_every`` steps or ``logging.save_every_s``
 seconds, at the end, on SIGTERM/SIGINT and before an error stops the loop
 (megarl/run_stop.py) the ``checkpointer`` (megarl/checkpoint.py) writes the
 loop's :meth:`state_dict` with the trainer's and strategy's; :meth:`load_state_dict` continues from it
-(running groups are regenerated from their prompts). A request whose engine
+(running groups kept whole and continued, megarl/running_groups.py). A request whose engine
 died (``EngineLost``, megarl/rollout/supervisor.py) is sent again, prompt +
 partial, once an engine is up. A step the trainer skipped (non-finite loss or
 gradient norm) is logged with its reason and not published, and its batch
@@ -45,13 +45,14 @@ from typing import Any, Callable
 
 from megarl.buffer import Group, PublishedVersion, ReplayBuffer
 from megarl.checkpoint_schedule import CheckpointSchedule
-from megarl.data import Prompt, prompt_stream
+from megarl.data import prompt_stream
 from megarl.evaluation import EvaluationSchedule
 from megarl.failure_causes import AGENT, AGENT_REWARD, REWARD, FailureWindow, generation_failure
 from megarl.group_tasks import gather_or_cancel
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.interruptible import InterruptibleGeneration
 from megarl.run_stop import RunStops
+from megarl.running_groups import RESUME_COUNTERS, RunningGroups, fresh_trajectory
 from megarl.step_record import StepBookkeeping
 from megarl.trainer.base import TrainerProtocol
 from megarl.types import TrainBatch, Trajectory, training_rows
@@ -59,7 +60,7 @@ from megarl.types import TrainBatch, Trajectory, training_rows
 log = logging.getLogger("megarl.controller")
 
 
-class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunStops):
+class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunStops, RunningGroups):
     """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
 
     Collaborators are passed in, already built: ``trainer`` (TrainerProtocol:
@@ -110,7 +111,8 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
-                         "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0}
+                         "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0,
+                         **dict.fromkeys(RESUME_COUNTERS, 0)}
         self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
         self.generation.may_hold = self._may_hold
         #: why each of the last B episode outcomes failed, if it did (what reward.max_fail_frac is checked on)
@@ -125,7 +127,9 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.group_counter = 0
         self.id_prefix = ""
         self._items: dict[str, Any] = {}  # group id -> its prompt, while the group runs
-        self._regenerate: list[Any] = []  # prompts of groups that were running at the checkpoint
+        self._regenerate: list[Any] = []  # prompts a checkpoint took before their groups were admitted
+        self._restored: list[Group] = []  # running groups a checkpoint kept, until train() starts them
+        self._turns: dict = {}  # traj id -> its workflow's TurnPoint (megarl/running_groups.py)
         self._resumed = False
         self._consecutive_skips = 0
         self._save_failures = 0  # periodic checkpoints failed in a row (megarl/checkpoint_schedule.py)
@@ -149,12 +153,14 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
 
     async def _run_group(self, group: Group, item) -> None:
         async def one(traj: Trajectory) -> Trajectory:
-            # generate(context, sampling, into=row): an agent's episode may write into a part of its own
-            await self.workflow.run(traj, lambda ctx, sp, into=None: self.generation.generate(into or traj, ctx, sp))
-            traj.finish_reason = traj.finish_reason or "stop"
-            for row in traj.rows():  # a workflow sets finish_reason per turn; only its return ends the trajectory
-                row.finished = True
-                self.strategy.on_segment_finished(row)
+            if traj.finished and traj.reward is not None:  # scored before a checkpoint: it waits for its siblings
+                return traj
+            if not traj.finished:  # (a finished one a checkpoint kept waits for its score)
+                await self._run_workflow(traj)  # an agent's episode may write into parts of its own
+                traj.finish_reason = traj.finish_reason or "stop"
+                for row in traj.rows():  # a workflow sets finish_reason per turn; only its return ends it
+                    row.finished = True
+                    self.strategy.on_segment_finished(row)
             failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
             cause = AGENT if failure is not None else None
             if traj.reward is None:  # an agent may return the episode's reward itself
@@ -239,17 +245,12 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                     self._regenerate.insert(0, item)
                     continue
             gid = f"{self.id_prefix}g{self.group_counter}"
-            trajs = [Trajectory(traj_id=f"{gid}-{j}", group_id=gid, prompt_ids=list(item.prompt_ids),
-                                meta={"prompt_id": item.prompt_id, "answer": item.answer, "row": item.row},
-                                logp_old=[] if self.strategy.exact else None)
-                     for j in range(self.n)]
-            group = Group(gid, self.version, trajs)
+            group = Group(gid, self.version, [fresh_trajectory(f"{gid}-{j}", gid, item, self.strategy.exact)
+                                              for j in range(self.n)])
             self.buffer.admit(group)
             self._items[gid] = item
             self.group_counter += 1
-            task = asyncio.create_task(self._run_group(group, item))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(group, item)
 
     # -- publishing ----------------------------------------------------------------
     async def publish(self, new_version: int) -> dict[str, float]:
@@ -294,6 +295,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
               and self.step < total_steps):
             # the checkpointed run ended before publishing its last step; the gate needs that version
             await self.publish(self.trainer.version)
+        self._start_restored()  # running groups a checkpoint kept go on first
         roll = asyncio.create_task(self._rollout_loop())
         t_start = time.perf_counter()
         max_skips = self.cfg.trainer.max_consecutive_skips
@@ -359,14 +361,12 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
 
         The buffer's accepted-but-untrained trajectories keep their per-token
         versions, logp_behav and any recovered logp_old; groups still running
-        contribute only their prompts, which :meth:`load_state_dict` generates again.
+        are kept whole, partial trajectories included (megarl/running_groups.py).
         """
-        running = sorted(self.buffer.running_groups.values(), key=lambda g: g.seq)
-        prompts = self._regenerate + [self._items[g.group_id] for g in running if g.group_id in self._items]
         return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
                 "counters": dict(self.counters), "gen_stall_s": self.gen_stall_s,
                 "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
-                "running_prompts": [p.to_dict() for p in prompts], **self._loss_state()}
+                **self._running_state(), **self._loss_state()}
 
     def _loss_state(self) -> dict[str, Any]:  # an adaptive entropy coefficient (megarl/losses/entropy_control.py)
         return {"loss": self._entropy_control.state_dict()} if self._entropy_control is not None else {}
@@ -388,7 +388,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.gen_stall_s = float(state.get("gen_stall_s", 0.0))
         self.buffer.load_state_dict(state["buffer"])
         self.dataset.load_state_dict(state["dataset"])
-        self._regenerate = [Prompt.from_dict(d) for d in state["running_prompts"]]
-        self._load_loss_state(state)
         self.id_prefix = id_prefix
+        self._restore_running(state)  # after the buffer: its gate counts them as running again
+        self._load_loss_state(state)
         self._resumed = True

@@ -30,7 +30,8 @@ _ROLLOUT_PREFIXES = ("n_engine", "n_reward", "staleness_", "response_len", "n_ag
                      "weight_sync_bytes", "weight_sync_groups", "weight_sync_fallbacks")
 _ROLLOUT = {"reward_mean", "reward_std", "n_spliced", "n_interrupted", "n_splice_holds", "n_dropped", "n_filtered",
             "n_kept", "n_seqs", "n_routes_missing", "n_publish_inflight", "tokens", "version_lag_hist",
-            "n_engines_live"}
+            "n_engines_live", "n_continued_after_resume", "n_regenerated_after_resume",
+            "n_tokens_regenerated_after_resume"}
 
 #: megarl's dashboard name -> verl's name for the same quantity (where verl logs one)
 VERL_EQUIVALENTS = {

@@ -80,6 +80,7 @@ class RunStops:
         if isinstance(self.trainer, DrivingTrainer):
             self.trainer.stopped_by = self._stop_reason  # the followers exit with 75 too
         reason = self._stop_reason or "stop"
+        await self._quiesce_for_stop()  # every request's partial tokens into the checkpoint (running_groups.py)
         done = await stop_checkpoint(self._checkpoint(), self.step)
         # RUN_DIR/checkpoints; a checkpointer without one cannot say whether an earlier checkpoint stands
         root = getattr(self.checkpointer, "root", None)

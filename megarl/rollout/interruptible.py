@@ -96,18 +96,23 @@ class InterruptibleGeneration:
         await self._all_returned.wait()
 
     async def generate(self, traj: Trajectory, context_ids: list[int], sampling: SamplingParams,
-                       counted: bool = True) -> GenerateResult:
+                       counted: bool = True, carried: int = 0) -> GenerateResult:
         """One policy turn; survives interruption by resubmitting prompt + partial tokens.
 
         Policy tokens are appended to ``traj`` as they arrive (partial chunks
         too), so recovery hooks always see every token with its version. The
         returned result holds the whole turn. ``counted=False`` (evaluation)
-        keeps the request out of the counters.
+        keeps the request out of the counters. ``carried``: the turn began
+        before a restart and its first tokens are ``traj``'s last ``carried``
+        (megarl/running_groups.py): it goes on from them, as after an abort.
         """
-        out_ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        remaining = sampling.max_new_tokens
+        k = len(traj.response_ids) - carried
+        out_ids: list[int] = list(traj.response_ids[k:])
+        logps: list[float] = list(traj.logp_behav[k:])
+        versions: list[int] = list(traj.versions[k:])
+        remaining = sampling.max_new_tokens - carried
+        if carried and remaining <= 0:
+            return GenerateResult(traj.traj_id, out_ids, logps, versions, "length")
         chunk = 0
         while True:
             await self._open.wait()

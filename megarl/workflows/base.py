@@ -14,6 +14,7 @@ Engines return a stop token (EOS, a tool call) as the last output token.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol, runtime_checkable
 
 from megarl.types import GenerateResult, Trajectory, append_turn  # noqa: F401 (append_turn is re-exported here)
@@ -23,9 +24,24 @@ from megarl.types import GenerateResult, Trajectory, append_turn  # noqa: F401 (
 GenerateFn = Callable[..., Awaitable[GenerateResult]]
 
 
+@dataclass
+class TurnPoint:
+    """Where a trajectory's workflow stands: the policy turn ``turn`` (0 = the first) began after ``start``
+    response tokens; ``open`` while its generation has not returned (its tokens so far are the response's last
+    ``len(response_ids) - start``), False once the turn ended (a multi-turn workflow then waits for the tool)."""
+
+    turn: int = 0
+    start: int = 0
+    open: bool = True
+
+
 @runtime_checkable
 class Workflow(Protocol):
-    """Rolls out ``traj`` (prompt filled in, response empty) and returns it completed."""
+    """Rolls out ``traj`` (prompt filled in, response empty) and returns it completed.
+
+    A workflow with ``resumable = True`` also takes ``resume``, a :class:`TurnPoint`: ``traj`` was restored from
+    a checkpoint mid-episode and goes on from there (megarl/running_groups.py).
+    """
 
     async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory: ...
 

@@ -92,9 +92,11 @@ def _tokenizer_dir():
     return write_tokenizer("configs/models/tiny_qwen3.yaml", Path(tempfile.mkdtemp(prefix="megarl-tok-")))
 
 
-def make_controller(seed, steps_state=None, eta=2, checkpointer=None, overrides=(), train_delay_s=0.0):
+def make_controller(seed, steps_state=None, eta=2, checkpointer=None, overrides=(), train_delay_s=0.0,
+                    workflow=None):
     """A controller over the simulators (batch 8, groups of 4, a checkpoint every 3 steps); with
-    ``steps_state`` (a CapturingCheckpointer state), resumed from it as attempt ``r1.``."""
+    ``steps_state`` (a CapturingCheckpointer state), resumed from it as attempt ``r1.``. ``workflow``: the gate
+    tests' single turn by default (it cannot continue an answer a restart cut)."""
     from test_staleness_gate import Rewards, SingleTurn
 
     from megarl.buffer import PublishedVersion, ReplayBuffer
@@ -126,7 +128,7 @@ def make_controller(seed, steps_state=None, eta=2, checkpointer=None, overrides=
                    published=PublishedVersion(),
                    rewards=Rewards(),
                    dataset=PromptDataset(str(ROOT / "configs/data/reverse_digits_256.jsonl"),
-                                         run_tokenizer(_tokenizer_dir()), seed=0), workflow=SingleTurn(),
+                                         run_tokenizer(_tokenizer_dir()), seed=0), workflow=workflow or SingleTurn(),
                    strategy=Behav(None, RecoveryContext(trainer=trainer)), publisher=Publisher(),
                    loss_fn_factory=lambda b, a: None, advantages=advantages, on_step=lambda r: None,
                    checkpointer=checkpointer, journal=journal)

@@ -127,7 +127,7 @@ def test_posted_rows_roll_out_as_groups_and_a_closed_gate_answers_503(text_token
     # the one step trained the two groups the service ran (rewards 1 and 2 per group), nothing else
     assert sorted(trainer.trained[0][2]) == ["g0-0", "g0-1", "g1-0", "g1-1"]
     # posted but unfinished: the rows of g2 and g3 are checkpointed as running; the refused row is not rolled out
-    assert [(p["prompt_id"], p["row"]["prompt"]) for p in state["running_prompts"]] == \
+    assert [(g["prompt"]["prompt_id"], g["prompt"]["row"]["prompt"]) for g in state["running_groups"]] == \
         [("service:2", "What is 2 + 2?"), ("service:3", "What is 3 + 3?")]
     assert state["dataset"] == {"source": "service", "n_posted": 4} and rows.n_posted == 4
 
