@@ -1,4 +1,4 @@
-"""The agent command of tests/e2e/test_attack_launch.py: before it answers, it makes every attempt of
+"""The agent command of tests/e2e/test_fault_schedule_launch.py: before it answers, it makes every attempt of
 tests/unit/attacker.py with the plan in the file named by argv[2] (the run's checkpoints, source tree, Python
 environment, stop marker, the trainer world's store, the checkpoint key, the run's secrets), writes what came of
 each to a new file in the directory argv[1] (atomically: a command stopped mid-write leaves no partial report),

@@ -1,6 +1,11 @@
 """The run's defences together, through `megarl launch --launcher torchrun` with 2 trainer ranks, the dedicated
-scorer, the HF engine and an agent command in another process (rollout.workflow=agent_http) that tries to steal
-the run's keys (tests/e2e/key_snoop_agent.py: its environment and every /proc/<pid>/environ it can open).
+scorer, the HF engine and an agent command in another process (rollout.workflow=agent_http) that attacks the run it
+is part of (tests/e2e/attack_agent.py, tests/unit/attacker.py). Every episode's command tries, for real, before it
+answers: to plant a file in the run's checkpoints, the source tree and the Python environment, to write the stop
+marker (which would turn the run's end into exit 75, a requeue) and the run's config, to list the checkpoints and
+read the checkpoint key, to write a key into the trainer world's store (torchrun's, on placement.master_port), to
+remount / writable, and to find one of the run's keys in its environment or any /proc/<pid>/environ. Another user
+(uid 65534) tries to read the run directory. Every attempt fails.
 
 The launching environment exports the run's two keys (MEGARL_ENGINE_KEY, MEGARL_DEDICATED_AUTHKEY) with values the
 test knows, so that a key is recognised wherever it is found.
@@ -19,8 +24,12 @@ test knows, so that a key is recognised wherever it is found.
 
 Checked: every attempt ends within its timeout (no hang), metrics hold steps and versions 1..N, no trajectory is
 trained twice, every trajectory accepted before the checkpoint an attempt stopped at is trained exactly once, the
-engine restart is counted (n_engine_restarts, n_engine_resubmits), and no agent command found a key: each ran in a
-PID namespace of its own and saw its own environment scrubbed.
+engine restart is counted (n_engine_restarts, n_engine_resubmits), no checkpoint was refused as unsigned or damaged,
+and no agent command reached anything: each ran in mount, network and PID namespaces of its own with its environment
+scrubbed.
+
+The run directory lies under /var/tmp, not /tmp: an isolated command gets a fresh /tmp, which would hide it whether
+or not the run protects it.
 
 The dedicated scorer runs as a command of its own on a port (placement.dedicated_command, the process layout of a
 GPU node), and for the whole test a squatter holds idle connections to that port and tries a wrong key each
@@ -30,16 +39,21 @@ trainer's link comes through, and no step waits for them.
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
+from pathlib import Path
 
 import psutil
+import pytest
 from conftest import ENV, ROOT
 from test_preempt_torchrun import checkpoints, finish, keys_in_environ, trainer_rank
 from test_resume import jsonl, process_gone, wait_for
@@ -106,16 +120,41 @@ def commands(procs) -> dict:
     return out
 
 
-def assert_no_key_found(snoops) -> None:
-    """No snooping agent command saw a key, in its environment or in any /proc/<pid>/environ it could read."""
-    reports = [json.loads(p.read_text()) for p in snoops.glob("snoop_*.json")]  # complete: written by a rename
-    assert reports, "no agent command ran"
-    cut = len(list(snoops.glob(".snoop_*.json.tmp")))  # commands stopped mid-write (a SIGTERM): counted, not read
-    print(f"{len(reports)} snooping agent reports, {cut} cut short by a stop")
+@pytest.fixture
+def base():
+    path = Path(tempfile.mkdtemp(prefix="megarl-faults-", dir="/var/tmp"))
+    path.chmod(0o711)  # another user may pass through: what stops it is the run directory's own mode
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def attack_plan(run, master_port: int) -> dict:
+    """What every agent command tries (tests/unit/attacker.py): the targets of each attempt."""
+    return {"write": [str(run / "checkpoints"), str(ROOT / "megarl"), sysconfig.get_paths()["purelib"]],
+            "overwrite": [str(run / "stop.json"), str(run / "config.yaml")],
+            "read": [str(run / "checkpoints"), str(run / ".megarl-run" / "checkpoint.key")],
+            "store": ["127.0.0.1", master_port], "secrets": list(KEYS.values())}
+
+
+def other_user_reads(path: Path) -> str:
+    """What uid 65534 gets trying to list ``path`` (a directory) or read it (a file)."""
+    cmd = "import os, sys; p = sys.argv[1]; print(os.listdir(p) if os.path.isdir(p) else open(p).read()[:20])"
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
+                        cmd, str(path)], capture_output=True, text=True, timeout=60)
+    return "done" if r.returncode == 0 else r.stderr.strip().splitlines()[-1]
+
+
+def assert_nothing_reached(reports_dir) -> None:
+    """No attacking agent command planted, overwrote, read or stored anything, nor saw a key or a job variable."""
+    reports = [json.loads(p.read_text()) for p in reports_dir.glob("attack_*.json")]  # complete: written by a rename
+    assert len(reports) >= 8, f"{len(reports)} agent commands reported"
+    cut = len(list(reports_dir.glob(".attack_*.json.tmp")))  # stopped mid-write (a SIGTERM): counted, not read
+    print(f"{len(reports)} attacking agent reports, {cut} cut short by a stop")
     for r in reports:
-        seen = "\n".join([*(f"{k}={v}" for k, v in r["own_env"].items()), *r["readable"].values()])
-        stolen = [name for name, value in KEYS.items() if value in seen]
-        assert not stolen, f"an agent command read {stolen} (its pid namespace shows {sorted(r['readable'])})"
+        attempts = {k: v for k, v in r.items() if k not in ("scratch /tmp", "env", "secrets")}
+        assert len(attempts) == 9, r
+        assert not [k for k, v in attempts.items() if v.startswith("done")], r
+        assert r["scratch /tmp"] == "done" and r["env"] == [] and r["secrets"] == [], r
 
 
 def accepted_total(run, step: int) -> int:
@@ -144,9 +183,11 @@ def assert_trained_once(journals, run) -> None:
                           f"once: {twice[:5]}"
 
 
-def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(text_ckpt, tmp_path):
-    run, snoops = tmp_path / "run", tmp_path / "snoops"
-    snoops.mkdir()
+def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(text_ckpt, base):
+    run, reports, plan_file = base / "run", base / "reports", base / "plan.json"
+    reports.mkdir()
+    master_port = free_port()
+    plan_file.write_text(json.dumps(attack_plan(run, master_port)))
     env = {**ENV, **KEYS}
     scorer_port = free_port()  # the scorer role's (placement.engine_port: no engine of this run takes a port)
     squatter = Squatter(scorer_port)
@@ -154,18 +195,23 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     common = ["launch", "--launcher", "torchrun", "--config", "configs/tiny_agent_cpu.yaml", "rollout.backend=hf",
               "rollout.workflow=agent_http", "agent.tools=[]", "eval.path=", "logging.progress=none",
               "logging.tensorboard=false", "logging.save_every=0", "placement.trainer_ranks=2",
-              "recovery.name=dedicated", "placement.dedicated_command=true", f"placement.engine_port={scorer_port}",
-              f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
+              f"placement.master_port={master_port}", "recovery.name=dedicated", "placement.dedicated_command=true",
+              f"placement.engine_port={scorer_port}", f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
               "rollout.health_interval_s=1", f"rollout.health_timeout_s={HEALTH_TIMEOUT_S}",
               f"rollout.generate_timeout_s={GENERATE_TIMEOUT_S}",
-              f"agent.command={sys.executable} tests/e2e/key_snoop_agent.py {snoops}",
-              f"agent.command_writable=[{snoops}]"]  # its reports; the rest of the filesystem is read-only to it
+              f"agent.command={sys.executable} tests/e2e/attack_agent.py {reports} {plan_file}",
+              f"agent.command_writable=[{reports}]"]  # its reports; the rest of the filesystem is read-only to it
 
     # -- attempt 1: the engine stops answering after step 1, then SIGTERM to megarl launch
-    log1 = tmp_path / "attempt1.log"
+    log1 = base / "attempt1.log"
     first = start([*common, f"logging.output_dir={run}"], log1, env)
     wait_for(lambda: (run / "engine0.pid").is_file() and len(jsonl(run / "metrics.jsonl")) >= 1, first, log1)
     stopped = int((run / "engine0.pid").read_text())
+    # another user of a shared filesystem: the run directory is 0700, its files 0600
+    outside = {p: other_user_reads(p) for p in (run, run / "metrics.jsonl")}
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (run, run / "metrics.jsonl", run / "config.yaml")}
+    assert all("Permission denied" in v for v in outside.values()), outside
+    assert modes == {"run": "0o700", "metrics.jsonl": "0o600", "config.yaml": "0o600"}, modes
     restarts_before = jsonl(run / "metrics.jsonl")[-1]["n_engine_restarts"]
     t_stop = time.monotonic()
     os.kill(stopped, signal.SIGSTOP)
@@ -202,7 +248,7 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     assert k1 <= TOTAL - 3, f"attempt 1 stopped at step {k1}: attempt 2 would have no step to stop in (raise TOTAL)"
 
     # -- attempt 2: a signal that reaches only trainer rank 1
-    log2 = tmp_path / "attempt2.log"
+    log2 = base / "attempt2.log"
     second = start([*common, f"logging.resume={run}"], log2, env)
     wait_for(lambda: (run / "resumes.jsonl").exists() and len(jsonl(run / "metrics.jsonl")) >= k1 + 1, second, log2)
     # while it trains, no process of the run keeps a key in its environment (megarl/launch/key_files.py)
@@ -223,13 +269,13 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     journals.append((jsonl(run / "accepted.jsonl"), k2, accepted_total(run, k2)))
 
     # -- attempt 3: to the end (a stop may have landed on the last step: then it trains nothing)
-    log3 = tmp_path / "attempt3.log"
+    log3 = base / "attempt3.log"
     third = start([*common, f"logging.resume={run}"], log3, env)
     assert finish(third, log3, timeout=300) == 0, log3.read_text()[-3000:]
     assert list(run.glob(".megarl-keys-*")) == [], "the launch leaves no key directory"
     squatter.halt.set()
     print(f"\nlaunch x2 ranks: engine SIGSTOPped after step 1 replaced in {restart_s:.1f} s; SIGTERM at step {k1}; "
-          f"rank-1 SIGUSR1 at step {k2}; {len(list(snoops.glob('snoop_*.json')))} snooping agent commands; "
+          f"rank-1 SIGUSR1 at step {k2}; {len(list(reports.glob('attack_*.json')))} attacking agent commands; "
           f"{squatter.idle} idle and {squatter.wrong_key} wrong-key connections to the scorer's port")
 
     metrics = jsonl(run / "metrics.jsonl")
@@ -238,5 +284,7 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     assert [r["step"] for r in jsonl(run / "trained_ids.jsonl")] == list(range(1, TOTAL + 1))
     assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k1, k2]
     assert_trained_once(journals, run)
-    assert_no_key_found(snoops)
+    assert_nothing_reached(reports)
+    text = log1.read_text() + log2.read_text() + log3.read_text()
+    assert "not signed" not in text and "damaged" not in text and "planted" not in text, text[-3000:]
     assert (run / "final" / "model.safetensors").is_file()
