@@ -137,6 +137,8 @@ def test_unfinished_posted_groups_are_regenerated_on_resume_and_claimed_with_an_
     rows, workflow = service_side(text_tokenizer)
     c, trainer = controller(rows, workflow, KeepStates())
     c.load_state_dict(state, id_prefix="r1.")
+    # an external service's episodes do not survive a restart: both groups' four are started again, counted
+    assert (c.counters["n_regenerated_after_resume"], c.counters["n_continued_after_resume"]) == (4, 0)
 
     async def main():
         await workflow.serve_rows(rows)
