@@ -5,11 +5,27 @@ catches), not with NCCL: when a peer is lost, NCCL's watchdog tears the
 process holding the communicator down before any ``except`` runs, and
 ``work.wait()`` returns once the work is queued, not delivered. So the
 trainer never holds the broadcast's communicator. A :class:`SenderProcess`
-(spawned, so CUDA is safe in it) does: the trainer hands it the packed
-buckets (shared memory on CPU, CUDA IPC handles on GPU: no copy), and waits
-for each step's acknowledgement (joining the group, then each bucket, then
-the end marker) with a deadline of ``timeout_s``. On CUDA a bucket is
-acknowledged only once it has left the GPU (megarl/rollout/weight_sync.py).
+(spawned, so CUDA is safe in it) does. The trainer hands it one bucket per
+message and the next only once the sender acknowledged the last (the ack
+comes after the sender let go of it), with a deadline of ``timeout_s`` on
+each step (joining the group, each bucket, the end marker). On CUDA a bucket
+is acknowledged only once it has left the GPU (megarl/rollout/weight_sync.py).
+
+What the sender may hold of the trainer's memory is bounded so that a sender
+killed at any point leaves the trainer where it was:
+
+* host buckets (shared memory) are handed as file-descriptor shares, one at
+  a time; a share the sender had not claimed when it died is closed by
+  :meth:`SenderProcess.kill`, and the one it held is freed with its process.
+* device buckets are never shared with the sender: torch keeps a CUDA block
+  the trainer shared alive for as long as the trainer lives once the consumer
+  died holding it (its IPC reference count is never decremented), so a
+  sender killed holding a view would leak that bucket for good. Instead the
+  sender allocates a staging buffer on the trainer's GPU in its own process
+  and shares it with the trainer; the trainer copies each device bucket into
+  it (a device-to-device copy, then a synchronisation) and the sender
+  broadcasts from its own memory. A dead sender's staging buffer is freed
+  once the trainer drops its view (:meth:`SenderProcess.kill` does).
 
 A sender that misses a deadline, fails, or dies (an NCCL abort) is killed,
 and the publisher sets the abort mark of the group's rendezvous, which the
@@ -53,43 +69,67 @@ class SenderProcess:
         child.close()
         self._busy: concurrent.futures.Future | None = None
         self._shares = (0, 0)  # the fd shares of the last message (unclaimed_shares)
+        #: the sender's staging buffer on the trainer's GPU, as this process sees it (module doc)
+        self._staging: torch.Tensor | None = None
+        self._stage_timeout_s = 60.0
 
     def alive(self) -> bool:
         return self.proc.is_alive() and (self._busy is None or self._busy.done())
 
     def send(self, group_info: dict, buckets: list, timeout_s: float) -> concurrent.futures.Future:
         """Broadcast ``buckets`` (``(meta bytes, payload, shard)``: the workers of that shard receive it) in the
-        group ``group_info`` names.
+        group ``group_info`` names, one message per bucket (module doc).
 
         Returns a future of the sender's seconds; it fails with :class:`EngineError` (and the sender
-        is killed) when a step misses ``timeout_s``, fails, or the sender dies.
+        is killed) when a step misses ``timeout_s``, fails, or the sender dies. ``buckets`` is emptied as
+        the buckets are handed over: a failure's traceback, which the future keeps until the next publish,
+        would otherwise hold a whole export through it.
         """
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._busy = fut
-        # the watcher lets go of the buckets once they are handed over: a failure's traceback, which the future
-        # keeps until the next publish, would otherwise hold a whole export (its shared memory) through it
-        message, steps = [("send", group_info, buckets)], len(buckets) + 2  # joined, each bucket, done
-        del buckets
+        pending = list(buckets)
+        buckets.clear()
 
         def run() -> None:
             try:
-                first = shared_fd_key()
-                self._conn.send(message.pop())  # pickling shares each bucket's fd (claimed when the sender reads)
-                self._shares = (first, shared_fd_key())
-                for step in range(steps):
-                    msg = self._recv(timeout_s, step, steps)
-                    if msg[0] == "error":
-                        raise EngineError(f"weight sender failed: {msg[1]}")
-                    if msg[0] == "done":
-                        fut.set_result(msg[1])
-                        return
-                raise EngineError("weight sender sent more steps than buckets")
+                self._step(("open", group_info, len(pending)), timeout_s, 0, len(pending) + 2)
+                for i in range(len(pending)):
+                    meta, payload, shard = pending[i]
+                    pending[i] = None  # handed over: this thread holds it no more than the sender does
+                    self._step(self._bucket_message(meta, payload, shard), timeout_s, i + 1, len(pending) + 2)
+                    del meta, payload
+                fut.set_result(self._step(("end",), timeout_s, len(pending) + 1, len(pending) + 2)[1])
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting publisher
+                pending.clear()
                 self.kill()
-                fut.set_exception(e)
+                fut.set_exception(e.with_traceback(None))  # its frames would hold the bucket in flight
 
         threading.Thread(target=run, name="megarl-weight-sender-watch", daemon=True).start()
         return fut
+
+    def _bucket_message(self, meta: bytes, payload: torch.Tensor, shard: int) -> tuple:
+        """A host bucket as a shared-memory share; a device bucket copied into the sender's staging buffer
+        (module doc), which the message then names by its byte count."""
+        if payload.device.type != "cuda":
+            return ("bucket", meta, payload, shard)
+        n = payload.numel() * payload.element_size()
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = None  # the sender drops its old buffer when it makes the new one
+            self._staging = self._step(("stage", n), self._stage_timeout_s, 0, 1)[1]
+        self._staging[:n].copy_(payload.view(-1).view(torch.uint8))
+        torch.cuda.synchronize(payload.device)  # the bytes are in place before the sender reads them
+        return ("staged", meta, n, shard)
+
+    def _step(self, message: tuple, timeout_s: float, step: int, steps: int):
+        """Send ``message``, return the sender's answer (an error it reports is raised)."""
+        first = shared_fd_key()
+        self._conn.send(message)  # pickling a host bucket shares its fd (claimed when the sender reads it)
+        self._shares = (first, shared_fd_key())
+        del message
+        msg = self._recv(timeout_s, step, steps)
+        if msg[0] == "error":
+            raise EngineError(f"weight sender failed: {msg[1]}")
+        return msg
 
     def _recv(self, timeout_s: float, step: int, steps: int):
         if not self._conn.poll(timeout_s):
@@ -110,6 +150,7 @@ class SenderProcess:
         self.proc.join(5.0)
         self._conn.close()
         close_unclaimed_shares(*self._shares)
+        self._staging = None  # the dead sender's buffer is freed once no process maps it
 
     def close(self) -> None:
         """Let an idle sender leave its group cleanly; kill it otherwise."""
@@ -146,39 +187,39 @@ def close_unclaimed_shares(first: int, last: int) -> int:
 
 
 def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
-    """The sender's loop: one message per publish, one acknowledgement per step."""
+    """The sender's loop: ``open`` joins the group, each ``bucket`` or ``staged`` message sends one bucket,
+    ``end`` ends the stream; one acknowledgement each, sent once the bucket is let go of."""
     if device_index is not None:
         torch.cuda.set_device(device_index)
-    group = None
+    group, staging, t0 = None, None, 0.0
     while True:
         try:
             msg = conn.recv()
         except EOFError:  # the trainer is gone
             break
-        if msg[0] == "close":
+        kind = msg[0]
+        if kind == "close":
             break
-        _, info, buckets = msg
-        del msg  # the buckets are referenced by name only, so that dropping the name releases them
         try:
-            t0 = time.perf_counter()
-            if group is None or group.group_id != info["group_id"]:
-                if group is not None:
-                    group.close()
-                # the trainer serves the group's rendezvous (megarl/rollout/rendezvous.py); this process joins it
-                group = broadcaster_cls(info["host"], int(info["port"]), int(info["world_size"]),
-                                        backend=info["backend"], timeout_s=float(info["timeout_s"]),
-                                        group_id=info["group_id"], secret=info["secret"], serve_rendezvous=False,
-                                        shards=int(info.get("shards", 1)))
-                group.connect()
-            conn.send(("joined",))
-            while buckets:  # each bucket let go once sent: CUDA IPC blocks the trainer frees after the publish
-                meta, payload, shard = buckets.pop(0)
+            if kind == "stage":  # a buffer of this process the trainer copies device buckets into
+                staging = None
+                staging = torch.empty(int(msg[1]), dtype=torch.uint8, device=torch.device("cuda", device_index))
+                conn.send(("stage", staging))
+            elif kind == "open":
+                t0 = time.perf_counter()
+                group = _joined(group, broadcaster_cls, msg[1])
+                conn.send(("joined",))
+            elif kind == "end":
+                group.end_stream()
+                conn.send(("done", time.perf_counter() - t0))
+            else:
+                _, meta, payload, shard = msg
+                del msg  # the bucket is referenced by name only, so that dropping the name releases it
+                if kind == "staged":
+                    payload = staging[:payload]
                 group.send_bucket(torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload, shard)
-                del meta, payload
+                del payload  # let go of before the acknowledgement: the trainer hands the next bucket on it
                 conn.send(("bucket",))
-            group.end_stream()
-            del buckets
-            conn.send(("done", time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - reported, then the process ends
             try:
                 conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -186,3 +227,17 @@ def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
                 os._exit(1)  # sockets close with the process: engines still receiving fail now
     if group is not None:
         group.close()
+
+
+def _joined(group, broadcaster_cls, info: dict):
+    """The group ``info`` names: ``group`` when it is that one, else a new one joined (the old one closed)."""
+    if group is not None and group.group_id == info["group_id"]:
+        return group
+    if group is not None:
+        group.close()
+    # the trainer serves the group's rendezvous (megarl/rollout/rendezvous.py); this process joins it
+    group = broadcaster_cls(info["host"], int(info["port"]), int(info["world_size"]), backend=info["backend"],
+                            timeout_s=float(info["timeout_s"]), group_id=info["group_id"], secret=info["secret"],
+                            serve_rendezvous=False, shards=int(info.get("shards", 1)))
+    group.connect()
+    return group

@@ -46,9 +46,13 @@ def test_the_sender_drops_every_bucket_once_the_publish_is_sent():
     loop.start()
     info = {"host": "127.0.0.1", "port": 0, "world_size": 2, "backend": "gloo", "timeout_s": 5.0,
             "group_id": "g1", "secret": "s"}
-    buckets = [(bytes(8), torch.full((1024,), float(i)), 0) for i in range(3)]
-    parent.send(("send", info, buckets))
-    replies = [parent.recv() for _ in range(len(buckets) + 2)]
+    parent.send(("open", info, 3))
+    replies = [parent.recv()]
+    for i in range(3):  # one bucket per message, as SenderProcess.send hands them
+        parent.send(("bucket", bytes(8), torch.full((1024,), float(i)), 0))
+        replies.append(parent.recv())
+    parent.send(("end",))
+    replies.append(parent.recv())
     assert [r[0] for r in replies] == ["joined", "bucket", "bucket", "bucket", "done"]
     gc.collect()
     alive = [ref for ref in RecordingGroupStandIn.seen if ref() is not None]
