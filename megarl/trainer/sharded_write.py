@@ -20,6 +20,12 @@ A save has two parts (:func:`save_sharded`):
   barrier. In the background it runs on its own thread over :func:`checkpoint_group`, a gloo group
   used only by checkpoint writes, so its collectives never interleave with the trainer's on the default
   group; every rank must run its writes in the same order (one at a time).
+
+The write is parallel where megatron allows it: a tensor replicated over ranks (the weights over DP) is
+written by one of its holders, spread evenly over them by megatron's ``FullyParallelSaveStrategyWrapper``
+(metadata only is exchanged, at the prepare), instead of always by its replica 0; and each rank writes
+:data:`WRITE_THREADS` files side by side (``FileSystemWriter``'s ``thread_count``). What exists on one rank
+only (the distributed optimizer's gathered state, megarl/trainer/dist_state.py) is written by that rank.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 _GROUP = None
+#: files each rank writes side by side (torch.distributed.checkpoint's FileSystemWriter thread_count)
+WRITE_THREADS = 4
 
 
 def checkpoint_group():
@@ -65,7 +73,8 @@ class ShardedWrite:
         from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
         from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
-        dcp.save(self.state_dict, storage_writer=dcp.FileSystemWriter(self.checkpoint_dir, thread_count=1),
+        dcp.save(self.state_dict, storage_writer=dcp.FileSystemWriter(self.checkpoint_dir,
+                                                                       thread_count=WRITE_THREADS),
                  planner=MCoreSavePlanner(can_run_decentralized_global_plan=False, flatten_state_dict=False),
                  process_group=group)
         if dist.get_rank(group) == 0:
@@ -97,7 +106,9 @@ def _strategy(to_host: bool):
         def save(self, sharded_state_dict, checkpoint_dir):
             self.async_save(sharded_state_dict, checkpoint_dir).run()
 
-    return InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(InProcessTorchDistSave("torch_dist", 1, thread_count=WRITE_THREADS))
 
 
 def save_sharded(sharded_state_dict: dict, checkpoint_dir: str, *, background: bool) -> ShardedWrite:
