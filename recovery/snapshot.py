@@ -78,11 +78,12 @@ class Snapshot(RecoveryStrategy):
                 self.ctx.trainer.params_ready()
                 path = self._dir() / f"v{version}.rank{global_rank()}.safetensors"
                 save_file({k: t.contiguous() for k, t in params.items()}, str(path))
+                self.ctx.trainer.release_params(params)  # its buffer takes the next version's copy
                 self._held[version] = str(path)
                 self.meter.add("bytes_moved", nbytes)
             else:
-                if torch.cuda.is_available():  # a restored version: pinned like the kept ones
-                    params = {k: t if t.is_pinned() else t.pin_memory() for k, t in params.items()}
+                if torch.cuda.is_available() and not all(t.is_pinned() for t in params.values()):
+                    params = self.ctx.trainer.keep_params(params)  # a restored version: one pinned buffer as well
                 self._held[version] = params
         self._nbytes[version] = nbytes
 

@@ -41,6 +41,11 @@ a rank's parameter shard is what megarl/launch/cost.py calls ``shard_params`` (d
   strategy's kept parameter state (its state_dict: snapshot's versions, read back from disk with
   storage=disk; ewma's phi, wherever it lives; interrupt_sync's kept version), held until the write ends.
 
+Of these, **pinned** (page-locked) are the kept copies of snapshot and interrupt_sync: one flat buffer
+per copy, registered with CUDA as it is, without the power-of-two rounding of torch's caching host
+allocator (megarl/trainer/host_copies.py): :func:`pinned_bytes`, what the trainer allocates to within the
+alignment of each tensor (under 512 B a tensor). The lockable memory of a node (``ulimit -l``) must hold it.
+
 Not counted: the processes themselves (Python, torch, CUDA's host allocations, data and reward workers),
 engines sharing the trainer nodes (``placement.engine_nodes=0``), the page cache, and the strategy
 state_dict's own clone, which exists for a moment while any checkpoint is prepared.
@@ -74,6 +79,8 @@ class HostMemory:
     async_save_strategy_copies: float
     #: placement.host_memory_gb in bytes; 0 = not checked
     limit_bytes: float = 0.0
+    #: of the terms, the page-locked bytes of a trainer node (every node alike: :func:`pinned_bytes`)
+    pinned: float = 0.0
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -103,6 +110,9 @@ class HostMemory:
                  + "".join(f"; {n}" for n in self.notes)]
         if self.publish_buckets:
             lines.append(f"  other trainer nodes: {self.other_nodes / GB:.1f} GB (no publish buckets)")
+        lines.append(f"  pinned (page-locked) of it, per trainer node: {self.pinned / GB:.1f} GB ("
+                     + (f"the kept copies of {self.strategy}, one flat buffer each; ulimit -l must allow it)"
+                        if self.pinned else f"{self.strategy} keeps no pinned copies)"))
         lines += [f"  DOES NOT FIT: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -152,12 +162,28 @@ def host_memory(cfg, hf: dict, plan) -> HostMemory:
     if limit_gb < 0:
         raise ConfigError(f"placement.host_memory_gb must be >= 0 (0 = not checked), got {limit_gb:g}")
     *terms, notes = _terms(cfg, hf, plan)
-    hm = HostMemory(cfg.recovery.name, *terms, limit_bytes=limit_gb * GB, notes=notes)
+    hm = HostMemory(cfg.recovery.name, *terms, limit_bytes=limit_gb * GB, notes=notes,
+                    pinned=pinned_bytes(cfg, hf, plan))
     if limit_gb and hm.total > hm.limit_bytes:
         hm.problems.append(f"host memory of a trainer node: {hm.total / GB:.1f} GB planned on rank 0's node "
                            f"({hm.parts()}) > placement.host_memory_gb={limit_gb:g}; set "
                            + " or ".join(_fixes(cfg, hf, plan, hm.limit_bytes)))
     return hm
+
+
+def pinned_bytes(cfg, hf: dict, plan) -> float:
+    """Page-locked bytes of a trainer node (module doc): the copies the strategy keeps at once through
+    ``trainer.keep_params`` (snapshot: its kept versions, one at a time with storage=disk, released once
+    written; interrupt_sync: one), each a flat copy of a rank's shard in the forward's dtype, times the
+    ranks of a node."""
+    name = cfg.recovery.name
+    if name not in ("snapshot", "interrupt_sync"):
+        return 0.0
+    lay = cost.layout(cfg, hf, plan)
+    copies = 1
+    if name == "snapshot" and snapshot_storage(cfg) != "disk":
+        copies = cost.strategy_costs(cfg, hf, plan, cost.Assumptions())["snapshot"]["held_copies"]
+    return float(copies * lay["shard_params"] * lay["dtype_bytes"] * lay["ranks_per_node"])
 
 
 def planned(cfg, hf: dict, plan) -> HostMemory | None:
@@ -228,4 +254,4 @@ def _fixes(cfg, hf: dict, plan, limit: float) -> list[str]:
 
 def as_dict(hm: HostMemory) -> dict[str, Any]:
     return {"host_memory_gb": hm.limit_bytes / GB, "rank0_node_bytes": hm.total, "other_node_bytes": hm.other_nodes,
-            "terms": hm.terms(), "notes": hm.notes, "problems": hm.problems}
+            "pinned_bytes": hm.pinned, "terms": hm.terms(), "notes": hm.notes, "problems": hm.problems}

@@ -59,9 +59,9 @@ class ScoringTrainer(Protocol):
     def get_params(self, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
         """Detached copies of this rank's parameters on ``device`` (None: where the parameters are)."""
 
-    def keep_params(self) -> dict[str, torch.Tensor]:
-        """A host copy of this rank's parameters to keep across steps (reused buffers; on CUDA still being
-        copied when it returns: read it on the host only after :meth:`params_ready`)."""
+    def keep_params(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """A host copy of this rank's parameters (or of ``params``) to keep across steps (reused buffers; on
+        CUDA still being copied when it returns: read it on the host only after :meth:`params_ready`)."""
 
     def release_params(self, params: dict[str, torch.Tensor]) -> None:
         """Give a :meth:`keep_params` copy back (its buffers serve the next one)."""

@@ -37,9 +37,12 @@ class ParamCopies:
             self._host_copy_pool = HostCopyPool()
         return self._host_copy_pool
 
-    def keep_params(self) -> dict[str, torch.Tensor]:
-        """A host copy of this rank's parameters to keep across steps (module doc); give it back with
-        :meth:`release_params` when it is no longer needed, read it on the host after :meth:`params_ready`."""
+    def keep_params(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """A host copy of this rank's parameters (or of ``params``, as a checkpoint restored them) to keep
+        across steps (module doc), pinned where CUDA is; give it back with :meth:`release_params` when it is no
+        longer needed, read it on the host after :meth:`params_ready`."""
+        if params is not None:
+            return self._host_copies().copy(params.items(), pin=torch.cuda.is_available())
         return self._host_copies().copy(self._module().named_parameters())
 
     def release_params(self, params: dict[str, torch.Tensor]) -> None:

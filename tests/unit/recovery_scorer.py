@@ -63,9 +63,9 @@ class HFScorerForTests:
         return {n: p.detach().to(p.device if device is None else device, torch.float32, copy=True)
                 for n, p in self.model.named_parameters()}
 
-    def keep_params(self) -> dict[str, torch.Tensor]:
+    def keep_params(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         self.n_kept = getattr(self, "n_kept", 0) + 1
-        return self.get_params()
+        return self.get_params() if params is None else {k: t.clone() for k, t in params.items()}
 
     def release_params(self, params: dict[str, torch.Tensor]) -> None:
         self.n_released = getattr(self, "n_released", 0) + 1
