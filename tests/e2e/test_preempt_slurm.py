@@ -4,7 +4,10 @@
 (the trainer is an srun step running torchrun). `scancel --signal=TERM --batch` reaches the batch shell alone,
 as --signal=B:... does before the time limit; the run must checkpoint the step it reached, exit 75 and requeue
 the job (Restarts=1); started again at once (StartTime=now), the job resumes from the checkpoint and trains to
-the end with every step once and no trajectory trained twice. Each srun step writes its own log.
+the end with every step once and no trajectory trained twice. Each srun step writes its own log. The trainer
+runs 2 ranks; the stop's checkpoint keeps the groups still running whole (megarl/running_groups.py) and the
+resumed job continues them: no trajectory is generated again, and every partial one the checkpoint kept is
+trained under its own id.
 
 Slurm comes from scripts/install_slurm.sh (scripts/test.sh runs it); without it the test is skipped, except in
 CI (CI=true), where a missing Slurm fails it.
@@ -19,10 +22,12 @@ from conftest import ROOT
 from slurm_local import LocalSlurm, missing_tools
 from test_resume import jsonl
 
+from megarl.checkpoint import load_file
+
 TOTAL = 6
 RUN_ARGS = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.batch_size=32",
             "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false", "eval.path=",
-            "logging.save_every=0", f"trainer.total_steps={TOTAL}"]
+            "logging.save_every=0", f"trainer.total_steps={TOTAL}", "placement.trainer_ranks=2"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,8 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
         assert f"the trainer stopped on SIGUSR1 at step {k} (checkpointed); exit code 75" in text, text[-3000:]
         assert f"requeueing job {job}" in text and "forcing job termination" not in text
         assert k == len(jsonl(run / "metrics.jsonl"))
+        assert "could not collect every request's partial tokens" not in text, text[-3000:]
+        kept = load_file(run / "checkpoints" / f"step_{k}" / "controller.pt")["running_groups"]
         # a requeued job started while the node still cleans up its first run is killed at once ("Job credential
         # revoked", exit 1: seen in a loaded suite run); Slurm's own requeue delay leaves that time, StartTime=now not
         wait_until(slurm.node_idle, "the node to finish the stopped run", slurm, log, timeout=120)
@@ -86,3 +93,13 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
     assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
     assert sorted(p.name for p in run.glob("slurm-megarl-*.out")) == [f"slurm-megarl-{job}.trainer.out"]
     assert "logging.resume=" in log.read_text()  # the requeued run resumed, it did not start over
+    # nothing an engine sampled before the stop was sampled again: the running groups went on from the checkpoint
+    resumed = {key: sum(r[key] for r in metrics[k:]) for key in
+               ("n_continued_after_resume", "n_regenerated_after_resume", "n_tokens_regenerated_after_resume")}
+    n_kept = sum(len(g["trajectories"]) for g in kept)
+    assert resumed == {"n_continued_after_resume": n_kept, "n_regenerated_after_resume": 0,
+                       "n_tokens_regenerated_after_resume": 0}, resumed
+    partial = [t["traj_id"] for g in kept for t in g["trajectories"] if t["response_ids"] and not t["finished"]]
+    assert set(partial) <= set(trained), "a partial trajectory the checkpoint kept was not trained under its id"
+    print(f"\nslurm x2 ranks: stopped at step {k} with {len(kept)} groups running ({len(partial)} partial "
+          f"trajectories, {sum(len(t['response_ids']) for g in kept for t in g['trajectories'])} tokens kept)")
