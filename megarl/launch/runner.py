@@ -187,6 +187,9 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
             if trainer_procs and not trainers_running:
                 _stop(procs)
                 return EXIT_STOPPED if _stopped_cleanly(stop_marker) else 0
+            if not trainer_procs and stopping.since is not None:  # servers alone (an engine node's launch under
+                _stop(procs)  # torchrun on several nodes): no trainer to hold the stop for, they stop now
+                return EXIT_STOPPED
             if not trainer_procs and all(p.poll() is not None for _, p in procs):
                 return max((p.returncode for _, p in procs), default=0)
             if stopping.since is not None and time.monotonic() - stopping.since > give_up_s:
