@@ -29,6 +29,7 @@ from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rewards.code import prepare_sandbox
 from megarl.rollout.base import engine_options, truncates_sampling
+from megarl.rollout.engine_shards import refuse_quantized
 from megarl.rollout.generate_deadline import check_generate_timeout
 from megarl.tokenizer import RunTokenizer
 from megarl.workflows.agent import load_agent
@@ -89,6 +90,7 @@ def check_config(cfg: MegaRLConfig, hf: dict) -> None:
     """The checks of the settings against the model's config.json fields alone: `megarl train`, `megarl plan` and
     `megarl launch` (before any process starts) all make them."""
     validate(cfg, hf)
+    refuse_quantized(hf)  # engines load this checkpoint: a quantized one would load megarl's updates wrong
     refuse_unwired(cfg)
     reward_kwargs(resolve_reward_fn(cfg.reward.fn), cfg.reward.fn)
 

@@ -29,7 +29,10 @@ anything else (norms, ``mlp.gate``)          -     the full tensor to every work
 
 A dimension that k does not divide is sent whole (the worker's loader cuts it as before), and so is
 every tensor of an architecture outside :data:`CUT_ARCHITECTURES` (those whose loaders these rules
-were checked against).
+were checked against), and every tensor of a quantized checkpoint (a ``quantization_config`` in its
+HF config: vLLM's quantized layers do not split evenly, block-FP8 pads each expert's shard to whole
+blocks). megarl does not publish to quantized engines at all (:func:`refuse_quantized`): they take
+quantized tensors and scales, megarl's trainer exports unquantized weights.
 
 The receiver widens each slice back into a zero tensor of the full shape
 (megarl/rollout/weight_sync.py :func:`~megarl.rollout.weight_sync.unpack`)
@@ -49,6 +52,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
+from megarl.errors import ConfigError
+
 if TYPE_CHECKING:  # the rules are plain arithmetic: `megarl plan` prices a publish with them
     import torch
 
@@ -67,10 +72,37 @@ _SUFFIX = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|do
                      r"\.(weight|bias)$")
 
 
+def quantization_of(hf: dict) -> str | None:
+    """The quantization method a checkpoint's HF config names, as vLLM reads it (``quantization_config``, or
+    compressed-tensors' ``compression_config``; its ``quant_method``), or None for an unquantized one."""
+    for key in ("quantization_config", "compression_config"):
+        q = hf.get(key)
+        if q:
+            return str(q.get("quant_method") or "unknown") if isinstance(q, dict) else str(q)
+    return None
+
+
+def quantized_update_error(method: str) -> str:
+    """Why megarl refuses to update the weights of an engine quantized with ``method``, and the fix."""
+    return (f"the checkpoint's HF config has a quantization_config (quant_method {method!r}): vLLM runs it as a "
+            f"quantized engine, which loads quantized tensors with their scales, while megarl publishes the "
+            f"trainer's unquantized weights; an update would load wrong weights (block-FP8 pads each expert "
+            f"shard, NVFP4's post-load processing would scale them again). Use the model's unquantized (bf16) "
+            f"checkpoint for model.checkpoint")
+
+
+def refuse_quantized(hf: dict) -> None:
+    """ConfigError (:func:`quantized_update_error`) when ``hf`` is a quantized checkpoint's config."""
+    method = quantization_of(hf)
+    if method is not None:
+        raise ConfigError(quantized_update_error(method))
+
+
 def vllm_tp_rule(hf: dict, k: int) -> ShardRule:
     """The slices vLLM's Qwen3 / Qwen3-MoE loaders keep on each of ``k`` tensor-parallel workers (module doc);
-    another architecture's tensors all go whole (a config without ``architectures`` is taken for Qwen3)."""
-    if not set(hf.get("architectures") or ["Qwen3ForCausalLM"]) <= CUT_ARCHITECTURES:
+    another architecture's tensors, and a quantized checkpoint's, all go whole (a config without
+    ``architectures`` is taken for Qwen3)."""
+    if quantization_of(hf) is not None or not set(hf.get("architectures") or ["Qwen3ForCausalLM"]) <= CUT_ARCHITECTURES:
         return lambda name, shape: None
     heads, kv = int(hf["num_attention_heads"]), int(hf["num_key_value_heads"])
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)

@@ -23,7 +23,9 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
+from megarl.errors import EngineError
 from megarl.platform.amx import request_amx_if_asked
+from megarl.rollout.engine_shards import quantized_update_error
 from megarl.rollout.vllm_routes import install_capture, pack_histories
 from megarl.rollout.weight_spec import safetensors_files
 from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
@@ -120,6 +122,9 @@ class MegarlWorkerExtension:
     def _megarl_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         from vllm.config import set_current_vllm_config  # vLLM: module doc
 
+        quantization = getattr(self.vllm_config.model_config, "quantization", None)
+        if quantization:  # megarl/preflight.py refuses such a checkpoint first; an engine started otherwise too
+            raise EngineError(quantized_update_error(str(quantization)))
         count = [0]
 
         def counted():
@@ -145,14 +150,33 @@ class MegarlWorkerExtension:
            that step packs the weight into a GEMM handle, which keeps the old
            weights (log-probs of the old model's output layer, ~1 nat off).
         Both steps are idempotent and no-ops where nothing is packed (GPU).
+        Only for these unquantized methods: a quantized method's post-load step
+        converts the checkpoint's tensors in place (NVFP4 scales them, block
+        FP8 pads and swizzles), so re-running it would do it twice; megarl
+        refuses updates of quantized engines (:meth:`_megarl_reload`), and this
+        skips every other method anyway (:func:`rerun_after_reload`).
         Guarded by tests/e2e/test_vllm_engine.py (dense tied, MoE untied).
         """
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # vLLM
-
         for module in self.model_runner.get_model().modules():
             method = getattr(module, "quant_method", None)
-            kernel = getattr(method, "moe_kernel", None)
-            if kernel is not None:
-                kernel.fused_experts.process_weights_after_loading(module)
-            elif isinstance(method, UnquantizedEmbeddingMethod) and module.weight.numel() > 0:
+            step = rerun_after_reload(method, module)
+            if step == "fused_experts":
+                method.moe_kernel.fused_experts.process_weights_after_loading(module)
+            elif step == "embedding":
                 method.process_weights_after_loading(module)
+
+
+def rerun_after_reload(method, module) -> str | None:
+    """Which post-load step :meth:`MegarlWorkerExtension._megarl_fix_after_reload` re-runs for a module whose
+    ``quant_method`` is ``method``: ``"fused_experts"`` for vLLM's unquantized fused MoE (directly or wrapped in
+    the modular method), ``"embedding"`` for an unquantized embedding with weights, None for anything else
+    (a quantized method's step is not idempotent)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod  # vLLM
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # vLLM
+
+    base = getattr(method, "old_quant_method", method)  # FusedMoEModularMethod wraps the layer's own method
+    if getattr(method, "moe_kernel", None) is not None and isinstance(base, UnquantizedFusedMoEMethod):
+        return "fused_experts"
+    if isinstance(method, UnquantizedEmbeddingMethod) and module.weight.numel() > 0:
+        return "embedding"
+    return None
