@@ -60,10 +60,12 @@ def _route_failures(name: str, rep: dict[str, Any]) -> list[str]:
     out = []
     m = rep.get("routes_matter", {})
     if m.get("passed") is False:
-        if m["n_replay_closer"] < m["n_flip_positions"] or m["gap_replay_mean"] >= m["gap_live_mean"]:
+        decided = m["n_flip_positions"] - m["n_undecided"]
+        if m["n_replay_closer"] < decided or m["gap_replay_mean"] >= m["gap_live_mean"]:
             out.append(f"{name}: replaying the engine's routes brought the trainer closer to logp_behav than live "
-                       f"routing at only {m['n_replay_closer']:.0f} of the {m['n_flip_positions']:.0f} positions "
-                       f"where the trainer's routers choose other experts (mean gap {m['gap_replay_mean']:.3g} "
+                       f"routing at only {m['n_replay_closer']:.0f} of the {decided:.0f} positions where the "
+                       f"trainer's routers choose other experts and the two differ by more than the engine's "
+                       f"discrepancy elsewhere (mean gap {m['gap_replay_mean']:.3g} "
                        f"replayed, {m['gap_live_mean']:.3g} live): the reference does not replay the engine's routes")
         if m["anchor_other_routes"]:
             out.append(f"{name} claims exactness but its anchor was computed with other routes than the engine's "
@@ -78,7 +80,8 @@ def _route_failures(name: str, rep: dict[str, Any]) -> list[str]:
 def _matter_part(m: dict[str, Any]) -> str:
     verdict = {None: "nothing to judge", True: "passed", False: "FAILED"}[m["passed"]]
     return (f" | where routes matter ({m['n_flip_positions']:.0f} positions): replay closer to the engine at "
-            f"{m['n_replay_closer']:.0f} (mean gap {m['gap_replay_mean']:.3g} replayed, {m['gap_live_mean']:.3g} "
+            f"{m['n_replay_closer']:.0f}, undecided {m['n_undecided']:.0f} (mean gap {m['gap_replay_mean']:.3g} "
+            f"replayed, {m['gap_live_mean']:.3g} "
             f"live); anchor with the engine's routes at {m['anchor_engine_routes']:.0f}, other routes at "
             f"{m['anchor_other_routes']:.0f}, unseen {m['anchor_unseen']:.0f}: {verdict}")
 

@@ -10,8 +10,12 @@ recovery/_route_checks.py finds them). Two checks run on them:
 
 - **replay vs live**: the reference with the engine's routes replayed must be
   closer to the engine's ``logp_behav`` than the same forward routed live, at
-  every flip position and in sum. A reference (or a trainer) that does not
-  really replay fails here.
+  every flip position where the two forwards differ by more than the engine's
+  own discrepancy on the batch's other tokens (r_d where the routes agree: a
+  flip that moves the log-prob less than that cannot be told from bf16
+  round-off; such positions are counted as ``n_undecided``), and in sum over
+  all flip positions. A reference (or a trainer) that does not really replay
+  fails here.
 - **anchor routes**: the anchor of an exact strategy must have been computed
   with the engine's routes there, compared as route ids, not log-probs.
   :class:`RouteTap` records every forward the trainer runs for the strategy
@@ -30,10 +34,12 @@ import torch
 
 from megarl.routes import as_int16, known
 from megarl.types import TrainBatch
+from recovery._reference import policy_tokens
 
 
 def empty() -> dict[str, float]:
-    return {"n_flip_positions": 0.0, "n_replay_closer": 0.0, "gap_replay_sum": 0.0, "gap_live_sum": 0.0,
+    return {"n_flip_positions": 0.0, "n_replay_closer": 0.0, "n_undecided": 0.0, "gap_replay_sum": 0.0,
+            "gap_live_sum": 0.0,
             "anchor_engine_routes": 0.0, "anchor_other_routes": 0.0, "anchor_unseen": 0.0}
 
 
@@ -103,9 +109,14 @@ def judge(counts: dict[str, float], flipped: torch.Tensor, batch: TrainBatch, tr
     anchor = anchor.detach().float().cpu()
     gap_replay = (truth - behav).abs()
     gap_live = (no_replay - behav).abs()
+    agree = policy_tokens(batch) & ~flipped & torch.isfinite(gap_replay)
+    noise = float(gap_replay[agree].max()) if agree.any() else 0.0
     for b, i in flipped.nonzero().tolist():
         counts["n_flip_positions"] += 1
-        counts["n_replay_closer"] += float(gap_replay[b, i] < gap_live[b, i])
+        if abs(float(truth[b, i]) - float(no_replay[b, i])) <= noise:
+            counts["n_undecided"] += 1
+        else:
+            counts["n_replay_closer"] += float(gap_replay[b, i] < gap_live[b, i])
         counts["gap_replay_sum"] += float(gap_replay[b, i])
         counts["gap_live_sum"] += float(gap_live[b, i])
         if tap is None:
@@ -119,14 +130,15 @@ def judge(counts: dict[str, float], flipped: torch.Tensor, batch: TrainBatch, tr
 
 def summary(counts: dict[str, float]) -> dict[str, Any]:
     """The report's ``routes_matter``; ``passed`` (None without flip positions: nothing to judge): replay was
-    closer at every flip position and in sum, and no anchor used other routes than the engine's there."""
+    closer at every decided flip position and in sum, and no anchor used other routes than the engine's there."""
     n = counts["n_flip_positions"]
     rep: dict[str, Any] = {k: v for k, v in counts.items() if not k.endswith("_sum")}
     rep["gap_replay_mean"] = counts["gap_replay_sum"] / max(n, 1.0)
     rep["gap_live_mean"] = counts["gap_live_sum"] / max(n, 1.0)
     rep["passed"] = None
     if n:
-        rep["passed"] = (counts["n_replay_closer"] == n and counts["gap_replay_sum"] < counts["gap_live_sum"]
+        rep["passed"] = (counts["n_replay_closer"] == n - counts["n_undecided"]
+                         and counts["gap_replay_sum"] < counts["gap_live_sum"]
                          and counts["anchor_other_routes"] == 0)
     return rep
 

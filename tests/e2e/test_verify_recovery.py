@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 MOE = ["model.init_model=configs/models/tiny_qwen3_moe.yaml", "rollout.routing_replay=true",
        "rollout.routing_replay_strict=true"]
+#: answer length of the vLLM MoE runs (their model's answers run to it)
+MOE_NEW_TOKENS = 48
 
 
 def _verify(tmp_path, *args, timeout=600):
@@ -140,26 +142,48 @@ def test_with_bf16_engines_the_exact_strategies_stay_exact_and_behav_shows_r_d(c
 def test_moe_routing_replay_with_vllm_engines_keeps_the_exact_strategies_exact(tmp_path, dtype):
     # the tiny Qwen3-MoE on the vLLM CPU engine, its routes captured by megarl's worker extension, replayed in
     # every forward of snapshot, interrupt_sync and dedicated on sequences spliced across real updates
-    # (rollout.splice_at_tokens=2: the digit tokenizer's answers are short); strict: no request may lack routes.
-    # fp32: the oracle judges (the trainer reproduces the engine); bf16: the engine's routers pick other experts
-    # than the trainer's for a share of the tokens even at the sampling version, and r_d is bf16-sized
+    # (rollout.splice_at_tokens=2); strict: no request may lack routes. Its vocabulary is padded
+    # (configs/models/tiny_qwen3_moe_padded.yaml), so answers run to max_new_tokens: every held trajectory is
+    # spliced, and a bf16 run has enough tokens for its route flips to show up.
+    # fp32: the oracle judges (the trainer reproduces the engine) and the trainer's routers at the sampling
+    # version choose the engine's experts everywhere, so replay cannot be seen; bf16: the engine's routers pick
+    # other experts than the trainer's at some positions even at the sampling version, and there replaying the
+    # engine's routes must bring the trainer closer to the engine than live routing, and each exact anchor must
+    # come from a forward that replayed them (route ids; the dedicated scorer's forwards run in its own process)
     report = tmp_path / "report.json"
     r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies",
                    "snapshot,interrupt_sync,dedicated", "--steps", "3", "--output", str(report),
-                   f"model.checkpoint={tmp_path / 'moe'}", *MOE, "rollout.splice_at_tokens=2",
-                   "rollout.max_new_tokens=32", f"rollout.dtype={dtype}", "rollout.kv_cache_gb=1", timeout=900)
+                   f"model.checkpoint={tmp_path / 'moe'}", *MOE,
+                   "model.init_model=configs/models/tiny_qwen3_moe_padded.yaml", "rollout.splice_at_tokens=2",
+                   f"rollout.max_new_tokens={MOE_NEW_TOKENS}", f"rollout.dtype={dtype}", "rollout.kv_cache_gb=1",
+                   timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    flips: dict[str, float] = {}
     for name, s in json.loads(report.read_text())["strategies"].items():
+        matter = s["routes_matter"]
         if dtype == "float32":
             assert_exact_fp32(name, s)
             assert s["routes"]["same_version"]["tokens_differ_frac"] == 0.0, (name, s["routes"])
+            assert matter["n_flip_positions"] == 0 and matter["passed"] is None, (name, matter)
         else:
             assert s["claims_exact"] and s["measured_exact"] and s["max_abs_err"] <= 1e-5, (name, s)
             assert 1e-5 < s["r_d_abs_mean"] < 5e-3 and not s["oracle"]["judges"], (name, s)
-        assert s["n_spliced_across_update"] >= 1 and s["max_versions_per_sequence"] >= 2, (name, s)
+            # a flip lands on a few of the run's ~600 tokens (0.5% of tokens at 48 per answer): judged where there
+            assert matter["passed"] is not False and matter["gap_replay_mean"] <= matter["gap_live_mean"], matter
+            n = matter["n_flip_positions"]
+            assert matter["n_replay_closer"] == n - matter["n_undecided"], (name, matter)
+            seen = "anchor_unseen" if name == "dedicated" else "anchor_engine_routes"
+            assert matter[seen] == n and matter["anchor_other_routes"] == 0, (name, matter)
+            flips[name] = n
+        # margins: enough splices across updates and enough telling tokens that the checks can see
+        assert s["n_spliced_across_update"] >= 5 and s["max_versions_per_sequence"] >= 2, (name, s)
+        assert s["copy"]["telling_tokens"] >= 50 and not s["copy"]["is_copy"], (name, s["copy"])
         # replay did something: without it the trainer's routers (current weights) would route elsewhere
         assert s["routes"]["current_weights"]["tokens_differ_frac"] > 0, (name, s["routes"])
+        assert s["routes"]["policy_routes_wrong"] == 0, (name, s["routes"])
         records = [json.loads(x) for x in (tmp_path / f"verify-{name}" / "metrics.jsonl").read_text().splitlines()]
         steps = [x for x in records if "reward_mean" in x]
         assert len(steps) == 3
         assert all(x["n_routes_missing"] == 0 and x["routes/same_version/n_tokens"] > 0 for x in steps)
+    if dtype == "bfloat16":  # the three runs together: replay was judged where it matters
+        assert sum(flips.values()) >= 3, flips
