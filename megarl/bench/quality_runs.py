@@ -35,7 +35,9 @@ from typing import Any
 from megarl.bench.plots import moving_average
 from megarl.bench.quality_stats import (
     DIFF_LEVEL,
+    MIN_SEEDS_TO_CALL,
     TOO_FEW,
+    call_differences,
     diff_interval,
     logged_values,
     steps_to_threshold,
@@ -187,7 +189,8 @@ def cell_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def behav_diffs(rows: list[dict[str, Any]], level: float = DIFF_LEVEL) -> list[dict[str, Any]]:
     """Each non-behav cell's final-window reward minus behav's at its eta, with the t interval of
-    quality_stats.diff_interval (None with too few seeds); cells whose eta has no behav get none."""
+    quality_stats.diff_interval (None with too few seeds); cells whose eta has no behav get none. The verdicts
+    are quality_stats.call_differences over all of them: none below 5 seeds a side, Holm over the grid."""
     behav = {r["eta"]: dict(zip(r["seeds"], r["per_seed"])) for r in rows if r["strategy"] == "behav"}
     out = []
     for r in rows:
@@ -196,8 +199,9 @@ def behav_diffs(rows: list[dict[str, Any]], level: float = DIFF_LEVEL) -> list[d
         ref = behav[r["eta"]]
         iv = diff_interval(dict(zip(r["seeds"], r["per_seed"])), ref, level=level)
         out.append({"strategy": r["strategy"], "eta": r["eta"], "diff": r["mean"] - statistics.fmean(ref.values()),
-                    "n_cell": len(r["per_seed"]), "n_behav": len(ref), "interval": iv,
-                    "verdict": TOO_FEW if iv is None else iv["verdict"]})
+                    "n_cell": len(r["per_seed"]), "n_behav": len(ref), "interval": iv})
+    for d, verdict in zip(out, call_differences([d["interval"] for d in out], level)):
+        d["verdict"] = verdict
     return out
 
 
@@ -270,7 +274,10 @@ def vs_behav_table(q: dict[str, Any]) -> list[str]:
     out += ["", "paired t: both cells ran the same seeds (trainer.seed), the interval is on the per-seed differences "
             "(n pairs, n - 1 df); Welch t: the seed sets differ, n is this cell's seeds vs behav's (Welch-"
             "Satterthwaite df). Both need 2 seeds a side. At n = 3 such an interval is wide: 'no difference "
-            "detectable at this n' says the seeds cannot tell the cells apart, not that they are equal."]
+            "detectable at this n' says the seeds cannot tell the cells apart, not that they are equal. "
+            f"A difference is called only at {MIN_SEEDS_TO_CALL} or more seeds a side ('not called at n < "
+            f"{MIN_SEEDS_TO_CALL}' below) and when it survives Holm's step-down correction over the "
+            f"{len(q['vs_behav'])} comparisons of this table at alpha = {1 - q['level']:.2f}."]
     return out
 
 

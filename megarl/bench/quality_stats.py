@@ -24,6 +24,14 @@ difference detectable at this n" when it holds 0, else "above behav" / "below
 behav". It needs at least two seeds on each side (two pairs when paired); with fewer
 it is ``None``. The t quantiles are scipy's (``scipy.stats.t.ppf``).
 
+What a grid calls a difference (:func:`call_differences`, docs/results.md's rule):
+nothing below ``MIN_SEEDS_TO_CALL`` seeds on either side ("not called at n < 5":
+the interval is still shown), and over the grid's comparisons a difference is
+called only when it survives Holm's step-down correction (Holm, 1979) at
+alpha = 1 - level: the comparisons' two-sided t p-values, ascending, p_(k) <=
+alpha / (m - k + 1) until the first that fails. An interval that excludes 0 on
+its own but not after the correction says "no difference called after Holm".
+
 Logged diagnostics (:func:`cell_diagnostics`), each pooled over every step of
 every seed that logged it (``None`` when none did): the mean of
 ``r_d/abs_logp_mean`` (|logp_old - logp_behav|; logged only where logp_old is
@@ -45,6 +53,10 @@ from scipy.stats import t as student_t
 DIFF_LEVEL = 0.9
 NO_DIFFERENCE = "no difference detectable at this n"
 TOO_FEW = "n too small"
+MIN_SEEDS_TO_CALL = 5
+"""Fewest seeds on each side (pairs when paired) at which a grid's report calls a difference."""
+NOT_CALLED = f"not called at n < {MIN_SEEDS_TO_CALL}"
+NOT_AFTER_HOLM = "no difference called after Holm"
 
 
 def steps_to_threshold(smoothed: list[float], threshold: float) -> int | None:
@@ -110,6 +122,42 @@ def diff_interval(a: dict[int, float], b: dict[int, float], *, level: float = DI
         seeds = sorted(a)
         return paired_t_interval([a[s] for s in seeds], [b[s] for s in seeds], level=level, reference=reference)
     return welch_t_interval(list(a.values()), list(b.values()), level=level, reference=reference)
+
+
+def p_value(iv: dict[str, Any]) -> float:
+    """Two-sided p-value of a t interval's difference against 0 (its t statistic at its df)."""
+    if iv["se"] == 0.0:
+        return 1.0 if iv["diff"] == 0.0 else 0.0
+    return float(2.0 * student_t.sf(abs(iv["diff"]) / iv["se"], iv["df"]))
+
+
+def holm(p_values: list[float], alpha: float) -> list[bool]:
+    """Holm's step-down rejections (module doc) of the family ``p_values``, in their order."""
+    m, out = len(p_values), [False] * len(p_values)
+    for k, i in enumerate(sorted(range(m), key=lambda j: p_values[j])):
+        if p_values[i] > alpha / (m - k):
+            break
+        out[i] = True
+    return out
+
+
+def call_differences(intervals: list[dict[str, Any] | None], level: float = DIFF_LEVEL) -> list[str]:
+    """The verdict of each of a grid's comparisons (module doc): ``TOO_FEW`` without an interval,
+    ``NOT_CALLED`` below ``MIN_SEEDS_TO_CALL`` seeds a side, else the interval's verdict where it survives
+    Holm's correction over every comparison that has an interval."""
+    family = [i for i, iv in enumerate(intervals) if iv is not None]
+    called = dict(zip(family, holm([p_value(intervals[i]) for i in family], 1.0 - level)))
+    out = []
+    for i, iv in enumerate(intervals):
+        if iv is None:
+            out.append(TOO_FEW)
+        elif min(iv["n_a"], iv["n_b"]) < MIN_SEEDS_TO_CALL:
+            out.append(NOT_CALLED)
+        elif iv["verdict"] != NO_DIFFERENCE and not called[i]:
+            out.append(NOT_AFTER_HOLM)
+        else:
+            out.append(iv["verdict"])
+    return out
 
 
 def logged_values(records: list[dict[str, Any]], key: str) -> list[float]:
