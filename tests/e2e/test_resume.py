@@ -119,6 +119,14 @@ def kill_engine_and_finish(proc: subprocess.Popen, run: Path, log: Path) -> int:
     return engine_pid
 
 
+def kept_running(step_dir: Path) -> tuple[list[dict], set[str]]:
+    """The running groups a checkpoint kept whole (megarl/running_groups.py) and their trajectory ids."""
+    from megarl.checkpoint import load_file
+
+    running = load_file(step_dir / "controller.pt")["running_groups"]
+    return running, {t["traj_id"] for g in running for t in g["trajectories"]}
+
+
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -143,6 +151,7 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     manifest = json.loads((run / "checkpoints" / f"step_{steps[-1]}" / "manifest.json").read_text())
     k, accepted_at_ckpt = manifest["step"], manifest["accepted_total"]
     size = du(run / "checkpoints" / f"step_{k}")
+    running, kept = kept_running(run / "checkpoints" / f"step_{k}")
 
     t0 = time.monotonic()
     # a checkpoint after every step, all kept: the one after the first resumed step is compared with step_k
@@ -183,9 +192,13 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
         assert trained.count(i) == 1, f"{i} was accepted before the checkpoint but trained {trained.count(i)} times"
     redone = {i for r in killed["accepted.jsonl"] if r["accepted_total"] > accepted_at_ckpt for i in r["traj_ids"]}
     assert redone, "the kill found no group accepted after the checkpoint: nothing was redone"
-    assert not redone & set(accepted), "groups accepted after the checkpoint come back under new ids"
+    # groups running at the checkpoint were kept in it and continued under their ids; the rest come back under new
+    # ones
+    assert redone & set(accepted) <= kept, "groups accepted after the checkpoint come back under new ids"
     assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
-    assert all(r["group_id"].startswith("r1.") for r in accepted_lines[len(before):])
+    assert all(r["group_id"].startswith("r1.") or r["group_id"] in {g["group_id"] for g in running}
+               for r in accepted_lines[len(before):])
+    assert kept <= set(trained), "a trajectory the checkpoint kept running was not trained under its id"
     assert (run / "final" / "model.safetensors").is_file()
     assert sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == [*steps, *range(k + 1, 11)]
 
@@ -211,6 +224,8 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     # the engine killed in the resumed run was restarted once and its requests sent again; the replacement is
     # stopped at the end
     resumed = metrics[k:]
+    assert sum(r["n_regenerated_after_resume"] for r in resumed) == 0
+    assert sum(r["n_continued_after_resume"] for r in resumed) == len(kept)
     assert resumed[-1]["n_engine_restarts"] == 1 and resumed[-1]["n_engine_failures"] == 1, resumed[-1]
     assert sum(r["n_engine_resubmits"] for r in resumed) > 0
     new_pid = int((run / "engine0.pid").read_text())
