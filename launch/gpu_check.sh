@@ -8,7 +8,9 @@
 #   ~7.5 GB random checkpoint first, the slowest check), publish_memory (three broadcast publishes leave GPU
 #   and shared memory at their baseline), cuda_ipc (CUDA-IPC buckets to a second process, freed after),
 #   te_grouped_gemm (the MoE's experts as TE's grouped GEMM, if TE is installed), ewma_device (ewma's fold on
-#   the GPU: a host phi and a phi kept on the GPU agree bit for bit, no copy of theta taken).
+#   the GPU: a host phi and a phi kept on the GPU agree bit for bit, no copy of theta taken), pinned_bytes
+#   (kept host copies: one page-locked flat buffer each, within 1% of the host plan's pinned bytes),
+#   nccl_init_deadline (a receiver whose sender never sets the NCCL communicator up leaves at its deadline).
 # Every check runs in its own process with a time limit and prints PASS, SKIP or FAIL; the script
 # exits 1 if any check failed.
 #

@@ -27,7 +27,7 @@ def self_test(workdir: Path) -> list[str]:
             problems.append(what)
 
     for section in (_engine_apis, _trainer_apis, _helpers, _plan_vs_peak, _publish_memory, _cuda_ipc,
-                    _te_grouped_gemm, _ewma_device):
+                    _te_grouped_gemm, _ewma_device, _bounds):
         section(need, workdir)
     return problems
 
@@ -212,3 +212,24 @@ def _ewma_device(need: Need, workdir: Path) -> None:
                                                                                "make", "resident"))
     need("Ewma keeps no _phi attribute (ewma_device reads it)",
          "self._phi" in inspect.getsource(ewma_mod.Ewma))
+
+
+def _bounds(need: Need, workdir: Path) -> None:
+    """What pinned_bytes and nccl_init_deadline call and read, and the plan pinned_bytes holds the pool to."""
+    import torch
+    from checks_bounds import PINNED_HF, pinned_plan
+
+    from megarl.launch.placement import param_counts
+    from megarl.rollout.receiver_group import ReceiverGroup
+    from megarl.trainer import host_copies
+
+    need("host_copies.host_buffer lacks nbytes / pin", not _has_params(host_copies.host_buffer, "nbytes", "pin"))
+    pool = host_copies.HostCopyPool()
+    need("HostCopyPool has no held_bytes", isinstance(getattr(pool, "held_bytes", None), int))
+    need("torch.cuda.host_memory_stats / cudart missing",
+         callable(getattr(torch.cuda, "host_memory_stats", None)) and callable(getattr(torch.cuda, "cudart", None)))
+    # snapshot at eta 1: two copies of every parameter in bf16
+    need("pinned_bytes' plan is not two bf16 copies of its model", pinned_plan() == 2 * 2 * param_counts(PINNED_HF)[0])
+    need("ReceiverGroup has no started flag / check (nccl_init_deadline reads them)",
+         "self.started" in inspect.getsource(ReceiverGroup.__init__)
+         and callable(getattr(ReceiverGroup, "check", None)))

@@ -30,6 +30,12 @@ Checks (each in its own process, so a crashed engine takes down only its own):
 - cuda_ipc         CUDA-IPC buckets of the project's packing to a spawned process: per-tensor digests match
                    (a corrupted byte is seen), memory back to baseline after torch.cuda.ipc_collect()
 - te_grouped_gemm  with TransformerEngine: the tiny MoE's experts run as a grouped GEMM and match HF
+- pinned_bytes     snapshot's two kept host copies of a 22.7M-parameter model: one flat buffer each, page-locked,
+                   none of it through torch's caching host allocator, within 1% of the host plan's pinned bytes
+                   (CPU: the bytes only)
+- nccl_init_deadline  a receiver whose trainer side never sets the NCCL communicator up (NCCL does it inside the
+                   first collective call): the receive leaves at its step deadline, the update lock free (one
+                   GPU is enough: only the receiver touches NCCL; CPU: the same over gloo, the deadline only)
 - ewma_device      ewma's fold on the GPU over 3 bf16 steps: a host phi folded in the anchor's swap and a phi
                    kept on the GPU (folded in place, pointed at) agree bit for bit; no copy of theta, and the
                    anchor's peak stays within a quarter shard of a plain forward's
@@ -37,7 +43,7 @@ Checks (each in its own process, so a crashed engine takes down only its own):
 The vLLM checks need the official wheel: without it they SKIP with that reason, unless
 GPU_CHECK_REQUIRE_VLLM=1 makes them fail; te_spec and te_grouped_gemm likewise with GPU_CHECK_REQUIRE_TE=1.
 The checks live beside this harness: check_helpers.py (what they share), checks_trainer.py, checks_engines.py,
-checks_memory.py, checks_publish.py, checks_recovery.py; check_selftest.py is --self-test.
+checks_memory.py, checks_publish.py, checks_recovery.py, checks_bounds.py; check_selftest.py is --self-test.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ sys.path.insert(0, str(HERE))  # the sibling modules, whether this file runs as 
 
 from check_helpers import CheckFailed, Skip  # noqa: E402
 from check_selftest import self_test  # noqa: E402
+from checks_bounds import check_nccl_init_deadline, check_pinned_bytes  # noqa: E402
 from checks_engines import (  # noqa: E402
     check_broadcast_gloo,
     check_broadcast_nccl,
@@ -90,7 +97,8 @@ CHECKS = {"env": check_env, "rendezvous": check_rendezvous, "megatron_parity": c
           "hf_broadcast_nccl": check_hf_broadcast_nccl, "te_spec": check_te_spec,
           "bf16_step": check_bf16_step, "train_loop": check_train_loop, "verify_recovery": check_verify_recovery,
           "plan_vs_peak": check_plan_vs_peak, "publish_memory": check_publish_memory, "cuda_ipc": check_cuda_ipc,
-          "te_grouped_gemm": check_te_grouped_gemm, "ewma_device": check_ewma_device}
+          "te_grouped_gemm": check_te_grouped_gemm, "ewma_device": check_ewma_device,
+          "pinned_bytes": check_pinned_bytes, "nccl_init_deadline": check_nccl_init_deadline}
 INTERNAL = {"_pass": _check_pass, "_fail": _check_fail}
 
 
