@@ -93,7 +93,7 @@ def holds(interval: dict[str, Any] | None, value: float) -> bool:
 
 
 def ratio_text(r: dict[str, Any]) -> str:
-    """``1.18 [1.02, 1.37]`` (or ``1.18, one repeat: no interval``)."""
+    """``1.180 [1.020, 1.370]``, or ``1.180 (one repeat: no interval)``."""
     if r["low"] is None:
         return f"{r['ratio']:.3f} (one repeat: no interval)"
     return f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"

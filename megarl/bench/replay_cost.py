@@ -7,7 +7,9 @@ single rank) built from the run config, a batch of ``trainer.batch_size`` rows o
 and replaying the trainer's own routes of that batch (what an engine that routes as the trainer would
 send: same experts, so the same load per expert). The first step of each kind is warm-up. The ratio of
 the mean step times is the replay's share of a train step (the anchor's forwards replay too, at most the
-same share of theirs); the engine's side (recording routes) is not in it.
+same share of theirs); the engine's side (recording routes) is not in it. Each timed pair also gives a
+ratio, and ``replay_step_interval`` is their geometric mean with a 90% t interval on the log over the
+pairs (megarl/bench/interleave.py; None bounds with one pair).
 
 Routes are stored as uint8 (below 255 experts, else int16): ``MoE layers x top-k x 1 (or 2)`` bytes per
 token (``route_bytes_per_token``). The engines' side (capture time, prefix-cache reuse given up) is
@@ -22,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from megarl.bench.interleave import ratio_interval, ratio_text
 from megarl.errors import ConfigError, MegarlError
 
 #: timed steps of each kind after the warm-up pair
@@ -80,7 +83,8 @@ def measure(cfg, repeats: int = DEFAULT_REPEATS) -> dict[str, Any]:
     return {"n_moe_layers": trainer.n_moe_layers, "top_k": k,
             "route_bytes_per_token": trainer.n_moe_layers * k * bytes_per_id,
             "rows": live.size, "tokens": int(live.seq_lens.sum()), "repeats": repeats,
-            "train_step_s_live": live_s, "train_step_s_replay": replay_s, "replay_step_ratio": replay_s / live_s}
+            "train_step_s_live": live_s, "train_step_s_replay": replay_s, "replay_step_ratio": replay_s / live_s,
+            "replay_step_interval": ratio_interval(times["replay"][1:], times["live"][1:])}
 
 
 def run_measure(config: str | None, overrides: list[str], repeats: int = DEFAULT_REPEATS) -> dict[str, Any]:
@@ -98,7 +102,12 @@ def summary_line(cost: dict[str, Any]) -> str:
     return (f"routing replay: {cost['route_bytes_per_token']} bytes of routes per token ({cost['n_moe_layers']} "
             f"MoE layers x top-{cost['top_k']}); train step {cost['train_step_s_live']:.3f} s live, "
             f"{cost['train_step_s_replay']:.3f} s replaying: x{cost['replay_step_ratio']:.3f} "
-            f"({(cost['replay_step_ratio'] - 1) * 100:+.1f}% of the step)")
+            f"({(cost['replay_step_ratio'] - 1) * 100:+.1f}% of the step)" + _pairs(cost.get("replay_step_interval")))
+
+
+def _pairs(r: dict[str, Any] | None) -> str:
+    """The per-pair ratios' geometric mean and 90% t interval, when there are at least two pairs."""
+    return "" if r is None or r["low"] is None else f"; per alternated pair x{ratio_text(r)} over {r['n']} pairs"
 
 
 def render_markdown(cost: dict[str, Any]) -> str:

@@ -20,14 +20,17 @@ def test_measure_reports_route_bytes_and_the_step_ratio(tmp_path):
     from megarl.bench.replay_cost import measure, render_markdown
     from megarl.builder import load_run_config
 
-    cost = measure(load_run_config(str(ROOT / "configs/bench_cpu.yaml"), _overrides(tmp_path)), repeats=1)
+    cost = measure(load_run_config(str(ROOT / "configs/bench_cpu.yaml"), _overrides(tmp_path)), repeats=2)
     # 2 MoE layers x top-2 experts x 1 byte (uint8: 4 experts)
     assert (cost["n_moe_layers"], cost["top_k"], cost["route_bytes_per_token"]) == (2, 2, 4)
     assert cost["rows"] == 4 and 4 * 8 <= cost["tokens"] <= 4 * 16  # lengths between 8 and 16 tokens
     assert cost["train_step_s_live"] > 0 and cost["train_step_s_replay"] > 0
     assert cost["replay_step_ratio"] == pytest.approx(cost["train_step_s_replay"] / cost["train_step_s_live"])
     assert 0.2 < cost["replay_step_ratio"] < 5  # the same forward and backward, a gather more per router
+    pairs = cost["replay_step_interval"]  # the 2 timed pairs, alternated in one process
+    assert pairs["n"] == 2 and pairs["low"] <= pairs["ratio"] <= pairs["high"]
     md = render_markdown(cost)
+    assert "; per alternated pair x" in md and "over 2 pairs" in md
     assert "## Routing replay" in md and "4 bytes of routes per token (2 MoE layers x top-2)" in md
 
 
