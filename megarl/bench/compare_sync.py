@@ -8,7 +8,9 @@ megarl/cpu_affinity.py). On shared cores the ratio mixes the design with
 core contention (the trainer and the engines slow each other down); on
 disjoint cores each role behaves like one on devices of its own, which is
 what asynchrony is designed for. The report's ``async_vs_sync`` holds both
-ratios (megarl/bench/report.py :func:`~megarl.bench.report.throughput`).
+ratios (megarl/bench/report.py :func:`~megarl.bench.report.throughput`). With
+``--repeats`` the async and sync runs alternate over the rounds, per core
+layout, and each ratio gets its interval (megarl/bench/interleave.py).
 """
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ it instead of moving the estimate the way one loaded sequential run does
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from typing import Any
 
@@ -41,6 +40,15 @@ def schedule(names: list[str], repeats: int) -> list[tuple[int, str]]:
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: give at least 1")
     return [(r, name) for r in range(repeats) for name in (names if r % 2 == 0 else names[::-1])]
+
+
+def sync_schedule(planned: list[tuple[str, str, list[str]]], repeats: int) -> list[tuple[int, tuple]]:
+    """``(round, run)`` of --compare-sync's runs (megarl/bench/compare_sync.py ``sync_runs``): the async and
+    sync runs on shared cores alternate over the rounds (A S, S A, ...), then those on disjoint cores do
+    (their engines are started once per core layout, not once per run)."""
+    pairs = [planned[i:i + 2] for i in range(0, len(planned), 2)]
+    return [(r, run) for pair in pairs for r, key in schedule([p[0] for p in pair], repeats)
+            for run in pair if run[0] == key]
 
 
 def describe(repeats: int) -> str:
@@ -127,7 +135,28 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
                     and p not in pairs]
 
 
-_TARGET = re.compile(r"^(\w+) step time / (\w+) step time$")
+#: the report's throughput ratios and the names of their targets (megarl/bench/report.py ``targets``)
+THROUGHPUT_TARGETS = (("", "throughput_ratio", "async / sync throughput (tokens/s)"),
+                      ("_disjoint", "throughput_ratio_disjoint_cores",
+                       "async / sync throughput on disjoint cores (tokens/s)"))
+
+
+def _throughput(rounds: list[dict[str, Any]], intervals: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``async_vs_sync`` over the rounds: each ratio the geometric mean of the per-round ratios, with its interval
+    under ``KEY_interval`` (also put in ``intervals`` under its target's name), tokens per second the median."""
+    out = dict(rounds[0])
+    for suffix, key, target in THROUGHPUT_TARGETS:
+        if rounds[0].get(key) is None:
+            continue
+        a, b = ([x.get(f"tokens_per_s_{kind}{suffix}") for x in rounds] for kind in ("async", "sync"))
+        r = ratio_interval(a, b)
+        for kind, values in (("async", a), ("sync", b)):
+            out[f"tokens_per_s_{kind}{suffix}"] = combine(values, key)
+        out[key] = None if r is None else r["ratio"]
+        out[f"{key}_interval"] = r
+        if r is not None:
+            intervals[target] = r
+    return out
 
 
 def combine_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,18 +176,27 @@ def combine_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
                            [x["strategies"][b]["step_time_s_median"] for x in reports])
         if r is not None:
             ratios.append({"of": a, "to": b, "key": "step_time_s_median", **r})
-    targets = report.targets(strategies, first["async_vs_sync"])
-    by_pair = {(r["of"], r["to"]): r for r in ratios}
+    intervals = {f"{r['of']} step time / {r['to']} step time": r for r in ratios}
+    avs = _throughput([r["async_vs_sync"] for r in reports], intervals)
+    targets = report.targets(strategies, avs)
     for t in targets:
-        m = _TARGET.match(t["target"])
-        r = by_pair.get(m.groups()) if m else None
+        r = intervals.get(t["target"])
         if r is not None:
             ok = r["ratio"] <= t["bound"] if t["op"] == "<=" else r["ratio"] >= t["bound"]
             t.update(value=r["ratio"], passed=ok, low=r["low"], high=r["high"], level=r["level"], n=r["n"],
                      resolved=not holds(r, t["bound"]))
-    return {**first, "strategies": strategies, "ratios": ratios, "targets": targets,
+    return {**first, "strategies": strategies, "ratios": ratios, "targets": targets, "async_vs_sync": avs,
             "phases_s_median": _median_tables([r["phases_s_median"] for r in reports]),
             "publish_stall_s_median": _median_tables([r["publish_stall_s_median"] for r in reports])}
+
+
+def throughput_text(avs: dict[str, Any], key: str) -> str:
+    """``2.31``, or ``2.31 [1.90, 2.80] over 3 repeats`` with an interval; ``not measured`` without the ratio."""
+    if avs.get(key) is None:
+        return "not measured"
+    r = avs.get(f"{key}_interval")
+    return f"{avs[key]:.2f}" + ("" if not r or r["low"] is None else
+                                f" [{r['low']:.2f}, {r['high']:.2f}] over {r['n']} repeats")
 
 
 def target_cells(t: dict[str, Any]) -> tuple[str, str]:

@@ -338,7 +338,7 @@ def async_sync_lines(report: dict[str, Any]) -> list[str]:
                                 f"{cs.get('engine_cores', '?')}")):
         if avs.get(key) is not None:
             lines.append(f"- {where}: {avs[f'tokens_per_s_async{suffix}']:.1f} async vs "
-                         f"{avs[f'tokens_per_s_sync{suffix}']:.1f} sync, ratio {avs[key]:.2f}")
+                         f"{avs[f'tokens_per_s_sync{suffix}']:.1f} sync, ratio {interleave.throughput_text(avs, key)}")
     return lines
 
 
@@ -385,8 +385,7 @@ def print_table(report: dict[str, Any]) -> None:
     console.print(table)
     for key, label in (("throughput_ratio", "async / sync throughput"),
                        ("throughput_ratio_disjoint_cores", "async / sync throughput on disjoint cores")):
-        avs = report["async_vs_sync"].get(key)
-        console.print(f"{label}: {'not measured' if avs is None else f'{avs:.2f}'}")
+        console.print(f"{label}: {interleave.throughput_text(report['async_vs_sync'], key)}")
     for line in target_lines(report):
         style = "green" if line.startswith("PASS") else "red" if line.startswith("FAIL") else "yellow"
         console.print(line, style=style, markup=False, highlight=False)

@@ -290,7 +290,7 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
     meta = {"config": config, "overrides": overrides, "steps": steps, "eta": cfg.rollout.eta, "verify": verify,
             "repeats": repeats, "runs": interleave.describe(repeats), **machine_meta()}
     rounds: list[dict[str, dict[str, Any]]] = [{} for _ in range(repeats)]
-    by_key: dict[str, list[dict]] | None = None
+    by_key: list[dict[str, list[dict]] | None] = [None] * repeats  # per round: --compare-sync runs
     with EnginePool(out / "engines") as pool:  # one set of engines for every run whose engine settings agree
         order = interleave.schedule(strategies, repeats)
         for i, (r, name) in enumerate(order, 1):
@@ -301,15 +301,17 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
             child = rounds[r][name]["child"]
             log(f"      done in {child['total_s']:.0f} s, peak RSS {child['peak_rss_mb']:.0f} MB")
         if planned:
-            by_key = {}
             trainer_cores, engine_cores = split_cores(disjoint_cores)
             meta["compare_sync"] = {"eta": eta, "trainer_cores": format_cores(trainer_cores),
                                     "engine_cores": format_cores(engine_cores)}
-            for key, run_name, extra in planned:
-                log(f"[compare-sync] behav, {' '.join(extra)} ...")
-                by_key[key] = run_strategy({"config": config, "overrides": [*overrides, *extra],
-                                            "strategy": "behav", "steps": steps, "run_dir": str(out / run_name),
-                                            "verify": False}, pool)["records"]
+            by_key = [{} for _ in range(repeats)]
+            for r, (key, run_name, extra) in interleave.sync_schedule(planned, repeats):
+                log(f"[compare-sync] behav, {' '.join(extra)}" + (f" (repeat {r + 1} of {repeats})" if repeats > 1
+                                                                   else "") + " ...")
+                run_dir = out / run_name if r == 0 else out / "repeats" / f"{run_name}_{r + 1}"
+                by_key[r][key] = run_strategy({"config": config, "overrides": [*overrides, *extra],
+                                               "strategy": "behav", "steps": steps, "run_dir": str(run_dir),
+                                               "verify": False}, pool)["records"]
 
         replay = None
         if cfg.rollout.routing_replay:
@@ -318,7 +320,7 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
             log("[routing replay] engine batches without and with captured routes ...")
             replay.update(measure_engine_capture(cfg, pool))
     meta["loadavg_end"] = os.getloadavg()[0]
-    rep = interleave.combine_reports([report.build_report(runs, by_key if r == 0 else None, meta=meta)
+    rep = interleave.combine_reports([report.build_report(runs, by_key[r], meta=meta)
                                       for r, runs in enumerate(rounds)])
     markdown = report.render_markdown(rep)
     if rep["ratios"]:

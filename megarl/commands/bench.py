@@ -62,8 +62,9 @@ def register(sub) -> None:
                         "reward)")
     p.add_argument("--estimate-only", action="store_true", help="--sweep / --quality: print the estimate and stop")
     p.add_argument("--repeats", type=int, default=None,
-                   help="runs per strategy, interleaved: every strategy once per round, the order reversed every "
-                        "other round; each step-time ratio gets a 90%% t interval over the repeats (default 3)")
+                   help="runs per strategy (and per --compare-sync run), interleaved: every strategy once per "
+                        "round, the order reversed every other round; each ratio gets a 90%% t interval over the "
+                        "repeats (default 3)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the comparison with the true logp_old (max_abs_err_vs_exact becomes null)")
     p.add_argument("--packing", action="store_true",

@@ -88,8 +88,8 @@ def _bench(tmp_path, *args, timeout=400):
 def test_compare_sync_smoke(tmp_path):
     out = tmp_path / "cs"
     cores = sorted(os.sched_getaffinity(0))
-    _bench(tmp_path, "--config", "configs/bench_cpu.yaml", "--compare-sync", "--eta", "2", "--output", str(out),
-           *SMOKE)
+    _bench(tmp_path, "--config", "configs/bench_cpu.yaml", "--compare-sync", "--eta", "2", "--repeats", "1",
+           "--output", str(out), *SMOKE)
     report = json.loads((out / "report.json").read_text())
     avs = report["async_vs_sync"]
     for key in ("throughput_ratio", "throughput_ratio_disjoint_cores"):

@@ -18,7 +18,9 @@ from megarl.bench import interleave
 
 #: seconds per step of each strategy on the quiet machine: its own work, the trainer's step, the batch wait
 BASE = {"behav": (0.0, 0.70, 0.10), "recompute": (0.30, 0.70, 0.10), "ewma": (0.12, 0.70, 0.10),
-        "snapshot": (0.40, 0.70, 0.10), "interrupt_sync": (0.41, 0.70, 0.10)}
+        "snapshot": (0.40, 0.70, 0.10), "interrupt_sync": (0.41, 0.70, 0.10),
+        # --compare-sync's behav runs: the synchronous one waits for every batch
+        "async": (0.0, 0.70, 0.10), "sync": (0.0, 0.70, 0.60)}
 STEPS = 5
 START_S = 6.0  # process start, engine reset: before step 1
 FIRST_STEP_S = 3.0  # the first step's start-up (not counted: the medians skip step 1)
@@ -126,7 +128,9 @@ def _fake_run(machine: Machine, calls: list[str]):
     """Stands in for megarl/bench/run.py's run_strategy: the machine's records, no process."""
     def run(spec: dict, pool=None) -> dict:
         calls.append(spec["run_dir"])
-        recs = machine.run(spec["strategy"], spec["steps"])
+        eta = [o for o in spec["overrides"] if o.startswith("rollout.eta=")]
+        kind = spec["strategy"] if not eta else "sync" if eta[-1] == "rollout.eta=0" else "async"
+        recs = machine.run(kind, spec["steps"])
         return {"records": recs, "weights_nbytes": 10, "child": {"peak_rss_mb": 100.0, "total_s": recs[-1]["wall_s"]}}
     return run
 
@@ -188,3 +192,33 @@ def test_repeats_that_cannot_apply_get_one_error_naming_the_flag():
         run("--strategies", "behav", "--repeats", "0", "--output", "o")
     with pytest.raises(ConfigError, match="--quality and --packing do not take it"):
         run("--quality", "--repeats", "2", "--output", "o")
+
+
+def test_compare_sync_alternates_async_and_sync_per_core_layout_and_reports_each_ratio_with_its_interval(
+        tmp_path, monkeypatch):
+    from megarl.bench import report
+    from megarl.bench import run as bench_run
+
+    calls: list[str] = []
+    monkeypatch.setattr(bench_run, "run_strategy", _fake_run(Machine(seed=4), calls))
+    monkeypatch.setattr(bench_run, "EnginePool", _NoEngines)
+    rep = bench_run.bench("configs/bench_cpu.yaml", [], STEPS, str(tmp_path), [], compare_sync=True, eta=2,
+                          disjoint_cores="0:1", repeats=3, log=lambda s: None)
+    names = [c.removeprefix(str(tmp_path) + "/") for c in calls]
+    assert names == ["async_eta2", "sync_eta0", "repeats/sync_eta0_2", "repeats/async_eta2_2",
+                     "repeats/async_eta2_3", "repeats/sync_eta0_3",
+                     "async_eta2_disjoint", "sync_eta0_disjoint", "repeats/sync_eta0_disjoint_2",
+                     "repeats/async_eta2_disjoint_2", "repeats/async_eta2_disjoint_3", "repeats/sync_eta0_disjoint_3"]
+    avs = rep["async_vs_sync"]
+    for key in ("throughput_ratio", "throughput_ratio_disjoint_cores"):
+        r = avs[f"{key}_interval"]  # a step of 1.30 s synchronous against 0.80 s asynchronous, +-3% CPU seconds
+        assert r["n"] == 3 and r["low"] <= avs[key] == r["ratio"] <= r["high"], r
+        assert abs(r["ratio"] - 1.30 / 0.80) < 0.08, r
+    by_name = {t["target"]: t for t in rep["targets"]}
+    t = by_name["async / sync throughput (tokens/s)"]
+    assert (t["low"], t["high"], t["n"]) == (avs["throughput_ratio_interval"]["low"],
+                                            avs["throughput_ratio_interval"]["high"], 3)
+    assert t["passed"] is False and t["resolved"] is True  # 1.6 against a target of 2, the interval below it
+    md = (tmp_path / "report.md").read_text()
+    assert f"ratio {interleave.throughput_text(avs, 'throughput_ratio')}" in md and "over 3 repeats" in md
+    assert report.target_lines(rep)[4].startswith("FAIL  async / sync throughput (tokens/s): 1.6")
