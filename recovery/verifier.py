@@ -138,10 +138,9 @@ class VerifyingStrategy(DelegatingStrategy):
         result = self.inner.anchor(batch, trajs)
         self.inner_anchor_s = time.perf_counter() - t0
         with self._tap.paused() if self._tap is not None else contextlib.nullcontext():
-            return self._check(batch, pristine, trajs, result)
+            return self._check(batch, pristine, result)
 
-    def _check(self, batch: TrainBatch, pristine: TrainBatch, trajs: list[Trajectory],
-               result: AnchorResult) -> AnchorResult:
+    def _check(self, batch: TrainBatch, pristine: TrainBatch, result: AnchorResult) -> AnchorResult:
         """The verifier's side of ``anchor``: the wrapped strategy's ``result`` against the truth."""
         anchor = result.logp_anchor
         logp_theta = None
