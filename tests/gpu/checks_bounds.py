@@ -111,7 +111,7 @@ def check_nccl_init_deadline(workdir: Path) -> str:
             try:
                 list(receive_named_tensors(group, device))
                 outcome["error"] = None
-            except BroadcastLeft as e:
+            except Exception as e:  # noqa: BLE001 - BroadcastLeft, or the init's own error if it gave up first
                 outcome["error"] = e
 
     async def run() -> bool:
@@ -130,6 +130,8 @@ def check_nccl_init_deadline(workdir: Path) -> str:
     if outcome.get("error") is None:
         raise CheckFailed(f"the receive completed with no sender: {detail}")
     require(not locked, f"the update lock is still held: {detail}")
+    require(isinstance(outcome["error"], BroadcastLeft) or backend == "nccl",
+            f"the gloo receive did not leave at its deadline: {detail}")
     require(took <= INIT_DEADLINE_S + POLL_S + INIT_SLACK_S, f"left too late: {detail}")
     if backend == "nccl":
         require(not group.started, f"the first call returned: was the communicator set up without the sender? {detail}")
