@@ -179,7 +179,8 @@ class BroadcastPublisher:
 
     def _pack_on_device(self, device: torch.device, alloc) -> tuple[list, list, dict]:
         tensors, hf = stream_engine_weights(self.trainer, self.engine_dtype, to_host=False)
-        budget = device_budget(device) if device.type == "cuda" else self.device_budget
+        budget = (device_budget(device, reserve=2 * self.bucket_bytes) if device.type == "cuda"
+                  else self.device_budget)
         return *consume_export(tensors, lambda stream: pack_export(stream, self.bucket_bytes, device, budget,
                                                                    alloc)), hf
 

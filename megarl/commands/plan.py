@@ -5,7 +5,10 @@ a trainer, engine and dedicated-scorer GPU by part, and exits 1 when one does
 not fit ``placement.gpu_memory_gb``, naming the settings that would. The host
 memory of a trainer node (megarl/launch/host_memory.py) is printed on GPUs, and
 on either device when ``placement.host_memory_gb`` is set; a node that would
-hold more than that is refused the same way.
+hold more than that is refused the same way. On GPUs the checkpoint is planned
+too (megarl/launch/save_plan.py): the bytes each trainer node writes and the
+time that takes at ``--disk-gb-s``; a stop checkpoint that cannot finish within
+the stop budget (``logging.stop_grace_s``, Slurm's signal lead) is refused.
 
 ``--cost`` prints the cost model's table (megarl/launch/cost.py) for every strategy with
 the assumptions it uses (flags below); ``--calibrate SWEEP_REPORT`` fits the model's CPU
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from megarl.config.loader import field_docs
 from megarl.errors import ConfigError
-from megarl.launch import cost, host_memory, memory
+from megarl.launch import cost, host_memory, memory, save_plan
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 
@@ -35,6 +38,8 @@ def register(sub) -> None:
     p.add_argument("--calibrate", metavar="SWEEP_REPORT",
                    help="fit the CPU constants on a `megarl bench --sweep` report.json; print predicted vs measured")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--signal-lead-s", type=float, default=None,
+                   help="Slurm's --signal lead (seconds) a stop checkpoint must fit (default: launch/slurm.sbatch's)")
     docs = field_docs(cost.Assumptions)
     for f in fields(cost.Assumptions):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None,
@@ -60,16 +65,19 @@ def run(args) -> int:
     plan = resolve_plan(cfg, hf, allocation(args, cfg), config_path=args.config or "", overrides=overrides)
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
     host = host_memory.planned(cfg, hf, plan)
+    disk = args.disk_gb_s if args.disk_gb_s is not None else cost.Assumptions().disk_gb_s
+    save = save_plan.save_plan(cfg, hf, plan, disk, args.signal_lead_s) if plan.device == "gpu" else None
     if not args.cost:
         if args.json:
             print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem),
-                              "host_memory": host and host_memory.as_dict(host)}, indent=1))
+                              "host_memory": host and host_memory.as_dict(host),
+                              "checkpoint": save and save_plan.as_dict(save)}, indent=1))
         else:
             print(f"megarl plan: {args.config or '(defaults)'} (model fields from {source})\n{plan.describe()}")
-            for part in (mem, host):
+            for part in (mem, host, save):
                 if part is not None:
                     print(part.describe())
-        return _fits(mem, host)
+        return _fits(mem, host, save)
     given = {f.name: getattr(args, f.name) for f in fields(cost.Assumptions) if getattr(args, f.name) is not None}
     a = cost.Assumptions(**given)
     costs = cost.strategy_costs(cfg, hf, plan, a, interpolation_forward=normalizer_needs_anchor(cfg.loss))
@@ -78,10 +86,10 @@ def run(args) -> int:
         print(json.dumps({"layout": lay, "assumptions": asdict(a), "costs": costs}, indent=1))
     else:
         print(cost.render_costs(costs, lay, cfg, a, f"{args.config or '(defaults)'} (model fields from {source})"))
-        for part in (mem, host):
+        for part in (mem, host, save):
             if part is not None:
                 print(part.describe())
-    return _fits(mem, host)
+    return _fits(mem, host, save)
 
 
 def _fits(*parts) -> int:

@@ -22,7 +22,8 @@ Trainer GPU (bf16 or fp32 parameters, Megatron DDP, Adam):
   other parameters in (ewma, snapshot, interrupt_sync) has the largest tensor in fp32 there for a moment;
   ewma with ``recovery.ewma.phi_on_gpu`` keeps its phi there, which the forward points at (an fp32 phi on a
   bf16 run adds its bf16 cast while it scores).
-- runtime: CUDA context, NCCL buffers and allocator slack (:data:`RUNTIME_RESERVE`, assumed).
+- runtime: CUDA context, allocator slack, NCCL's communicators and, on rank 0, the weight sender's context,
+  communicators and buffers (megarl/launch/runtime_reserve.py; :data:`RUNTIME_RESERVE` where no plan is given).
 Engine GPU: vLLM takes :data:`VLLM_UTILIZATION` of the device: its weight shard, the KV cache the rest.
 Dedicated scorer GPU: forward-only weights (no gradients, no optimizer) and, one after the other (no graph is
 kept, so a layer's tensors are gone before the output layer runs), one layer's activations or the logits of one
@@ -43,6 +44,8 @@ import yaml
 from megarl.errors import ConfigError
 from megarl.launch.placement import param_counts
 from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi
+from megarl.launch.runtime_reserve import describe as describe_reserve
+from megarl.launch.runtime_reserve import runtime_parts
 
 TABLE = Path(__file__).with_name("activation_table.yaml")
 GB = 1e9
@@ -55,7 +58,8 @@ ENTROPY_BYTES_PER_ENTRY = 8.0
 ENTROPY_TRANSIENT = 4
 #: vLLM's default gpu_memory_utilization: the share of the device an engine takes (weights + KV cache)
 VLLM_UTILIZATION = 0.9
-#: CUDA context, NCCL communicators and allocator fragmentation on a trainer or scorer GPU (assumed, bytes)
+#: CUDA context and allocator fragmentation on the dedicated scorer's GPU, and a trainer GPU's runtime where no
+#: placement plan is given (assumed, bytes; a plan's trainer GPU counts megarl/launch/runtime_reserve.py's parts)
 RUNTIME_RESERVE = 3e9
 #: default of ``recovery.dedicated.micro_batch_tokens`` (recovery/_dedicated_scorer.py's DedicatedConfig takes it
 #: from here, so the plan of a config without a dedicated section and the scorer agree)
@@ -157,9 +161,10 @@ def recovery_gpu_bytes(cfg, hf: dict, t, *, phi_on_gpu: bool | None = None) -> f
 
 
 def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batch_tokens: int | None = None,
-                   table: dict[str, Any] | None = None, entropy: bool | None = None) -> GpuMemory:
+                   table: dict[str, Any] | None = None, entropy: bool | None = None,
+                   runtime: float = RUNTIME_RESERVE) -> GpuMemory:
     """Peak of one trainer GPU (module doc); ``recompute`` / ``micro_batch_tokens`` / ``entropy`` (the entropy
-    bonus's path) override the config's."""
+    bonus's path) override the config's; ``runtime``: the runtime reserve's bytes."""
     table = table or load_table()
     recompute = recompute or cfg.trainer.recompute
     row = longest_row(cfg, hf)
@@ -190,7 +195,7 @@ def trainer_memory(cfg, hf: dict, t, *, recompute: str | None = None, micro_batc
         "activations": acts,
         "logits": tokens * vocab * per_entry,
         "recovery": recovery_gpu_bytes(cfg, hf, t),
-        "runtime": RUNTIME_RESERVE,
+        "runtime": runtime,
     }, notes)
 
 
@@ -275,7 +280,7 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float) -> list[str]:
+def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float, runtime: float = RUNTIME_RESERVE) -> list[str]:
     """The settings that would make the trainer GPU fit: recompute and micro-batch size, one alone before both."""
     row = longest_row(cfg, hf)
     tries = [(mode, None) for mode in ("selective", "full") if mode != cfg.trainer.recompute]
@@ -283,17 +288,17 @@ def _trainer_fixes(cfg, hf: dict, t, gpu_bytes: float) -> list[str]:
         tries += [(None, row)] + [(mode, row) for mode in ("selective", "full") if mode != cfg.trainer.recompute]
     fixes = []
     for mode, tokens in tries:
-        peak = trainer_memory(cfg, hf, t, recompute=mode, micro_batch_tokens=tokens).peak
+        peak = trainer_memory(cfg, hf, t, recompute=mode, micro_batch_tokens=tokens, runtime=runtime).peak
         if peak <= gpu_bytes and not (fixes and mode and tokens):  # a pair only when no single change fits
             said = [f"trainer.recompute={mode}"] * bool(mode) + [f"trainer.micro_batch_tokens={tokens}"] * bool(tokens)
             fixes.append(f"{' with '.join(said)} ({peak / GB:.1f} GB)")
     if entropy_bonus(cfg):
-        peak = trainer_memory(cfg, hf, t, entropy=False).peak
+        peak = trainer_memory(cfg, hf, t, entropy=False, runtime=runtime).peak
         if peak <= gpu_bytes:
             fixes.append(f"loss.entropy_coef=0 with loss.entropy_target=null (no entropy bonus: {peak / GB:.1f} GB)")
 
     if cfg.recovery.name == "ewma" and ewma_phi(cfg)[1]:
-        peak = (trainer_memory(cfg, hf, t).peak - recovery_gpu_bytes(cfg, hf, t)
+        peak = (trainer_memory(cfg, hf, t, runtime=runtime).peak - recovery_gpu_bytes(cfg, hf, t)
                 + recovery_gpu_bytes(cfg, hf, t, phi_on_gpu=False))
         if peak <= gpu_bytes:
             fixes.append(f"recovery.ewma.phi_on_gpu=false (phi in host memory: {peak / GB:.1f} GB)")
@@ -305,11 +310,13 @@ def memory_plan(cfg, hf: dict, plan) -> MemoryPlan:
     """The per-GPU peaks of ``plan`` and what does not fit ``placement.gpu_memory_gb``."""
     gpu_bytes = float(cfg.placement.gpu_memory_gb) * GB
     t = plan.trainer
-    gpus = [trainer_memory(cfg, hf, t)]
+    reserve = runtime_parts(cfg, plan)
+    gpus = [trainer_memory(cfg, hf, t, runtime=sum(reserve.values()))]
+    gpus[0].notes.append(describe_reserve(reserve))
     problems = []
     if gpus[0].peak > gpu_bytes:
         problems.append(f"a trainer GPU needs {gpus[0].peak / GB:.1f} GB > {gpu_bytes / GB:g} GB; set "
-                        + " or ".join(_trainer_fixes(cfg, hf, t, gpu_bytes)))
+                        + " or ".join(_trainer_fixes(cfg, hf, t, gpu_bytes, sum(reserve.values()))))
     for etp in sorted({s.tp for s in plan.engines} or {cfg.placement.engine_tp}):
         eng = engine_memory(cfg, hf, etp, gpu_bytes)
         gpus.append(eng)

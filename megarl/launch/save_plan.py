@@ -15,7 +15,7 @@ host memory and runs over gloo. On the host the gathering ranks hold what they g
 ``logging.async_save``: the background write copies every shard to host memory again).
 
 A stop checkpoint must be written within the stop budget: ``logging.stop_grace_s``, and Slurm's signal lead
-less :data:`STOP_MARGIN_S` (launch/slurm.sbatch's ``--signal=B:USR1@150``; docs/guide.md, Preemption). The
+less :data:`STOP_MARGIN_S` (launch/slurm.sbatch's ``--signal=B:USR1@240``; docs/guide.md, Preemption). The
 write time is the busiest node's bytes over the disk's write speed per node (``--disk-gb-s``).
 """
 from __future__ import annotations

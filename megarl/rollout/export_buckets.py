@@ -76,16 +76,18 @@ def consume_export(export: CollectiveExport, consumer: Callable):
         raise
 
 
-#: the share of the trainer GPU's free memory (its allocator's cached blocks included) device buckets may take;
-#: the rest stays for what runs during the stall (a recovery strategy's forward, the next step's start)
+#: the share of the trainer GPU's free memory device buckets may take; the rest stays for what runs during the
+#: stall (a recovery strategy's forward, the next step's start)
 DEVICE_SHARE = 0.5
 
 
-def device_budget(device: torch.device, share: float = DEVICE_SHARE) -> int:
-    """Bytes of device buckets the trainer's GPU can hold now (:data:`DEVICE_SHARE` of its free memory)."""
+def device_budget(device: torch.device, share: float = DEVICE_SHARE, reserve: int = 0) -> int:
+    """Bytes of device buckets the trainer's GPU can hold now: :data:`DEVICE_SHARE` of its free memory less
+    ``reserve`` (what the weight sender allocates on the same GPU while it sends: its staging buffer and one host
+    bucket, megarl/rollout/broadcast_sender.py). The blocks the trainer's allocator caches are not counted: the
+    sender, another process, cannot use them, and the trainer's next step takes them back."""
     free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(share * (free + cached))
+    return max(int(share * free) - reserve, 0)
 
 
 def pack_export(named_tensors, bucket_bytes: int, device: torch.device | None = None,

@@ -85,3 +85,19 @@ def test_publisher_packs_on_the_senders_device_and_writes_the_disk_copy_from_hos
         assert all(torch.equal(sent[k], exported[k]) and torch.equal(written[k], exported[k]) for k in exported)
     finally:
         pub.close()
+
+
+def test_device_budget_is_a_share_of_free_memory_alone_with_fake_cuda_counters(monkeypatch):
+    """The device buckets' budget leaves out the trainer's cached blocks (the sender, another process, cannot use
+    them) and what the sender allocates while it sends. CUDA's counters are fakes here (no GPU on this machine);
+    gpu_check's sender_kill runs the real ones."""
+    from megarl.rollout import export_buckets
+
+    gb = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gb, 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gb)  # 20 GB cached, unused
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gb)
+    device = torch.device("cuda", 0)
+    assert export_buckets.device_budget(device) == 5 * gb, "the trainer's 20 GB of cached blocks were counted"
+    assert export_buckets.device_budget(device, reserve=2 * gb) == 3 * gb
+    assert export_buckets.device_budget(device, reserve=20 * gb) == 0

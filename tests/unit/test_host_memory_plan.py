@@ -113,12 +113,12 @@ def run(*args):
 
 
 def test_plan_and_launch_refuse_a_node_that_does_not_fit():
-    args = ["--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "snapshot", "placement.host_memory_gb=400"]
+    args = ["--config", "configs/qwen3_30b_a3b_h100.yaml", "--recovery", "snapshot", "placement.host_memory_gb=300"]
     p = run("plan", *args)
     assert p.returncode == 1
-    assert "does not fit: host memory of a trainer node: 432.3 GB" in p.stderr
-    assert "placement.host_memory_gb=400" in p.stderr
-    assert "recovery copies (snapshot) 247.9, publish buckets 184.3" in p.stderr
+    assert "does not fit: host memory of a trainer node: 308.3 GB" in p.stderr
+    assert "placement.host_memory_gb=300" in p.stderr
+    assert "recovery copies (snapshot) 124.0, publish buckets 184.3" in p.stderr
     dry = run("launch", "--dry-run", *args)
     assert dry.returncode == 1 and "DOES NOT FIT: host memory" in dry.stdout and "--skip-memory-check" in dry.stderr
     assert run("plan", *args[:4]).returncode == 0  # the shipped config's 2048 GB

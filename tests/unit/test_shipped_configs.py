@@ -96,7 +96,7 @@ def test_30b_plan_numbers():
         (128, 8, 4, 48)
     plan = resolve_plan(cfg, hf, cluster.simulated(4, 8))
     t = plan.trainer
-    assert (len(t.hosts), t.world_size, t.tp, t.pp, t.ep, t.dp, t.expert_dp) == (2, 16, 1, 1, 8, 16, 2)
+    assert (len(t.hosts), t.world_size, t.tp, t.pp, t.ep, t.dp, t.expert_dp) == (2, 16, 2, 1, 8, 8, 1)
     assert [(e.host, e.tp, len(e.gpu_ids)) for e in plan.engines] == [
         ("node03", 4, 4), ("node03", 4, 4), ("node04", 4, 4), ("node04", 4, 4)]
     assert len(plan.hosts_used) == 4 and plan.weight_sync_world == 1 + 4 * 4
