@@ -89,32 +89,39 @@ def group_workload(lengths: list[int], layout: str, linear_weight: int) -> int:
     return len(lengths) * row_workload(max(lengths), linear_weight)
 
 
-class _Room:
-    """What each of up to ``size`` groups can still take (the budget less its tokens), in a max-tree: the
-    first group with room for a row in O(log size). Groups not opened yet have the whole budget, so the
-    first fit of a row no open group takes is the next new group."""
-
-    def __init__(self, size: int, budget: int) -> None:
-        self.leaves = 1 << max(0, size - 1).bit_length()
-        self.tree = [budget] * (2 * self.leaves)
-
-    def first(self, n: int) -> int:
-        """The lowest group index with room for ``n`` tokens (the caller checks n <= budget)."""
-        tree, i = self.tree, 1
-        while i < self.leaves:
-            i = 2 * i if tree[2 * i] >= n else 2 * i + 1
-        return i - self.leaves
-
-    def take(self, g: int, n: int) -> None:
-        tree, i = self.tree, g + self.leaves
+def _first_fit_sums(order: list[int], lengths: dict[int, int], budget: int) -> list[list[int]]:
+    """First fit by token sum in O(n log n): what each group can still take (the budget less its tokens) in a
+    max-tree, searched for the first group with room for the row. Groups not opened yet have the whole
+    budget, so the first fit of a row no open group takes is the next new group; a row over the budget
+    gets the next new group to itself."""
+    fit = [n for n in lengths.values() if n <= budget]
+    # first fit leaves at most one group half full or less: at most 2 sum / budget + 1 groups of rows that
+    # fit, beside one group per row over the budget
+    size = min(len(order), len(order) - len(fit) + 2 * sum(fit) // budget + 2)
+    leaves = 1 << max(0, size - 1).bit_length()
+    tree = [budget] * (2 * leaves)
+    groups: list[list[int]] = []
+    for r in order:
+        n = lengths[r]
+        if n <= budget:
+            i = 1
+            while i < leaves:  # down to the leftmost leaf with room for n
+                i += i if tree[2 * i] >= n else i + 1
+            g = i - leaves
+        else:
+            g, i = len(groups), len(groups) + leaves
+        if g == len(groups):
+            groups.append([])
+        groups[g].append(r)
         tree[i] -= n
         i //= 2
-        while i:
-            best = max(tree[2 * i], tree[2 * i + 1])
+        while i:  # the maxima above it
+            best = tree[2 * i] if tree[2 * i] >= tree[2 * i + 1] else tree[2 * i + 1]
             if tree[i] == best:
                 break
             tree[i] = best
             i //= 2
+    return groups
 
 
 def longest_first(lengths: dict[int, int]) -> list[int]:
@@ -127,23 +134,12 @@ def first_fit_decreasing(lengths: dict[int, int], budget: int, layout: str,
     """Row ids packed longest first into the first micro-batch whose cost stays <= ``budget``;
     each group lists its rows longest first (ties by row id). O(n log n): rows come longest first, so a
     rectangle that can take one more row takes every row still to come (one is open at a time), and a
-    token sum's first fit is a search of a max-tree (:class:`_Room`). ``order``: :func:`longest_first`
+    token sum's first fit is a search of a max-tree (:func:`_first_fit_sums`). ``order``: :func:`longest_first`
     of ``lengths`` when the caller has it."""
     order = longest_first(lengths) if order is None else order
-    groups: list[list[int]] = []
     if layout == "thd":
-        fit = [n for n in lengths.values() if n <= budget]
-        # first fit leaves at most one group half full or less: at most 2 sum / budget + 1 groups of rows
-        # that fit, beside one group per row over the budget
-        room = _Room(min(len(order), len(order) - len(fit) + 2 * sum(fit) // budget + 2), budget)
-        for r in order:
-            n = lengths[r]
-            g = room.first(n) if n <= budget else len(groups)  # over the budget: a group of its own
-            if g == len(groups):
-                groups.append([])
-            groups[g].append(r)
-            room.take(g, n)
-        return groups
+        return _first_fit_sums(order, lengths, budget)
+    groups: list[list[int]] = []
     current = None  # the rectangle that can still take a row
     for r in order:
         if current is None:
@@ -201,10 +197,10 @@ def rows_first(lengths: dict[int, int], dp: int, budget: int, layout: str, linea
     shares: list[dict[int, int]] = [{} for _ in range(dp)]
     orders: list[list[int]] = [[] for _ in range(dp)]
     for r in longest_first(lengths) if order is None else order:
-        load, d = heapq.heappop(heap)
-        shares[d][r] = lengths[r]
+        load, d = heap[0]
+        shares[d][r] = n = lengths[r]
         orders[d].append(r)
-        heapq.heappush(heap, (load + row_workload(lengths[r], linear_weight), d))
+        heapq.heapreplace(heap, (load + linear_weight * n + n * n, d))  # row_workload
     packed = [first_fit_decreasing(share, budget, layout, rows) for share, rows in zip(shares, orders)]
     count = max(len(groups) for groups in packed)
     packed = [split_to_multiple(groups, lengths, 1, layout, linear_weight, at_least=count) for groups in packed]
@@ -236,19 +232,20 @@ def balanced_bins(lengths: dict[int, int], count: int, budget: int, layout: str,
             _, i = heapq.heappop(aside)
             heapq.heappush(heap, (loads[i], i))
         while heap:
-            key, i = heapq.heappop(heap)
+            i = heap[0][1]
             rows, top = len(bins[i]), lengths[bins[i][0]]
             if layout == "thd":
                 if totals[i] + n > budget:  # the least loaded bin that fits: this one waits for a shorter row
-                    heapq.heappush(aside, (totals[i] - budget, i))
+                    heapq.heappush(aside, (totals[i] - budget, heapq.heappop(heap)[1]))
                     continue
             elif (rows + 1) * top > budget:
+                heapq.heappop(heap)
                 continue  # full for every row to come
             bins[i].append(r)
             totals[i] += n
             loads[i] += row_workload(n, linear_weight) if layout == "thd" else 0
             nxt = loads[i] if layout == "thd" else (rows + 2) * row_workload(top, linear_weight)
-            heapq.heappush(heap, (nxt, i))
+            heapq.heapreplace(heap, (nxt, i))
             break
         else:
             return None
