@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from megarl.launch.key_files import KeyFiles, child_env
-from megarl.launch.role_commands import SHUTDOWN_MARGIN_S
+from megarl.launch.role_commands import SHUTDOWN_MARGIN_S, RoleCommand
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, early_stop, read_stop_marker
 from megarl.stop_ready import ready_path
 
@@ -56,10 +56,12 @@ def latch_launch_stops() -> None:
     early_stop.install()
 
 
-def _stop(procs: list[tuple[object, subprocess.Popen]], grace_s: float = 30.0) -> None:
-    for _, p in procs:
+def _stop(procs: list[tuple[RoleCommand, subprocess.Popen]], grace_s: float = 30.0) -> None:
+    """End the commands: SIGTERM, but an srun step gets the stop signal srun passes on (it turns SIGTERM into a
+    kill of its tasks), so an engine step on another node shuts down as cleanly as a local one."""
+    for c, p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(FORWARD_SIGNAL if c.argv[:1] == ("srun",) else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for _, p in procs:
         try:
@@ -130,7 +132,7 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
     ``key_files``: the run's keys, written for each command just before it starts (megarl/launch/key_files.py);
     whatever no reader took is removed when this returns."""
     ordered = sorted(commands, key=lambda c: not c.server)
-    procs: list[tuple[object, subprocess.Popen]] = []
+    procs: list[tuple[RoleCommand, subprocess.Popen]] = []
     ready = ready_path(stop_marker) if stop_marker is not None else None
     for stale in (stop_marker, ready):  # an earlier launch's say nothing about this one
         if stale is not None:
