@@ -1,7 +1,10 @@
-"""launch/slurm.sbatch on a real single-node Slurm (tests/e2e/slurm_local.py), preempted and requeued.
+"""launch/slurm.sbatch on a real three-node Slurm (tests/e2e/slurm_local.py, one slurmd per host of
+tests/cluster_hosts.py), preempted and requeued.
 
-`sbatch launch/slurm.sbatch` runs the tiny CPU config (HF engine) through `megarl launch --launcher slurm`
-(the trainer is an srun step running torchrun). `scancel --signal=TERM --batch` reaches the batch shell alone,
+`sbatch --nodes=3 launch/slurm.sbatch` runs the tiny CPU config (HF engine) through `megarl launch --launcher
+slurm`: the trainer is an srun step running torchrun on node1 and node2 (one rank each, rank 0 on node1), the
+engine an srun step on node3, reached over the bridge, the weights broadcast across hosts (gloo); the step logs
+say where each ran. `scancel --signal=TERM --batch` reaches the batch shell alone,
 as --signal=B:... does before the time limit; the run must checkpoint the step it reached, exit 75 and requeue
 the job (Restarts=1); started again at once (StartTime=now), the job resumes from the checkpoint and trains to
 the end with every step once and no trajectory trained twice. Each srun step writes its own log. The trainer
@@ -9,14 +12,15 @@ runs 2 ranks; the stop's checkpoint keeps the groups still running whole (megarl
 resumed job continues them: no trajectory is generated again, and every partial one the checkpoint kept is
 trained under its own id.
 
-Slurm comes from scripts/install_slurm.sh (scripts/test.sh runs it); without it the test is skipped, except in
-CI (CI=true), where a missing Slurm fails it.
+Slurm comes from scripts/install_slurm.sh (scripts/test.sh runs it); without it (or without root, which the
+hosts need) the test is skipped, except in CI (CI=true), where either fails it.
 """
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import cluster_hosts
 import pytest
 from conftest import ROOT
 from slurm_local import LocalSlurm, missing_tools
@@ -27,7 +31,8 @@ from megarl.checkpoint import load_file
 TOTAL = 6
 RUN_ARGS = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.batch_size=32",
             "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false", "eval.path=",
-            "logging.save_every=0", f"trainer.total_steps={TOTAL}", "placement.trainer_ranks=2"]
+            "logging.save_every=0", f"trainer.total_steps={TOTAL}", "placement.trainer_nodes=2",
+            "placement.engine_nodes=1", "rollout.weight_sync=broadcast"]
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +43,14 @@ def slurm(tmp_path_factory):
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
+    root = tmp_path_factory.mktemp("slurm")
+    with cluster_hosts.cluster(3, root / "hosts") as hosts:
+        slurm = LocalSlurm(root, hosts)
+        try:
+            slurm.start()
+            yield slurm
+        finally:
+            slurm.stop()
 
 
 def wait_until(cond, what: str, cluster: LocalSlurm, log: Path, timeout: float = 240.0) -> None:
@@ -60,7 +67,7 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
     log = tmp_path / "batch.out"
     env = {**slurm.env, "OMP_NUM_THREADS": "1", "MEGARL_RUN_DIR": str(run), "MEGARL_ROOT": str(ROOT)}
     # the node has no GPU: --gpus-per-node=0 overrides the script's #SBATCH --gpus-per-node=8
-    submit = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--open-mode=append",
+    submit = subprocess.run(["sbatch", "--parsable", "--nodes=3", "--gpus-per-node=0", "--open-mode=append",
                              f"--output={log}", "launch/slurm.sbatch", *RUN_ARGS, f"model.checkpoint={ckpt}"],
                             cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     job = submit.stdout.strip().split(";")[0]
@@ -91,7 +98,10 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
     trained = [i for r in jsonl(run / "trained_ids.jsonl") for i in r["traj_ids"]]
     assert len(trained) == len(set(trained)) == TOTAL * 32, "a trajectory was trained twice"
     assert [r["step"] for r in jsonl(run / "resumes.jsonl")] == [k]
-    assert sorted(p.name for p in run.glob("slurm-megarl-*.out")) == [f"slurm-megarl-{job}.trainer.out"]
+    assert sorted(p.name for p in run.glob("slurm-megarl-*.out")) == [f"slurm-megarl-{job}.engine0.out",
+                                                                       f"slurm-megarl-{job}.trainer.out"]
+    node3 = slurm.hosts.host("node3").addr  # where the plan put the engine, and where it served
+    assert f"on http://{node3}:8100" in (run / f"slurm-megarl-{job}.engine0.out").read_text()
     assert "logging.resume=" in log.read_text()  # the requeued run resumed, it did not start over
     # nothing an engine sampled before the stop was sampled again: the running groups went on from the checkpoint
     resumed = {key: sum(r[key] for r in metrics[k:]) for key in
@@ -101,5 +111,5 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
                        "n_tokens_regenerated_after_resume": 0}, resumed
     partial = [t["traj_id"] for g in kept for t in g["trajectories"] if t["response_ids"] and not t["finished"]]
     assert set(partial) <= set(trained), "a partial trajectory the checkpoint kept was not trained under its id"
-    print(f"\nslurm x2 ranks: stopped at step {k} with {len(kept)} groups running ({len(partial)} partial "
+    print(f"\nslurm x3 nodes: stopped at step {k} with {len(kept)} groups running ({len(partial)} partial "
           f"trajectories, {sum(len(t['response_ids']) for g in kept for t in g['trajectories'])} tokens kept)")
