@@ -59,31 +59,40 @@ def multi_turn_spliced_rows(batch) -> int:
     return n
 
 
+async def loop_parts(ckpt, run_dir, cfg) -> SimpleNamespace:
+    """The loop's trainer, tokenizer, in-process HF engine and its router, buffer, published version and
+    recovery context, for config ``cfg`` (tests/unit/test_restart_exactness.py builds its loop with them too)."""
+    from megarl.buffer import PublishedVersion, ReplayBuffer
+    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.router import EngineRouter
+    from recovery.base import RecoveryContext
+
+    trainer = SteppingScorer(ckpt)
+    engine = await HFEngine.create(str(ckpt), device="cpu")
+    buffer, published = ReplayBuffer(cfg.trainer.batch_size, cfg.rollout.eta), PublishedVersion()
+    ctx = RecoveryContext(trainer=trainer, live_versions=lambda: buffer.live_versions(published.value),
+                          live_trajectories=buffer.live_trajectories, run_dir=str(run_dir), checkpoint_dir=str(ckpt),
+                          eta=2)
+    return SimpleNamespace(trainer=trainer, tokenizer=run_tokenizer(ckpt), engine=engine,
+                           router=EngineRouter([engine]), buffer=buffer, published=published, ctx=ctx)
+
+
 async def run_loop(name: str, ckpt, run_dir):
     from megarl.advantages import advantage_fn
-    from megarl.buffer import PublishedVersion, ReplayBuffer
     from megarl.builder import load_run_config
     from megarl.controller import Controller
     from megarl.data import PromptDataset
     from megarl.publish import DiskPublisher
-    from megarl.rollout.hf_engine import HFEngine
-    from megarl.rollout.router import EngineRouter
     from megarl.workflows import build_workflow
-    from recovery.base import RecoveryContext
     from recovery.dedicated import Dedicated, DedicatedConfig
     from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
     from recovery.verifier import VerifyingStrategy
 
     cfg = load_run_config(None, ["rollout.eta=2", "trainer.batch_size=4", "rollout.group_size=2",
                                  "rollout.max_new_tokens=24", "rollout.max_concurrency=16"])
-    trainer = SteppingScorer(ckpt)
-    tokenizer = run_tokenizer(ckpt)
-    engine = await HFEngine.create(str(ckpt), device="cpu")
-    router = EngineRouter([engine])
-    buffer, published = ReplayBuffer(cfg.trainer.batch_size, cfg.rollout.eta), PublishedVersion()
-    ctx = RecoveryContext(trainer=trainer, live_versions=lambda: buffer.live_versions(published.value),
-                          live_trajectories=buffer.live_trajectories, run_dir=str(run_dir), checkpoint_dir=str(ckpt),
-                          eta=2)
+    p = await loop_parts(ckpt, run_dir, cfg)
+    trainer, tokenizer, engine, router, buffer, published, ctx = (p.trainer, p.tokenizer, p.engine, p.router,
+                                                                  p.buffer, p.published, p.ctx)
     if name == "dedicated":
         inner = Dedicated(DedicatedConfig(scorer_factory="recovery_scorer:make_hf_scorer", start_timeout_s=300,
                                           wait_timeout_s=300), ctx)
