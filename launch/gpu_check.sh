@@ -10,7 +10,8 @@
 #   te_grouped_gemm (the MoE's experts as TE's grouped GEMM, if TE is installed), ewma_device (ewma's fold on
 #   the GPU: a host phi and a phi kept on the GPU agree bit for bit, no copy of theta taken), pinned_bytes
 #   (kept host copies: one page-locked flat buffer each, within 1% of the host plan's pinned bytes),
-#   nccl_init_deadline (a receiver whose sender never sets the NCCL communicator up leaves at its deadline).
+#   nccl_init_deadline (a receiver whose sender never sets the NCCL communicator up leaves at its deadline),
+#   sender_kill (a weight sender killed mid-publish leaves the trainer's GPU memory at its baseline).
 # Every check runs in its own process with a time limit and prints PASS, SKIP or FAIL; the script
 # exits 1 if any check failed.
 #

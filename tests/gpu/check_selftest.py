@@ -27,7 +27,7 @@ def self_test(workdir: Path) -> list[str]:
             problems.append(what)
 
     for section in (_engine_apis, _trainer_apis, _helpers, _plan_vs_peak, _publish_memory, _cuda_ipc,
-                    _te_grouped_gemm, _ewma_device, _bounds):
+                    _te_grouped_gemm, _ewma_device, _bounds, _sender_kill):
         section(need, workdir)
     return problems
 
@@ -233,3 +233,32 @@ def _bounds(need: Need, workdir: Path) -> None:
     need("ReceiverGroup has no started flag / check (nccl_init_deadline reads them)",
          "self.started" in inspect.getsource(ReceiverGroup.__init__)
          and callable(getattr(ReceiverGroup, "check", None)))
+
+
+def _sender_kill(need: Need, workdir: Path) -> None:
+    """What sender_kill calls: the sender's constructor, send and kill, its stand-in group built the way the sender
+    builds its group, and the IPC release."""
+    import inspect as _inspect
+
+    from checks_sender import StallingGroupStandIn, group_info
+
+    from megarl import publish
+    from megarl.rollout import broadcast_sender
+    from megarl.rollout.weight_sync import WeightBroadcaster
+
+    sender = broadcast_sender.SenderProcess
+    need(f"SenderProcess lacks {_has_params(sender.__init__, 'broadcaster_cls', 'device_index')}",
+         not _has_params(sender.__init__, "broadcaster_cls", "device_index"))
+    need(f"SenderProcess.send lacks {_has_params(sender.send, 'group_info', 'buckets', 'timeout_s')}",
+         not _has_params(sender.send, "group_info", "buckets", "timeout_s"))
+    need("SenderProcess.kill missing", callable(getattr(sender, "kill", None)))
+    need("megarl.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
+    kwargs = list(_inspect.signature(WeightBroadcaster.__init__).parameters)
+    stand_in = [n for n, p in _inspect.signature(StallingGroupStandIn.__init__).parameters.items()
+                if p.kind == p.KEYWORD_ONLY]
+    need(f"the stand-in group takes {sorted(set(stand_in) - set(kwargs))}, which WeightBroadcaster does not",
+         set(stand_in) <= set(kwargs))
+    try:
+        broadcast_sender._joined(None, StallingGroupStandIn, {**group_info(), "shards": 1})
+    except Exception as e:  # noqa: BLE001 - reported as the problem it is
+        need(f"the sender cannot build sender_kill's stand-in group: {type(e).__name__}: {e}", False)

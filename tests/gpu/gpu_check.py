@@ -36,6 +36,10 @@ Checks (each in its own process, so a crashed engine takes down only its own):
 - nccl_init_deadline  a receiver whose trainer side never sets the NCCL communicator up (NCCL does it inside the
                    first collective call): the receive leaves at its step deadline, the update lock free (one
                    GPU is enough: only the receiver touches NCCL; CPU: the same over gloo, the deadline only)
+- sender_kill      a weight sender killed mid-publish (its group stalls at bucket 2 of 8, past the deadline): the
+                   trainer's GPU memory and the device's free memory back at their baseline; the former flow
+                   (a trainer bucket held by a killed process) reported as the negative control (CPU: the
+                   same with shared-memory buckets, the node's Shmem back)
 - ewma_device      ewma's fold on the GPU over 3 bf16 steps: a host phi folded in the anchor's swap and a phi
                    kept on the GPU (folded in place, pointed at) agree bit for bit; no copy of theta, and the
                    anchor's peak stays within a quarter shard of a plain forward's
@@ -43,7 +47,8 @@ Checks (each in its own process, so a crashed engine takes down only its own):
 The vLLM checks need the official wheel: without it they SKIP with that reason, unless
 GPU_CHECK_REQUIRE_VLLM=1 makes them fail; te_spec and te_grouped_gemm likewise with GPU_CHECK_REQUIRE_TE=1.
 The checks live beside this harness: check_helpers.py (what they share), checks_trainer.py, checks_engines.py,
-checks_memory.py, checks_publish.py, checks_recovery.py, checks_bounds.py; check_selftest.py is --self-test.
+checks_memory.py, checks_publish.py, checks_recovery.py, checks_bounds.py, checks_sender.py;
+check_selftest.py is --self-test.
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ from checks_engines import (  # noqa: E402
 from checks_memory import check_plan_vs_peak  # noqa: E402
 from checks_publish import check_cuda_ipc, check_publish_memory  # noqa: E402
 from checks_recovery import check_ewma_device  # noqa: E402
+from checks_sender import check_sender_kill  # noqa: E402
 from checks_trainer import (  # noqa: E402
     check_bf16_step,
     check_env,
@@ -98,7 +104,8 @@ CHECKS = {"env": check_env, "rendezvous": check_rendezvous, "megatron_parity": c
           "bf16_step": check_bf16_step, "train_loop": check_train_loop, "verify_recovery": check_verify_recovery,
           "plan_vs_peak": check_plan_vs_peak, "publish_memory": check_publish_memory, "cuda_ipc": check_cuda_ipc,
           "te_grouped_gemm": check_te_grouped_gemm, "ewma_device": check_ewma_device,
-          "pinned_bytes": check_pinned_bytes, "nccl_init_deadline": check_nccl_init_deadline}
+          "pinned_bytes": check_pinned_bytes, "nccl_init_deadline": check_nccl_init_deadline,
+          "sender_kill": check_sender_kill}
 INTERNAL = {"_pass": _check_pass, "_fail": _check_fail}
 
 
