@@ -217,21 +217,21 @@ def _slurm(plan, python: str, check: bool, settings: LaunchSettings) -> list[Rol
                        False)]
     if check:
         return out
-    by_host: dict[str, list] = {}
+    steps: dict[str, list] = {}  # engines of one node share a step (megarl/launch/slurm_scripts.py)
     for s in plan.servers:
-        if not s.spawned:  # engines of one node share a step (megarl/launch/slurm_scripts.py); the scorer has its own
-            by_host.setdefault(f"{s.role}@{s.host}", []).append(s)
-    for group in by_host.values():
-        s = group[0]
-        if len(group) == 1:
-            srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}",
-                    *_slurm_step(plan, s.name, s.tp, settings)]
-            env = role_env(plan, s.role, s, set_visible_devices=False)
-            out.append(RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(env) + _entry(plan, python,
-                                                                                                check=False)), True))
-            continue
-        out.append(_slurm_shared_engines(plan, group, python, settings))
+        if not s.spawned:
+            steps.setdefault(f"{s.role}@{s.host}", []).append(s)
+    for group in steps.values():
+        out.append(_slurm_server(plan, group[0], python, settings) if len(group) == 1
+                   else _slurm_shared_engines(plan, group, python, settings))
     return out
+
+
+def _slurm_server(plan, s, python: str, settings: LaunchSettings) -> RoleCommand:
+    """The step of one engine or of the dedicated scorer: Slurm gives it its GPUs."""
+    srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.host}", *_slurm_step(plan, s.name, s.tp, settings)]
+    env = role_env(plan, s.role, s, set_visible_devices=False)
+    return RoleCommand(s.name, s.role, "", tuple(srun + _env_prefix(env) + _entry(plan, python, check=False)), True)
 
 
 def _slurm_shared_engines(plan, engines, python: str, settings: LaunchSettings) -> RoleCommand:
