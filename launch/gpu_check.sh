@@ -4,8 +4,9 @@
 #   vllm_parity (official vLLM wheel generate + logprobs vs the Megatron trainer), broadcast_gloo /
 #   broadcast_nccl / hf_broadcast / hf_broadcast_nccl (trainer step -> weights into the GPU engine -> parity),
 #   te_spec (TransformerEngine layer spec, if installed), bf16_step, train_loop, verify_recovery,
-#   plan_vs_peak (the memory plan vs a measured bf16 step on a 2-layer, full-width Qwen3-30B-A3B: writes a
-#   ~7.5 GB random checkpoint first, the slowest check), publish_memory (three broadcast publishes leave GPU
+#   plan_vs_peak (the memory plan vs measured bf16 steps and a checkpoint save on a 2-layer, full-width
+#   Qwen3-30B-A3B, 0.8-1.1x, and the weight sender's device bytes: writes a ~7.5 GB random checkpoint first,
+#   the slowest check), publish_memory (three broadcast publishes leave GPU
 #   and shared memory at their baseline), cuda_ipc (CUDA-IPC buckets to a second process, freed after),
 #   te_grouped_gemm (the MoE's experts as TE's grouped GEMM, if TE is installed), ewma_device (ewma's fold on
 #   the GPU: a host phi and a phi kept on the GPU agree bit for bit, no copy of theta taken), pinned_bytes

@@ -116,6 +116,18 @@ def _plan_vs_peak(need: Need, workdir: Path) -> None:
     loss_fn = entropy_loss(seen)
     logp, ent = -torch.rand(2, 5), torch.rand(2, 5)
     loss, _ = loss_fn(logp, SimpleNamespace(loss_mask=torch.ones(2, 5)), {"n_valid_tokens": 10.0}, entropy=ent)
+    from checks_memory import SENDER_BUCKETS, sender_on_device
+    from checks_sender import STALL_AT
+
+    from megarl.launch.runtime_reserve import runtime_parts
+    from megarl.trainer.megatron_trainer import MegatronTrainer
+
+    need("plan_vs_peak's sender would stall (SENDER_BUCKETS past the stand-in group's STALL_AT)",
+         SENDER_BUCKETS <= STALL_AT and callable(sender_on_device))
+    need("MegatronTrainer.save_state missing (plan_vs_peak saves a checkpoint)",
+         callable(getattr(MegatronTrainer, "save_state", None)))
+    need(f"runtime_parts lacks {_has_params(runtime_parts, 'cfg', 'plan')}",
+         not _has_params(runtime_parts, "cfg", "plan"))
     need("plan_vs_peak's loss does not subtract the entropy bonus",
          getattr(loss_fn, "wants_entropy", False) and seen.get("entropy") is True
          and abs(float(loss) - float(-logp.sum() / 10 - 0.01 * ent.sum() / 10)) < 1e-6)
