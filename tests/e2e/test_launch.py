@@ -36,7 +36,7 @@ def test_launch_dry_run_30b_on_four_simulated_nodes():
     assert "tp=1 pp=1 ep=8 dp=16 (expert dp=2); 16 ranks" in out
     assert out.count("vLLM TP=4") == 4 and "engine3     node04" in out
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node01,node02 --gpus-per-node=8" in out
-    assert out.count("srun --nodes=1 --ntasks=1") == 4
+    assert out.count("srun --nodes=1 --ntasks=2 --ntasks-per-node=2") == 2  # one step per engine node, a task each
     assert f"-m megarl.train --config {CFG_30B}" in out
 
 
@@ -102,7 +102,7 @@ def test_slurm_sbatch_dry_run_without_slurm():
     assert "slurm job 4242: 4 node(s) x 8 GPUs (gpu[101-104])" in out
     assert "--nodelist=gpu101,gpu102 --gpus-per-node=8 --cpus-per-task=96 --mem=1024000M" in out
     assert "--master-addr=gpu101 --master-port=29500" in out
-    assert "--nodelist=gpu104 --gpus-per-node=4 --cpus-per-task=48 --mem=512000M" in out
+    assert "--nodelist=gpu104 --gpus-per-node=8 --cpus-per-task=48 --mem=1024000M" in out
     assert "recovery.name=ewma" in out
 
 
