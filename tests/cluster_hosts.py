@@ -227,6 +227,9 @@ class Cluster:
                 time.sleep(0.1)
             _ip("netns", "del", h.ns, check=False)
             shutil.rmtree(NETNS_DIR / h.ns, ignore_errors=True)
+        for i in range(1, len(self.hosts) + 1):  # the pair usually goes with its namespace, not everywhere (gVisor)
+            if f"{self.tag}v{i}:" in _ip("-o", "link").stdout.replace("@", ":"):
+                _ip("link", "del", f"{self.tag}v{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
 
     def __enter__(self) -> "Cluster":

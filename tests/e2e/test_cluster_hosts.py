@@ -26,7 +26,7 @@ else:
 
 def _ours() -> set[str]:
     out = _ip("netns", "list").stdout + _ip("-o", "link").stdout
-    return {w for w in out.replace(":", " ").split() if w.startswith("mrlc")}
+    return {w.split("@")[0] for w in out.replace(":", " ").split() if w.startswith("mrlc")}
 
 
 def test_hosts_reach_each_other_by_name_and_the_trap_resolves_to_loopback(tmp_path):
@@ -41,7 +41,7 @@ def test_hosts_reach_each_other_by_name_and_the_trap_resolves_to_loopback(tmp_pa
         trap = c.run("node3", [sys.executable, "-c", "import socket; print(socket.gethostbyname('node3'))"])
         seen = c.run("node1", [sys.executable, "-c", "import socket; print(socket.gethostbyname('node3'))"])
         assert (trap.stdout.strip(), seen.stdout.strip()) == ("127.0.1.1", c.host("node3").addr)
-    assert not _ours() & {c.bridge, *(h.ns for h in c.hosts)}
+    assert not _ours() & {c.bridge, *(h.ns for h in c.hosts), *(f"{c.tag}v{i}" for i in (1, 2, 3))}
 
 
 def test_teardown_after_a_failure_and_leftovers_of_a_killed_run(tmp_path):
