@@ -92,6 +92,8 @@ class SenderProcess:
 
         def run() -> None:
             try:
+                self._stage(max((p.numel() * p.element_size() for _, p, _ in pending if p.device.type == "cuda"),
+                                default=0))
                 self._step(("open", group_info, len(pending)), timeout_s, 0, len(pending) + 2)
                 for i in range(len(pending)):
                     meta, payload, shard = pending[i]
@@ -107,15 +109,19 @@ class SenderProcess:
         threading.Thread(target=run, name="megarl-weight-sender-watch", daemon=True).start()
         return fut
 
+    def _stage(self, n: int) -> None:
+        """A staging buffer of at least ``n`` bytes in the sender (module doc), made once for the largest device
+        bucket of a publish."""
+        if n and (self._staging is None or self._staging.numel() < n):
+            self._staging = None  # let go of the old buffer first: the sender frees it before it makes the new one
+            self._staging = self._step(("stage", n), self._stage_timeout_s, 0, 1)[1]
+
     def _bucket_message(self, meta: bytes, payload: torch.Tensor, shard: int) -> tuple:
         """A host bucket as a shared-memory share; a device bucket copied into the sender's staging buffer
         (module doc), which the message then names by its byte count."""
         if payload.device.type != "cuda":
             return ("bucket", meta, payload, shard)
         n = payload.numel() * payload.element_size()
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = None  # the sender drops its old buffer when it makes the new one
-            self._staging = self._step(("stage", n), self._stage_timeout_s, 0, 1)[1]
         self._staging[:n].copy_(payload.view(-1).view(torch.uint8))
         torch.cuda.synchronize(payload.device)  # the bytes are in place before the sender reads them
         return ("staged", meta, n, shard)
@@ -203,6 +209,7 @@ def _serve(conn, broadcaster_cls, device_index: int | None) -> None:
         try:
             if kind == "stage":  # a buffer of this process the trainer copies device buckets into
                 staging = None
+                torch.cuda.ipc_collect()  # the old one: the trainer let go of its view before asking
                 staging = torch.empty(int(msg[1]), dtype=torch.uint8, device=torch.device("cuda", device_index))
                 conn.send(("stage", staging))
             elif kind == "open":
