@@ -66,7 +66,8 @@ def run(args) -> int:
     mem = memory.memory_plan(cfg, hf, plan) if plan.device == "gpu" else None
     host = host_memory.planned(cfg, hf, plan)
     disk = args.disk_gb_s if args.disk_gb_s is not None else cost.Assumptions().disk_gb_s
-    save = save_plan.save_plan(cfg, hf, plan, disk, args.signal_lead_s) if plan.device == "gpu" else None
+    save = (save_plan.save_plan(cfg, hf, plan, disk, args.signal_lead_s, host.total if host else 0.0)
+            if plan.device == "gpu" else None)
     if not args.cost:
         if args.json:
             print(json.dumps({"plan": plan.to_dict(), "memory": mem and memory.as_dict(mem),

@@ -99,9 +99,11 @@ def _rank_bytes(cfg, hf: dict, t) -> tuple[list[float], list[float], float]:
     return write, gather, weights
 
 
-def save_plan(cfg, hf: dict, plan, disk_gb_s: float, signal_lead_s: float | None = None) -> SavePlan:
+def save_plan(cfg, hf: dict, plan, disk_gb_s: float, signal_lead_s: float | None = None,
+              host_bytes: float = 0.0) -> SavePlan:
     """The checkpoint of ``plan`` (module doc); ``signal_lead_s``: Slurm's signal lead (None: the shipped
-    launch/slurm.sbatch's)."""
+    launch/slurm.sbatch's); ``host_bytes``: what the host plan already holds on rank 0's node
+    (megarl/launch/host_memory.py), beside which a save gathers."""
     t = plan.trainer
     write, gather, weights = _rank_bytes(cfg, hf, t)
     nodes = max(len(t.hosts), 1)
@@ -126,9 +128,10 @@ def save_plan(cfg, hf: dict, plan, disk_gb_s: float, signal_lead_s: float | None
     if sp.save_every and sp.write_s > budget:
         sp.warnings.append(f"each periodic save (logging.save_every={sp.save_every}) takes {sp.write_s:.0f} s too; "
                            f"a stop during one waits for it")
-    if cfg.placement.host_memory_gb and max(node_gather) > float(cfg.placement.host_memory_gb) * GB:
-        sp.problems.append(f"a save gathers {max(node_gather) / GB:.1f} GB of optimizer state on one trainer node's "
-                           f"host, over placement.host_memory_gb={cfg.placement.host_memory_gb:g}; set "
+    if cfg.placement.host_memory_gb and node_gather[0] + host_bytes > float(cfg.placement.host_memory_gb) * GB:
+        sp.problems.append(f"a save gathers {node_gather[0] / GB:.1f} GB of optimizer state on rank 0's node beside "
+                           f"the {host_bytes / GB:.1f} GB the host plan holds there, over "
+                           f"placement.host_memory_gb={cfg.placement.host_memory_gb:g}; set "
                            f"logging.async_save=false (one host copy) or spread the model over more GPUs "
                            f"(parallel.tp, parallel.pp, parallel.ep)")
     return sp

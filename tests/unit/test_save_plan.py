@@ -37,6 +37,10 @@ def test_a_30b_checkpoint_by_hand():
     (problem,) = sp.problems
     assert "logging.stop_grace_s=240" in problem and "--signal=B:USR1@300" in problem
     assert sp.node_gather_bytes[0] == pytest.approx(opt)  # the gathered optimizer is held on node 1's host
+    cfg.placement.host_memory_gb = 500  # the gather fits alone, not beside a 200 GB host plan
+    assert not save_plan.save_plan(cfg, hf, plan, 2.0, 240).problems[1:]
+    crowded = save_plan.save_plan(cfg, hf, plan, 2.0, 240, host_bytes=200 * GB).problems
+    assert len(crowded) == 2 and "beside the 200.0 GB the host plan holds" in crowded[1]
 
 
 def test_the_shipped_30b_layout_writes_its_stop_checkpoint_within_its_budget():
