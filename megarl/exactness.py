@@ -61,16 +61,17 @@ def _route_failures(name: str, rep: dict[str, Any]) -> list[str]:
     m = rep.get("routes_matter", {})
     if m.get("passed") is False:
         decided = m["n_flip_positions"] - m["n_undecided"]
-        if m["n_replay_closer"] < decided or m["gap_replay_mean"] >= m["gap_live_mean"]:
+        if m["n_flip_positions"] and (m["n_replay_closer"] < decided or m["gap_replay_mean"] >= m["gap_live_mean"]):
             out.append(f"{name}: replaying the engine's routes brought the trainer closer to logp_behav than live "
                        f"routing at only {m['n_replay_closer']:.0f} of the {decided:.0f} positions where the "
                        f"trainer's routers choose other experts and the two differ by more than the engine's "
                        f"discrepancy elsewhere (mean gap {m['gap_replay_mean']:.3g} "
                        f"replayed, {m['gap_live_mean']:.3g} live): the reference does not replay the engine's routes")
         if m["anchor_other_routes"]:
+            checked = m["anchor_engine_routes"] + m["anchor_other_routes"] + m["anchor_unseen"]
             out.append(f"{name} claims exactness but its anchor was computed with other routes than the engine's "
-                       f"at {m['anchor_other_routes']:.0f} of the {m['n_flip_positions']:.0f} positions where the "
-                       f"routes matter")
+                       f"at {m['anchor_other_routes']:.0f} of the {checked:.0f} policy tokens whose routes were "
+                       f"compared by id")
     wrong = rep.get("routes", {}).get("policy_routes_wrong", 0)
     if wrong:
         out.append(f"{name}: the policy forward replays other routes than the newest segment's at {wrong} positions")
@@ -82,7 +83,7 @@ def _matter_part(m: dict[str, Any]) -> str:
     return (f" | where routes matter ({m['n_flip_positions']:.0f} positions): replay closer to the engine at "
             f"{m['n_replay_closer']:.0f}, undecided {m['n_undecided']:.0f} (mean gap {m['gap_replay_mean']:.3g} "
             f"replayed, {m['gap_live_mean']:.3g} "
-            f"live); anchor with the engine's routes at {m['anchor_engine_routes']:.0f}, other routes at "
+            f"live); anchor tokens with the engine's route ids {m['anchor_engine_routes']:.0f}, other routes "
             f"{m['anchor_other_routes']:.0f}, unseen {m['anchor_unseen']:.0f}: {verdict}")
 
 

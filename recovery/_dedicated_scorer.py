@@ -76,9 +76,10 @@ def _build_scorer(factory: str, checkpoint_dir: str, dtype: str = "float32", tem
                            micro_batch_tokens=micro_batch_tokens)
 
 
-def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float]]]:
+def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[float], Any]]:
     """One forward over the segments' sequences (prompt + response up to the segment's end), each replaying the
-    routes of the request that generated it (``routes``: [positions, layers, k], or None: routed live)."""
+    routes of the request that generated it (``routes``: [positions, layers, k], or None: routed live). Each
+    result carries the routes the forward replayed at the segment's positions (None without replay)."""
     trajs = [Trajectory(traj_id=j["traj_id"], group_id="", prompt_ids=j["prompt_ids"],
                         response_ids=j["response_ids"], logp_behav=[0.0] * len(j["response_ids"]),
                         versions=[j["version"]] * len(j["response_ids"]), loss_mask=[1] * len(j["response_ids"]))
@@ -91,7 +92,10 @@ def _score(scorer: Any, jobs: list[dict]) -> list[tuple[str, int, int, list[floa
     out = []
     for b, j in enumerate(jobs):
         base = len(j["prompt_ids"]) - 1
-        out.append((j["traj_id"], j["start"], j["end"], logp[b, base + j["start"]:base + j["end"]].tolist()))
+        lo, hi = base + j["start"], base + j["end"]
+        # the routes this forward replayed at the scored positions, for the verifier to compare by id
+        replayed = None if batch.routes is None else batch.routes[b, lo:hi].numpy()
+        out.append((j["traj_id"], j["start"], j["end"], logp[b, lo:hi].tolist(), replayed))
     return out
 
 

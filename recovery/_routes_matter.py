@@ -17,18 +17,23 @@ recovery/_route_checks.py finds them). Two checks run on them:
   all flip positions. A reference (or a trainer) that does not really replay
   fails here.
 - **anchor routes**: the anchor of an exact strategy must have been computed
-  with the engine's routes there, compared as route ids, not log-probs.
+  with the engine's routes, compared as route ids, not log-probs: at the
+  flip positions and at every other policy token a segment owns (a wrong
+  route that happens to agree with live routing is still wrong).
   :class:`RouteTap` records every forward the trainer runs for the strategy
   (its rows, the routes replayed, the log-probs out); the forward that
-  produced a token's anchor value (bit for bit) tells which routes it used.
-  Forwards in another process (the dedicated strategy's scorer) are not seen:
-  those tokens count as ``unseen``, and the route-level unit tests
-  (tests/unit/test_route_level_scoring.py) cover them.
+  produced a token's anchor value (bit for bit) tells which routes it used,
+  at every position up to the token's. Forwards in another process (the
+  dedicated strategy's scorer) report the routes they replayed at the
+  tokens' own positions (``RecoveryStrategy.replayed_routes``); a token
+  neither shows counts as ``unseen``. The route-level unit tests
+  (tests/unit/test_route_level_scoring.py) check every position of every
+  strategy's forwards.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,27 +94,31 @@ def _owner(segments, version: int, index: int):
     return next((s for s in segments if s.version == version and s.start <= index < s.end), None)
 
 
-def _engine_routes(routes: torch.Tensor | None, seg, index: int) -> bool:
-    """Whether ``routes`` (a forward's, positions ``0..index``; None: live) are the segment's at every position
-    the segment routed, as expert sets."""
+def _engine_routes(routes: torch.Tensor | None, seg, first: int, index: int) -> bool:
+    """Whether ``routes`` (a forward's at positions ``first..index``; None: live) are the segment's at every
+    one of them the segment routed, as expert sets."""
     if routes is None:
         return False
     n = min(index + 1, seg.end)
-    want = torch.from_numpy(as_int16(seg.routes[:n])).long()
-    mask = torch.from_numpy(known(seg.routes[:n]))
-    got = routes[:n].long()
+    want = torch.from_numpy(as_int16(seg.routes[first:n])).long()
+    mask = torch.from_numpy(known(seg.routes[first:n]))
+    got = routes[:n - first].long()
     return bool((want.sort(-1).values == got.sort(-1).values).all(-1)[mask].all())
 
 
 def judge(counts: dict[str, float], flipped: torch.Tensor, batch: TrainBatch, truth: torch.Tensor,
-          no_replay: torch.Tensor, anchor: torch.Tensor, tap: RouteTap | None) -> None:
+          no_replay: torch.Tensor, anchor: torch.Tensor, tap: RouteTap | None,
+          remote: Callable[[str, int], Any] | None = None) -> None:
     """Add ``batch``'s flip positions (``flipped`` [B, L-1] bool) to ``counts`` (:func:`empty`): replay vs live
-    against ``logp_behav``, and which routes the anchor was computed with (``tap``: None, not looked at)."""
+    against ``logp_behav``; and which routes the anchor was computed with at every policy token a segment owns
+    (``tap``: None, not looked at; ``remote(traj_id, index)``: the routes a forward in another process replayed
+    at the token's own position, the strategy's ``replayed_routes``)."""
     behav = batch.logp_behav.float().cpu()
     anchor = anchor.detach().float().cpu()
     gap_replay = (truth - behav).abs()
     gap_live = (no_replay - behav).abs()
-    agree = policy_tokens(batch) & ~flipped & torch.isfinite(gap_replay)
+    policy = policy_tokens(batch)
+    agree = policy & ~flipped & torch.isfinite(gap_replay)
     noise = float(gap_replay[agree].max()) if agree.any() else 0.0
     for b, i in flipped.nonzero().tolist():
         counts["n_flip_positions"] += 1
@@ -119,27 +128,37 @@ def judge(counts: dict[str, float], flipped: torch.Tensor, batch: TrainBatch, tr
             counts["n_replay_closer"] += float(gap_replay[b, i] < gap_live[b, i])
         counts["gap_replay_sum"] += float(gap_replay[b, i])
         counts["gap_live_sum"] += float(gap_live[b, i])
-        if tap is None:
-            continue
+    if tap is None:
+        return
+    for b, i in policy.nonzero().tolist():
         seg = _owner(batch.route_segments[b], int(batch.versions[b, i]), i)
+        if seg is None:  # no segment of its version: it routes live by the rule
+            continue
         used = tap.routes_of(batch.traj_ids[b], i, float(anchor[b, i]))
-        key = ("anchor_unseen" if not used else "anchor_engine_routes"
-               if any(_engine_routes(r, seg, i) for r in used) else "anchor_other_routes")
+        if used:
+            right = any(_engine_routes(r, seg, 0, i) for r in used)
+        else:
+            there = None if remote is None else remote(batch.traj_ids[b], i)
+            right = None if there is None else _engine_routes(torch.as_tensor(there)[None].long(), seg, i, i)
+        key = {None: "anchor_unseen", True: "anchor_engine_routes", False: "anchor_other_routes"}[right]
         counts[key] += 1
 
 
 def summary(counts: dict[str, float]) -> dict[str, Any]:
-    """The report's ``routes_matter``; ``passed`` (None without flip positions: nothing to judge): replay was
-    closer at every decided flip position and in sum, and no anchor used other routes than the engine's there."""
+    """The report's ``routes_matter``; ``passed`` (None when there was nothing to judge): replay was closer at
+    every decided flip position and in sum, and no anchor token compared by id used other routes than the
+    engine's."""
     n = counts["n_flip_positions"]
     rep: dict[str, Any] = {k: v for k, v in counts.items() if not k.endswith("_sum")}
     rep["gap_replay_mean"] = counts["gap_replay_sum"] / max(n, 1.0)
     rep["gap_live_mean"] = counts["gap_live_sum"] / max(n, 1.0)
-    rep["passed"] = None
+    checks = []
     if n:
-        rep["passed"] = (counts["n_replay_closer"] == n - counts["n_undecided"]
-                         and counts["gap_replay_sum"] < counts["gap_live_sum"]
-                         and counts["anchor_other_routes"] == 0)
+        checks.append(counts["n_replay_closer"] == n - counts["n_undecided"]
+                      and counts["gap_replay_sum"] < counts["gap_live_sum"])
+    if counts["anchor_engine_routes"] + counts["anchor_other_routes"]:
+        checks.append(counts["anchor_other_routes"] == 0)
+    rep["passed"] = all(checks) if checks else None
     return rep
 
 

@@ -124,6 +124,12 @@ class RecoveryStrategy(abc.ABC):
     def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
         """The trainer finished an optimizer step and is now at ``version``."""
 
+    def replayed_routes(self, traj_id: str, index: int) -> Any | None:
+        """The MoE routes ([layers, k]) a forward in another process replayed at input position ``index`` of
+        ``traj_id`` to score the token there, for the last batch anchored; None where this strategy's forwards
+        ran on ``ctx.trainer`` (the verifier sees those) or the position was not scored that way."""
+        del traj_id, index
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -166,6 +172,9 @@ class DelegatingStrategy(RecoveryStrategy):
 
     def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
         self.inner.after_optimizer_step(version, metrics)
+
+    def replayed_routes(self, traj_id: str, index: int) -> Any | None:
+        return self.inner.replayed_routes(traj_id, index)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

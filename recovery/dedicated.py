@@ -111,6 +111,10 @@ class Dedicated(RecoveryStrategy):
         #: segments sent to the scoring process and not scored yet -> when they were sent (perf_counter)
         self._pending: dict[SegKey, float] = {}
         self._results: dict[SegKey, list[float]] = {}
+        #: the routes the scorer replayed at each segment's positions; of the last batch anchored, by
+        #: (traj_id, input position) once joined (``replayed_routes``)
+        self._replayed: dict[SegKey, Any] = {}
+        self._replayed_at: dict[tuple[str, int], Any] = {}
         self._lost: dict[SegKey, str] = {}
         #: the last version sent to the scoring process (the one it scores new segments with)
         self.version: int | None = None
@@ -149,10 +153,11 @@ class Dedicated(RecoveryStrategy):
         elif kind == "loaded":
             self.loaded_version = payload
         elif kind == "scored":
-            for traj_id, start, end, logps in payload:
+            for traj_id, start, end, logps, replayed in payload:
                 key = (traj_id, start, end)
                 self._pending.pop(key, None)
                 self._results[key] = logps
+                self._replayed[key] = replayed
         elif kind == "lost":
             for key, seg_version, scorer_version in payload:
                 self._pending.pop(tuple(key), None)
@@ -261,12 +266,21 @@ class Dedicated(RecoveryStrategy):
                 if lost:
                     raise RuntimeError("dedicated: cannot score " + "; ".join(lost[:3]))
             with self._lock:
+                self._replayed_at = {}
                 for t in trajs:
                     old = ensure_logp_old(t)
                     for s, _ in scoring_segments(t):
-                        old[s.start:s.end] = self._results.pop((t.traj_id, s.start, s.end))
+                        key = (t.traj_id, s.start, s.end)
+                        old[s.start:s.end] = self._results.pop(key)
+                        replayed = self._replayed.pop(key, None)
+                        base = len(t.prompt_ids) - 1 + s.start
+                        for j in range(0 if replayed is None else len(replayed)):
+                            self._replayed_at[(t.traj_id, base + j)] = replayed[j]
             logp_old = logp_old_from_trajs(batch, trajs)
         return AnchorResult(logp_anchor=logp_old, exact=True)
+
+    def replayed_routes(self, traj_id: str, index: int) -> Any | None:
+        return self._replayed_at.get((traj_id, index))
 
     def after_optimizer_step(self, version: int, metrics: dict[str, float]) -> None:
         """Forget segments of trajectories that are gone (trained on or dropped)."""
@@ -274,7 +288,7 @@ class Dedicated(RecoveryStrategy):
         with self._lock:
             gone = {k for k in self._sent if k[0] not in live and k not in self._pending}
             self._sent -= gone
-            for store in (self._lost, self._results):
+            for store in (self._lost, self._results, self._replayed):
                 for key in gone & store.keys():
                     del store[key]
 

@@ -200,7 +200,7 @@ class VerifyingStrategy(DelegatingStrategy):
         out = count_flips(batch, self.params_by_version, self.ctx.trainer, self.flips, flipped)
         live = true_logp_old(batch, self.params_by_version, self.ctx.trainer, replay=False)
         judge(self.routes_matter, flipped & policy_tokens(batch), batch, truth, live, anchor,
-              self._tap if self.inner.exact else None)
+              self._tap if self.inner.exact else None, self.inner.replayed_routes)
         d = discrepancy(live, batch.logp_behav.cpu(), policy_tokens(batch))
         out.update({f"{k}_no_replay": v for k, v in d.items()})
         if "r_d/n_tokens" in d:

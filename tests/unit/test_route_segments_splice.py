@@ -125,7 +125,7 @@ def test_every_exact_scoring_path_reproduces_the_engine(spliced):
              "response_ids": t.response_ids[:s.end], "routes": rs.routes[:len(t.prompt_ids) + s.end - 1]}
             for t in trajs for s, rs in scoring_segments(t) if s.version == 1]
     assert len(jobs) == N_TRAJ
-    for (tid, start, end, logps), t in zip(_score(trainer, jobs), trajs):
+    for (tid, start, end, logps, _), t in zip(_score(trainer, jobs), trajs):
         assert tid == t.traj_id
         assert max(abs(a - b) for a, b in zip(logps, t.logp_behav[start:end])) <= TOL
 

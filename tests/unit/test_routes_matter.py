@@ -23,6 +23,7 @@ from recovery import _route_checks
 from recovery._negative_controls import routes_shifted
 from recovery._routes_matter import empty, judge, policy_routes_wrong, summary
 from recovery.base import DelegatingStrategy
+from recovery.dedicated import Dedicated, DedicatedConfig
 from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
 from recovery.snapshot import Snapshot, SnapshotConfig
 from recovery.verifier import VerifyingStrategy
@@ -52,21 +53,31 @@ def _engine_close(batch: TrainBatch) -> None:
                 batch.logp_behav[b, i] = candidates(segs, i, (LAYERS, K))[expected_routes(segs, v, i)] + 1e-3
 
 
-def _verified(ckpt, make, wrap=None):
+def _verified(ckpt, make, wrap=None, run_dir=""):
     trainer, loop = RouteEchoScorer(ckpt, version=7), LoopState()
-    inner = make(loop.context(trainer))
+    inner = make(loop.context(trainer, run_dir=run_dir, checkpoint_dir=ckpt))
     wrapped = VerifyingStrategy(inner if wrap is None else wrap(inner))
-    batch, trajs, _ = drive(wrapped, trainer, loop)
-    _engine_close(batch)
-    wrapped.anchor(batch, trajs)
+    try:
+        batch, trajs, _ = drive(wrapped, trainer, loop)
+        _engine_close(batch)
+        wrapped.anchor(batch, trajs)
+    finally:
+        wrapped.close()
     return wrapped.report(tol=1.0)  # the echo's values are digests: only the route checks are looked at here
 
 
+DEDICATED = DedicatedConfig(scorer_factory="route_echo:make_route_echo_scorer", start_timeout_s=120,
+                            wait_timeout_s=120)
+
+
 @pytest.mark.parametrize("make", [lambda ctx: Snapshot(SnapshotConfig(), ctx),
-                                  lambda ctx: InterruptSync(InterruptSyncConfig(), ctx)],
-                         ids=["snapshot", "interrupt_sync"])
-def test_replay_is_closer_and_the_anchor_used_the_engines_routes(ckpt, routers_choose_elsewhere, make):
-    rep = _verified(ckpt, make)
+                                  lambda ctx: InterruptSync(InterruptSyncConfig(), ctx),
+                                  lambda ctx: Dedicated(DEDICATED, ctx)],
+                         ids=["snapshot", "interrupt_sync", "dedicated"])
+def test_replay_is_closer_and_the_anchor_used_the_engines_routes(ckpt, routers_choose_elsewhere, make, tmp_path):
+    """snapshot's and interrupt_sync's forwards run on the trainer (the verifier's tap sees them); dedicated's
+    scorer reports the routes it replayed at each token."""
+    rep = _verified(ckpt, make, run_dir=tmp_path)
     m = rep["routes_matter"]
     assert m["n_flip_positions"] == 21 and m["n_replay_closer"] == 21 and m["passed"], m
     assert m["anchor_engine_routes"] == 21 and m["anchor_other_routes"] == 0 == m["anchor_unseen"], m
@@ -92,8 +103,8 @@ def test_an_anchor_scored_with_live_routes_fails_by_its_route_ids(ckpt, routers_
     m = rep["routes_matter"]
     assert m["anchor_other_routes"] == 21 and m["passed"] is False, m
     lines = failures({"strategies": {"s": rep}})  # its log-probs miss the truth too: two lines
-    assert any("anchor was computed with other routes than the engine's at 21 of the 21 positions" in x
-               for x in lines), lines
+    assert any("anchor was computed with other routes than the engine's at 21 of the 21 policy tokens whose "
+               "routes were compared by id" in x for x in lines), lines
 
 
 def test_a_reference_that_does_not_replay_fails_replay_vs_live(ckpt, routers_choose_elsewhere):

@@ -210,7 +210,7 @@ def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
     # forward feeds (prompt 2 + 6 response tokens - the last one)
     job = {"traj_id": "t0", "start": 3, "end": 6, "version": 0, "prompt_ids": SEQS[0][:2],
            "response_ids": SEQS[0][2:8], "routes": compact(routes[0][:7])}
-    (_, start, end, logps), = _score(trainer, [job])
+    (_, start, end, logps, _), = _score(trainer, [job])
     assert (start, end) == (3, 6)
     assert torch.allclose(torch.tensor(logps), expected[0, 1 + 3:1 + 6], atol=1e-6)
 
