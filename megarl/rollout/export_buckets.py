@@ -7,15 +7,17 @@ disk copy's writer (megarl/rollout/disk_copy.py).
 
 On CUDA with NCCL (engines on GPUs of their own) the export stays on the
 trainer's GPU (``export_hf_weights(to_host=False)``) and is packed into device
-buckets there; the sender receives them as CUDA IPC handles and broadcasts
-from the trainer's device: the weights never pass through host memory on
+buckets there; each is copied on the device into a staging buffer the sender
+process owns (never shared with it: megarl/rollout/broadcast_sender.py), which
+it broadcasts from the same GPU: the weights never pass through host memory on
 their way to the engines. The disk copy does need host bytes: each device
 bucket is copied once into pinned host memory (asynchronous device-to-host
 copies, one synchronisation at the end), which the writer reads.
 
 Device buckets hold the model once more on the trainer's GPU during the
 publish, so they take at most ``device_budget`` bytes
-(:func:`device_budget`: a share of what the trainer's GPU has free); the
+(:func:`device_budget`: a share of what the trainer's GPU has free, less the
+sender's staging buffer and one host bucket it copies to the GPU); the
 buckets past it are packed in host shared memory as on CPU, and the sender
 copies each to the GPU as it sends it.
 
