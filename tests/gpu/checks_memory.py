@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,6 +118,7 @@ def check_plan_vs_peak(workdir: Path) -> str:
     trainer.save_state(str(workdir / "plan_vs_peak_save"))  # a checkpoint save in the measured peak
     torch.cuda.synchronize()
     save_peak = torch.cuda.max_memory_allocated() - base
+    shutil.rmtree(workdir / "plan_vs_peak_save", ignore_errors=True)  # ~27 GB of optimizer state on the disk
     sender_used, sender_planned = sender_on_device()
     measured = max(*peaks, save_peak)
     plan = planned_peak(hf, bool(seen.get("entropy")), local_spec_allowed())
