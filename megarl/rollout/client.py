@@ -29,6 +29,10 @@ from megarl.secret_env import pass_by_pipe, scrubbed_env
 from megarl.types import GenerateRequest, GenerateResult
 
 
+class EngineKeyRefused(EngineError):
+    """An engine answered 401: it runs, and this process's engine key is not the run's."""
+
+
 class EngineClient:
     """Async client of one engine server, e.g. ``EngineClient("http://127.0.0.1:8000")``.
 
@@ -64,6 +68,10 @@ class EngineClient:
             raise EngineError(f"engine at {self.url} unreachable ({type(e).__name__}: {e})") from e
         except asyncio.TimeoutError as e:
             raise EngineError(f"engine at {self.url}{path} did not answer within {timeout.total} s") from e
+        if resp.status == 401:  # the engine is up and refuses this process's key: waiting changes nothing
+            raise EngineKeyRefused(f"engine at {self.url} refused this process's key (HTTP 401): every process of "
+                                   f"the run needs the same {ENGINE_KEY_ENV} (with torchrun on several nodes, export "
+                                   f"the same key on every node)")
         if resp.status >= 400 or (isinstance(data, dict) and "error" in data):
             cls = getattr(errors, str(data.get("type")), None) if isinstance(data, dict) else None
             if not (isinstance(cls, type) and issubclass(cls, errors.MegarlError)):
@@ -245,6 +253,9 @@ async def connect_engine(addr: str, timeout_s: float = 600.0):
         try:
             await client.health()
             return None, client
+        except EngineKeyRefused:
+            await client.close()
+            raise
         except EngineError:
             if asyncio.get_running_loop().time() > deadline:
                 raise EngineError(f"engine at {addr} did not become healthy within {timeout_s:.0f} s") from None
