@@ -48,14 +48,21 @@ def test_moe_sequences_spliced_across_updates_reproduce_the_fp32_engine(moe_ckpt
 @pytest.mark.parametrize("control", ["routes_shifted", "routes_other_version", "routes_first_prefix"])
 def test_the_oracle_fails_on_wrong_routes_the_strategy_check_cannot_see(moe_ckpt, tmp_path, control):
     # the wrong routes reach the strategy's forwards and the reference's alike: they agree, and only the engine
-    # can tell. routes_first_prefix is the rule megarl (and other systems' partial rollouts) used before
-    r, strategies = _verify(tmp_path, "--config", "configs/verify_cpu.yaml", "--strategies", "snapshot",
-                            "--steps", "12", "--negative-control", control, f"model.checkpoint={moe_ckpt}", *MOE)
+    # can tell. routes_first_prefix is the rule megarl (and other systems' partial rollouts) used before; it runs
+    # on the vLLM MoE configuration of the test below, where it must miss by at least 10x the oracle's tolerance
+    if control == "routes_first_prefix":
+        where = ["--config", "configs/verify_vllm_cpu.yaml", "--steps", "3", f"model.checkpoint={tmp_path / 'moe'}",
+                 *MOE, "model.init_model=configs/models/tiny_qwen3_moe_padded.yaml", "rollout.splice_at_tokens=2",
+                 f"rollout.max_new_tokens={MOE_NEW_TOKENS}", "rollout.kv_cache_gb=1"]
+    else:
+        where = ["--config", "configs/verify_cpu.yaml", "--steps", "12", f"model.checkpoint={moe_ckpt}", *MOE]
+    r, strategies = _verify(tmp_path, *where, "--strategies", "snapshot", "--negative-control", control)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     s = strategies["snapshot"]
     assert s["measured_exact"] and s["max_abs_err"] <= 1e-5, s  # what a reference-only check would have passed
-    assert s["oracle"]["judges"] and not s["oracle"]["passed"] and s["oracle"]["max_abs_err"] > 1e-4, s["oracle"]
-    assert s["n_spliced_across_update"] >= 2, s
+    assert s["oracle"]["judges"] and not s["oracle"]["passed"], s["oracle"]
+    assert s["oracle"]["max_abs_err"] >= 10 * s["oracle"]["tol"], s["oracle"]
+    assert s["n_spliced_across_update"] >= (5 if control == "routes_first_prefix" else 2), s
     assert "FAILED: snapshot: the engine oracle failed" in r.stderr, r.stderr[-2000:]
 
 
