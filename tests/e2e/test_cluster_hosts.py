@@ -68,3 +68,15 @@ def test_teardown_after_a_failure_and_leftovers_of_a_killed_run(tmp_path):
         assert live.hosts[0].ns in _ours()
     finally:
         live.close()
+
+
+def test_without_root_the_tests_skip_naming_why_and_fail_in_ci(monkeypatch):
+    import cluster_hosts
+
+    monkeypatch.setattr(cluster_hosts.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="network namespaces, which needs root"):
+        require_namespaces()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true: multi-host tests make network namespaces"):
+        require_namespaces()
