@@ -245,12 +245,12 @@ def test_quality_report_differences_to_behav():
     iv = d["interval"]
     assert (iv["method"], iv["n"], iv["df"]) == ("paired t", 2, 1.0) and iv["se"] == approx(0.05)
     assert (iv["low"], iv["high"]) == (pytest.approx(0.35 - 0.3156876, abs=1e-6), pytest.approx(0.6656876, abs=1e-6))
-    assert d["verdict"] == "above behav"
+    assert d["verdict"] == "not called at n < 5"  # the interval excludes 0, but 2 seeds a side call nothing
     assert rep["quality"]["threshold"] == approx(0.325)  # half of ewma's 0.65
     assert rep["quality"]["curves"][1]["active_frac"] == approx([1.0, 0.5])
     md = quality.render_quality_markdown(rep)
-    assert ("| ewma(auto_reset=false) | 8 | +0.3500 | [+0.0343, +0.6657] | 2 pairs | paired t | 1.0 | above behav |"
-            in md)
+    assert ("| ewma(auto_reset=false) | 8 | +0.3500 | [+0.0343, +0.6657] | 2 pairs | paired t | 1.0 | not called at "
+            "n < 5 |" in md)
     assert "| behav | 8 | not logged (inexact anchor) | 1.00e-02 | 1.0000 | 1.0000 | 0.0000 | 0.0000 |" in md
     assert "| ewma(auto_reset=false) | 8 | 1.50e-01 | 1.00e-02 | 0.5000 | 0.5000 | 0.2500 | 0.0000 |" in md
     # steps to 0.325 with no smoothing: behav seeds never / 2, ewma 1 and 1
@@ -270,11 +270,10 @@ def test_quality_report_welch_and_too_few_seeds():
     iv = welch["interval"]
     assert (iv["method"], iv["n_a"], iv["n_b"], iv["n"]) == ("Welch t", 3, 3, None) and iv["df"] == approx(4.0)
     assert iv["low"] == pytest.approx(-0.5 - 1.740646, abs=1e-6) and iv["high"] == pytest.approx(1.240646, abs=1e-6)
-    assert welch["verdict"] == "no difference detectable at this n"
+    assert welch["verdict"] == "not called at n < 5"
     assert few["interval"] is None and few["verdict"] == "n too small" and few["diff"] == approx(-1.5)
     md = quality.render_quality_markdown(rep)
-    assert ("| snapshot | 8 | -0.5000 | [-2.2406, +1.2406] | 3 vs 3 | Welch t | 4.0 | no difference detectable at "
-            "this n |") in md
+    assert "| snapshot | 8 | -0.5000 | [-2.2406, +1.2406] | 3 vs 3 | Welch t | 4.0 | not called at n < 5 |" in md
     assert "| ewma | 8 | -1.5000 | n too small | 1 vs 3 | - | - | n too small |" in md
     assert "| behav | 8 | 2.0000 | 1.0000 | 1.0000, 2.0000, 3.0000 | 4.0 | 0, 1, 2 |" in md
 
