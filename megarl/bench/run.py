@@ -44,7 +44,7 @@ try:
 except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
     psutil = None
 
-from megarl.bench import interleave, plots, replay_cost, replay_engine_cost, report
+from megarl.bench import interleave, plots, replay_cost, replay_engine_cost, report, round_reports
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
@@ -320,7 +320,7 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
             log("[routing replay] engine batches without and with captured routes ...")
             replay.update(measure_engine_capture(cfg, pool))
     meta["loadavg_end"] = os.getloadavg()[0]
-    rep = interleave.combine_reports([report.build_report(runs, by_key[r], meta=meta)
+    rep = round_reports.combine_reports([report.build_report(runs, by_key[r], meta=meta)
                                       for r, runs in enumerate(rounds)])
     markdown = report.render_markdown(rep)
     if rep["ratios"]:
