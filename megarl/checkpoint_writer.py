@@ -64,6 +64,22 @@ def describe_failure(e: BaseException) -> str:
 LOW_SPACE_BYTES = 64 << 20
 
 
+def short_write_note(e: BaseException) -> str:
+    """'' or what a short write means where torch's zip writer reported one as "unexpected pos" (the file
+    system took fewer bytes than written: the disk full, a quota, the file-size limit) instead of the OS error,
+    naming the process's file-size limit where one is set."""
+    if "unexpected pos" not in describe_failure(e):
+        return ""
+    import resource
+
+    note = "; 'unexpected pos' is a short write: the disk or a quota is full, or a file reached the size limit"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        note += (f"; this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) is {limit} bytes, and a write past "
+                 f"it fails with EFBIG (File too large): raise the limit")
+    return note
+
+
 def disk_note(path: str) -> str:
     """'' or a note that the filesystem of ``path`` (or its nearest existing parent) is (nearly) full."""
     where = os.path.abspath(path)
@@ -84,7 +100,8 @@ def torch_save_errors(what: str, path: str) -> Iterator[None]:
     try:
         yield
     except CheckpointException as e:
-        raise CheckpointError(f"{what} could not be written ({describe_failure(e)}{disk_note(path)}); the "
+        raise CheckpointError(f"{what} could not be written ({describe_failure(e)}{disk_note(path)}"
+                              f"{short_write_note(e)}); the "
                               f"previous checkpoint stands: free disk space or fix the error named") from e
 
 
