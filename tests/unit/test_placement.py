@@ -79,14 +79,14 @@ def test_30b_plan_on_four_nodes():
     plan = plan_for(CFG_30B, nodes=4)
     t = plan.trainer
     assert (t.hosts, t.world_size, t.ranks_per_node) == (("node01", "node02"), 16, 8)
-    assert (t.tp, t.pp, t.ep, t.dp, t.expert_dp, t.sequence_parallel) == (1, 1, 8, 16, 2, False)
+    assert (t.tp, t.pp, t.ep, t.dp, t.expert_dp, t.sequence_parallel) == (2, 1, 8, 8, 1, True)
     assert [(e.host, e.gpu_ids, e.port, e.tp) for e in plan.engines] == [
         ("node03", (0, 1, 2, 3), 8100, 4), ("node03", (4, 5, 6, 7), 8101, 4),
         ("node04", (0, 1, 2, 3), 8100, 4), ("node04", (4, 5, 6, 7), 8101, 4)]
     assert plan.dedicated is None and plan.weight_sync_world == 17
     assert (plan.master_addr, plan.master_port, plan.weight_sync_port) == ("node01", 29500, 29600)
     text = plan.describe()
-    assert "tp=1 pp=1 ep=8 dp=16 (expert dp=2)" in text and "30.53B params (3.35B active)" in text
+    assert "tp=2 pp=1 ep=8 dp=8 (expert dp=1)" in text and "30.53B params (3.35B active)" in text
 
 
 def test_dedicated_gets_its_node_or_spare_gpus():
@@ -255,9 +255,10 @@ def test_slurm_steps_take_a_share_of_the_node_memory():
     (["parallel.tp=8"], 4, "tp=8 does not divide num_key_value_heads=4"),
     (["parallel.ep=3"], 4, "ep=3 does not divide num_experts=128"),
     (["parallel.pp=5"], 4, "pp=5 does not divide num_hidden_layers=48"),
-    (["parallel.ep=32"], 4, "16 ranks per stage is not divisible by ep\\*tp = 32\\*1 = 32"),
-    (["parallel.tp=2"], 4, "parallel.tp=2 with an MoE model needs parallel.sequence_parallel=true"),
-    (["trainer.batch_size=252"], 4, "trainer.batch_size=252 is not divisible by the data-parallel size dp=16"),
+    (["parallel.ep=32"], 4, "16 ranks per stage is not divisible by ep\\*tp = 32\\*2 = 64"),
+    (["parallel.sequence_parallel=false"], 4,
+     "parallel.tp=2 with an MoE model needs parallel.sequence_parallel=true"),
+    (["trainer.batch_size=252"], 4, "trainer.batch_size=252 is not divisible by the data-parallel size dp=8"),
     ([], 2, "plan needs 32 GPUs on 4 nodes \\(trainer 16 \\+ engines 16\\), allocation has 16 GPUs on 2 node"),
     (["recovery.name=dedicated"], 4, "plan needs 40 GPUs on 5 nodes \\(trainer 16 \\+ engines 16 \\+ dedicated 8\\)"),
     (["placement.engine_tp=3"], 4, "engines: placement.engine_tp=3 does not divide num_attention_heads=32"),
