@@ -184,6 +184,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
             log.exception("group %s failed; its samples are dropped", group.group_id)
             self.counters["n_dropped"] += len(group.trajectories)
             self._items.pop(group.group_id, None)
+            self._drop_turns(group)
             self._failed_groups_in_a_row += 1
             if self._failed_groups_in_a_row >= max(2, self.B // self.n) and self._fatal is None:
                 # a batch's worth of groups failed and nothing else finished: the next ones would too

@@ -11,7 +11,9 @@ A checkpoint keeps every running group whole (:meth:`RunningGroups._running_stat
 The cut is the event loop's, so no token is both kept and generated again: a request in flight has given the
 trajectory only the chunks that came back before it (an interruption's), and what the engine sampled since is
 not kept, and is sampled again on resume. A stop first aborts every request and waits for its partial tokens
-(:meth:`RunningGroups._quiesce_for_stop`), so that its checkpoint leaves out nothing that was sampled.
+(:meth:`RunningGroups._quiesce_for_stop`), so that its checkpoint leaves out nothing that was sampled. A
+trajectory keeps its turn until its workflow returned, also while a failed group stops its siblings before it
+is dropped: a cut then keeps each of them with its turn, never tokens without one (which could not continue).
 
 On resume (:meth:`RunningGroups._restore_running`) each group is admitted again with its start version (its
 deadline), before any recovery hook can free a version its tokens reference (snapshot's kept versions, the
@@ -69,19 +71,27 @@ class RunningGroups:
 
     # -- generation ------------------------------------------------------------------
     async def _run_workflow(self, traj: Trajectory) -> None:
-        """Run (or, restored from a checkpoint, continue) the workflow of ``traj``."""
+        """Run (or, restored from a checkpoint, continue) the workflow of ``traj``.
+
+        Its :class:`TurnPoint` goes once the workflow returned (the controller marks ``traj`` finished at once),
+        not when it raised or was cancelled: its group then stops the siblings before it is dropped, and a
+        checkpoint cut meanwhile keeps each of them whole, every token with its turn, so that a resume continues
+        it (:meth:`_drop_turns` forgets them with the group)."""
         point = self._turns.get(traj.traj_id)
 
         def generate(ctx: list[int], sampling: SamplingParams, into: Trajectory | None = None):
             return self._generate_turn(traj, into, ctx, sampling)
 
-        try:
-            if point is not None and self._resumable():
-                await self.workflow.run(traj, generate, resume=point)
-            else:
-                await self.workflow.run(traj, generate)
-        finally:
-            self._turns.pop(traj.traj_id, None)
+        if point is not None and self._resumable():
+            await self.workflow.run(traj, generate, resume=point)
+        else:
+            await self.workflow.run(traj, generate)
+        self._turns.pop(traj.traj_id, None)
+
+    def _drop_turns(self, group: Group) -> None:
+        """Forget the turn points of ``group``'s trajectories (a failed group, dropped)."""
+        for t in group.trajectories:
+            self._turns.pop(t.traj_id, None)
 
     async def _generate_turn(self, traj: Trajectory, into: Trajectory | None, ctx: list[int],
                              sampling: SamplingParams) -> GenerateResult:

@@ -10,10 +10,12 @@ and a stop collects every request's partial tokens before its checkpoint.
 """
 import asyncio
 
+import pytest
 from loop_fixtures import make_controller
 
 from megarl.buffer import Group
 from megarl.data import Prompt
+from megarl.errors import EngineError
 from megarl.types import NO_VERSION, GenerateResult, SamplingParams, Trajectory
 from megarl.workflows.base import TurnPoint
 from megarl.workflows.multi_turn import MultiTurnWorkflow
@@ -25,7 +27,8 @@ PROMPT = [1, 1]
 
 class ScriptedRouterFake:
     """A router fake whose answers are scripted per trajectory: ``(tokens, finish_reason)`` in order, at
-    ``version``; ``None`` holds the request until :meth:`abort_all`, which returns ``aborted`` tokens for it."""
+    ``version``; ``None`` holds the request until :meth:`abort_all`, which returns ``aborted`` tokens for it; an
+    exception is raised (a request the engine refused)."""
 
     def __init__(self, script, version, aborted=()):
         self.script = {k: list(v) for k, v in script.items()}
@@ -39,6 +42,8 @@ class ScriptedRouterFake:
         tid = req.request_id.split("/")[0]
         self.requests.setdefault(tid, []).append((list(req.prompt_ids), req.sampling.max_new_tokens))
         answer = self.script[tid].pop(0)
+        if isinstance(answer, Exception):
+            raise answer
         if answer is None:
             await self._abort.wait()
             answer = (self.aborted, "abort")
@@ -182,6 +187,47 @@ def test_the_cut_keeps_what_came_back_and_a_stop_collects_what_is_in_flight():
         assert router.requests["g0-0"] == [(PROMPT + kept["response_ids"], 12 - len(kept["response_ids"]))], name
         assert done.response_ids == kept["response_ids"] + [4, STOP] and done.versions[-2:] == [1, 1]
         assert done.versions[:-2] == kept["versions"] == [0] * len(kept["response_ids"])
+
+
+@pytest.mark.parametrize("name", ["single_turn", "multi_turn"])
+def test_a_cut_while_a_failed_group_stops_its_siblings_keeps_every_token_with_its_turn(name):
+    """A request the engine refuses fails its trajectory, and its group stops the siblings before it is dropped:
+    a checkpoint cut at any moment of that (the loop runs on) keeps each partial trajectory with its turn, so a
+    resume continues it from its tokens and generates nothing again."""
+    wf, budget = ((SingleTurnWorkflow(SamplingParams(max_new_tokens=12, stop_token_ids=[STOP])), 12)
+                  if name == "single_turn" else (multi_turn(EnvFake()), 20))
+    c, *_ = make_controller(0, workflow=wf)
+    c.router = c.generation.router = ScriptedRouterFake(
+        {"g0-0": [([3, 3], "abort"), EngineError("request refused")], "g0-1": [([4], "abort"), None]}, version=0)
+    group = Group("g0", 0, [traj(0), traj(1)])
+    c.buffer.admit(group)
+    c._items["g0"] = item = Prompt("p0", list(PROMPT))
+    cuts = []
+
+    async def run_and_cut_every_iteration():
+        task = asyncio.create_task(c._run_group(group, item))
+        while not task.done():
+            if "g0" in c._items:
+                cuts.append(c.state_dict())
+            await asyncio.sleep(0)
+
+    asyncio.run(run_and_cut_every_iteration())
+    assert c.counters["n_dropped"] == 2 and "g0" not in c.buffer.running_groups and c._turns == {}
+    last = cuts[-1]["running_groups"][0]  # the group had failed; its siblings were stopped
+    assert [t["response_ids"] for t in last["trajectories"]] == [[3, 3], [4]]
+    for cut in cuts:
+        kept = cut["running_groups"][0]
+        partial = {t["traj_id"] for t in kept["trajectories"] if t["response_ids"] and not t["finished"]}
+        assert partial <= set(kept["turns"]), f"partial trajectories without their turn: {partial}"
+    router = ScriptedRouterFake({"g0-0": [([5, STOP], "stop")], "g0-1": [([6, STOP], "stop")]}, version=1)
+    c = resumed({**cuts[-1], "trainer_version": 0}, wf, router)
+    assert {k: c.counters[k] - cuts[-1]["counters"][k] for k in
+            ("n_continued_after_resume", "n_regenerated_after_resume", "n_tokens_regenerated_after_resume")} == \
+        {"n_continued_after_resume": 2, "n_regenerated_after_resume": 0, "n_tokens_regenerated_after_resume": 0}
+    done = run_restored(c)
+    assert router.requests == {"g0-0": [(PROMPT + [3, 3], budget - 2)], "g0-1": [(PROMPT + [4], budget - 1)]}
+    assert done["g0-0"].response_ids == [3, 3, 5, STOP] and done["g0-1"].response_ids == [4, 6, STOP]
+    assert done["g0-0"].versions == [0, 0, 1, 1] and done["g0-1"].versions == [0, 1, 1]
 
 
 def test_an_episode_that_cannot_continue_is_generated_again_under_a_new_id_and_counted():
