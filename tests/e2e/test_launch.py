@@ -33,7 +33,7 @@ def test_launch_dry_run_30b_on_four_simulated_nodes():
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "allocation  simulated: 4 node(s) x 8 GPUs (node[01-04])" in out
-    assert "tp=1 pp=1 ep=8 dp=16 (expert dp=2); 16 ranks" in out
+    assert "tp=2 pp=1 ep=8 dp=8 (expert dp=1), sequence parallel; 16 ranks" in out
     assert out.count("vLLM TP=4") == 4 and "engine3     node04" in out
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node01,node02 --gpus-per-node=8" in out
     assert out.count("srun --nodes=1 --ntasks=2 --ntasks-per-node=2") == 2  # one step per engine node, a task each
@@ -74,11 +74,11 @@ def test_launch_refuses_a_layout_that_does_not_fit_gpu_memory():
            "trainer.recompute=none", "trainer.micro_batch_tokens=65536"]
     p = run(cmd)
     assert p.returncode == 1, p.stderr
-    assert "megarl launch: does not fit: a trainer GPU needs 846.2 GB > 80 GB; set trainer.recompute=full" in p.stderr
+    assert "megarl launch: does not fit: a trainer GPU needs 449.8 GB > 80 GB; set trainer.recompute=full" in p.stderr
     assert "trainer.micro_batch_tokens=9216" in p.stderr and "parallel.tp" in p.stderr and "parallel.ep" in p.stderr
     assert "--skip-memory-check" in p.stderr
     dry = run(cmd + ["--dry-run"])  # the plan, its memory and the commands, then the same refusal
-    assert dry.returncode == 1 and "DOES NOT FIT: a trainer GPU needs 846.2 GB" in dry.stdout
+    assert dry.returncode == 1 and "DOES NOT FIT: a trainer GPU needs 449.8 GB" in dry.stdout
     assert "-m megarl.train" in dry.stdout and "does not fit" in dry.stderr
     # past the check, this torchrun launch stops at the next one: the simulated nodes are not this host
     for flag in ("--skip-memory-check", "--bootstrap-check"):  # the rendezvous check loads no model
