@@ -25,13 +25,19 @@ def _short(host: str) -> str:
     return host.split(".")[0]
 
 
+def route_address(peer: str, port: int = 9) -> str:
+    """This node's address toward ``peer``, the one the route to it leaves from (a UDP connect picks the route
+    and sends nothing); OSError when ``peer`` does not resolve or route."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(peer, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
+
+
 def _route_address(peer: str) -> str:
-    """This node's address toward ``peer`` ('' when it does not resolve or route): a UDP connect sends nothing."""
+    """:func:`route_address`, '' where it is loopback or ``peer`` does not resolve or route."""
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(sockaddr)
-            addr = s.getsockname()[0]
+        addr = route_address(peer)
     except OSError:
         return ""
     return "" if is_loopback(addr) else addr

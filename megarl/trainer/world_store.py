@@ -16,12 +16,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from megarl.launch.listen_check import check_world_address
+from megarl.launch.listen_check import check_world_address, route_address
 from megarl.rollout.rendezvous import RendezvousServer, RendezvousStore
 from megarl.secret_env import WORLD_KEY_ENV, take_secret
 
@@ -32,14 +31,6 @@ LABEL = "trainer world store"
 #: rank 0's server and every rank's client, alive as long as the process: torch holds only the C++ side of a
 #: Python store, whose calls need the Python object
 _alive: list[RendezvousServer | RendezvousStore] = []
-
-
-def _own_address(master_addr: str, master_port: int) -> str:
-    """The address of this host that reaches ``master_addr`` (where the other ranks reach rank 0 too)."""
-    family = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((master_addr, master_port))  # a UDP connect sends nothing: it picks the route
-        return s.getsockname()[0]
 
 
 def authenticated_store(rank: int, world_size: int, timeout_s: float = 1800.0) -> dist.Store | None:
@@ -54,7 +45,7 @@ def authenticated_store(rank: int, world_size: int, timeout_s: float = 1800.0) -
     host = ""
     if rank == 0:  # refused before the rendezvous: a loopback store would keep the other nodes retrying
         master_addr = os.environ["MASTER_ADDR"]
-        host = _own_address(master_addr, int(os.environ["MASTER_PORT"]))
+        host = route_address(master_addr, int(os.environ["MASTER_PORT"]))  # where the other ranks reach rank 0
         check_world_address(host, master_addr, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     base, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
                                       timeout=timedelta(seconds=timeout_s)))
