@@ -60,15 +60,16 @@ def describe(repeats: int) -> str:
 
 
 def t_interval(values: list[float], level: float = LEVEL) -> dict[str, Any]:
-    """Mean of ``values`` and its Student t interval at ``level`` (``low``/``high`` None with fewer than 2)."""
+    """Mean of ``values`` and its Student t interval at ``level`` (``low``/``high`` None with fewer than 2), with
+    the quantile ``t`` and standard error ``se`` it took."""
     n = len(values)
     mean = statistics.fmean(values)
     if n < 2:
         return {"mean": mean, "low": None, "high": None, "n": n, "level": level}
     from scipy.stats import t as student_t  # scipy: when an interval is computed, not for `megarl --help`
 
-    half = float(student_t.ppf((1.0 + level) / 2.0, n - 1)) * statistics.stdev(values) / math.sqrt(n)
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n, "level": level}
+    t, se = float(student_t.ppf((1.0 + level) / 2.0, n - 1)), statistics.stdev(values) / math.sqrt(n)
+    return {"mean": mean, "low": mean - t * se, "high": mean + t * se, "n": n, "level": level, "t": t, "se": se}
 
 
 def ratio_interval(num: list[float], den: list[float], level: float = LEVEL) -> dict[str, Any] | None:

@@ -50,6 +50,8 @@ from typing import Any
 
 from scipy.stats import t as student_t
 
+from megarl.bench.interleave import t_interval
+
 DIFF_LEVEL = 0.9
 NO_DIFFERENCE = "no difference detectable at this n"
 TOO_FEW = "n too small"
@@ -87,12 +89,10 @@ def paired_t_interval(a: list[float], b: list[float], *, level: float = DIFF_LEV
     n = len(a)
     if n < 2:
         return None
-    d = [x - y for x, y in zip(a, b)]
-    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(n)
-    t = float(student_t.ppf((1.0 + level) / 2.0, n - 1))
-    low, high = mean - t * se, mean + t * se
-    return {"diff": mean, "low": low, "high": high, "level": level, "method": "paired t", "n": n, "n_a": n,
-            "n_b": n, "df": float(n - 1), "t": t, "se": se, "verdict": _verdict(low, high, reference)}
+    iv = t_interval([x - y for x, y in zip(a, b)], level)
+    return {"diff": iv["mean"], "low": iv["low"], "high": iv["high"], "level": level, "method": "paired t", "n": n,
+            "n_a": n, "n_b": n, "df": float(n - 1), "t": iv["t"], "se": iv["se"],
+            "verdict": _verdict(iv["low"], iv["high"], reference)}
 
 
 def welch_t_interval(a: list[float], b: list[float], *, level: float = DIFF_LEVEL,
