@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megarl.errors import ConfigError
+from megarl.launch.listen_check import server_listen_address
 from megarl.launch.memory import SCORER_MICRO_BATCH_TOKENS
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import free_port
@@ -116,25 +117,18 @@ def _child_main(factory: str, checkpoint_dir: str, env: dict[str, str], num_thre
         out_q.put(("error", traceback.format_exc()))
 
 
-def listen_address(cfg: DedicatedConfig, server_host: str = "") -> str:
+def listen_address(cfg: DedicatedConfig, server_host: str = "", controller: str = "") -> str:
     """The address the scorer role binds: ``recovery.dedicated.listen_host``, else its node's in the plan
-    (``server_host``, MEGARL_SERVER_HOST; this host's name without one), resolved here."""
+    (``server_host``, MEGARL_SERVER_HOST; this host's name without one), resolved here; refused where that is
+    loopback while ``controller`` (MEGARL_CONTROLLER_HOST, trainer rank 0's node) is another node
+    (megarl/launch/listen_check.py)."""
     if cfg.listen_host:
         return cfg.listen_host
-    name = server_host or socket.gethostname()
-    try:
-        addr = socket.gethostbyname(name)
-    except OSError as e:
-        raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e}); set "
-                          f"recovery.dedicated.listen_host to the address the trainer reaches") from None
-    if addr.startswith("127.") and not name.startswith(("127.", "localhost")):
-        log.warning("%s resolves to %s here, which other nodes cannot reach: set recovery.dedicated.listen_host "
-                    "(0.0.0.0 for every interface) if the trainer runs elsewhere", name, addr)
-    return addr
+    return server_listen_address(server_host or socket.gethostname(), controller)
 
 
 def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str | None = None,
-               server_host: str = "") -> None:
+               server_host: str = "", controller: str = "") -> None:
     """The scorer as a launched role (``MEGARL_ROLE=dedicated``): serve trainer rank 0 over TCP, then return.
 
     ``run_cfg`` is the run's config (the same file and overrides as the
@@ -143,7 +137,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
     batch-invariant kernels, as the trainer), the options from ``recovery.dedicated``;
     ``cuda_visible_devices`` does not apply (the launcher gives the role its
     GPUs). ``authkey`` defaults to ``MEGARL_DEDICATED_AUTHKEY``; ``host`` (the address to bind) to
-    :func:`listen_address` of ``server_host``.
+    :func:`listen_address` of ``server_host`` and ``controller``.
 
     It listens first and accepts the trainer's connection in the background
     while it builds its model (so a wrong key fails the trainer at once, not
@@ -166,7 +160,7 @@ def serve_role(run_cfg: Any, port: int, authkey: bytes | None = None, host: str 
         raise ConfigError(f"recovery.dedicated.peer_timeout_s={cfg.peer_timeout_s:g} must exceed twice the "
                           f"trainer's heartbeat ({listening.HEARTBEAT_S:g} s), or a quiet trainer would be dropped")
     key = link.authkey_from_env() if authkey is None else authkey
-    host = listen_address(cfg, server_host) if host is None else host
+    host = listen_address(cfg, server_host, controller) if host is None else host
     listener = listening.listen(port, host)
     log.info("dedicated scorer listening on %s:%d", host, port)
     try:

@@ -29,7 +29,7 @@ from megarl.errors import ConfigError
 from megarl.launch import cluster, host_memory, memory
 from megarl.launch.engine_key_env import ensure_run_keys
 from megarl.launch.key_files import KeyFiles, key_dir_base
-from megarl.launch.listen_check import loopback_listener_problem
+from megarl.launch.listen_check import loopback_listener_problem, master_host_problem
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
@@ -119,9 +119,9 @@ def run(args) -> int:
         return _memory_refusal(problems, args.skip_memory_check or args.bootstrap_check)
     if _memory_refusal(problems, args.skip_memory_check or args.bootstrap_check):
         return 1
-    loopback = loopback_listener_problem(plan, cfg.placement.weight_sync_bind)
-    if loopback:  # before any process starts (megarl/launch/listen_check.py)
-        raise ConfigError(loopback)
+    problem = loopback_listener_problem(plan, cfg.placement.weight_sync_bind) or master_host_problem(plan)
+    if problem:  # before any process starts (megarl/launch/listen_check.py)
+        raise ConfigError(problem)
     if launcher == "torchrun" and plan.allocation.source != "local":
         me = _short(socket.gethostname())
         mine = [c for c in commands if _short(c.host) == me]

@@ -23,10 +23,10 @@ import threading
 from megarl import batch_invariant
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
+from megarl.launch.listen_check import gloo_interface_env, server_listen_address
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.roles import RoleEnv, current_role
 from megarl.rollout.base import engine_options, wants_routed_experts
-from megarl.rollout.engine_key import is_loopback
 from megarl.rollout.server import serve
 from megarl.secret_env import take_all_secrets
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget
@@ -104,29 +104,25 @@ def serve_role(cfg, role: RoleEnv) -> int:
         routes = {"routed_experts": True} if wants_routed_experts(cfg.rollout) else {}
         resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
         os.environ.update(batch_invariant.engine_env(cfg))  # read by vLLM in this process and its engine core
-        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=engine_host(role), port=role.server_port,
+        host = engine_host(role)
+        os.environ.update(gloo_interface_env(host))  # the broadcast's data plane where the trainer reaches it
+        asyncio.run(serve(cfg.model.checkpoint, cfg.rollout.backend, host=host, port=role.server_port,
                           dtype=cfg.engine_dtype, **resources, **tp, **routes))
         # serve() returns only once SIGTERM/SIGINT (or SIGUSR1, passed on as SIGTERM) shut it down cleanly
         print(f"megarl engine: stopped by a stop signal, shut down (exit code {EXIT_STOPPED})", file=sys.stderr)
         return EXIT_STOPPED
     from megarl.builder import serve_dedicated_role  # heavy (torch, the strategies), as in run()
 
-    serve_dedicated_role(cfg, role.server_port, server_host=role.server_host)
+    serve_dedicated_role(cfg, role.server_port, server_host=role.server_host, controller=role.controller_host)
     return 0
 
 
 def engine_host(role: RoleEnv) -> str:
     """The address a launched engine serves on: its node's in the plan (``MEGARL_SERVER_HOST``; this host's name
     without one), resolved here. A name that resolves to a loopback address here (an /etc/hosts line such as
-    ``127.0.1.1 node03``) is one other nodes could not reach: then every address, still guarded by the run's key."""
-    name = role.server_host or socket.gethostname()
-    if is_loopback(name):
-        return name
-    try:
-        addr = socket.gethostbyname(name)
-    except OSError as e:
-        raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e})") from None
-    return "0.0.0.0" if is_loopback(addr) else addr
+    ``127.0.1.1 node03``) while the controller runs on another node is refused, naming the key to set
+    (megarl/launch/listen_check.py)."""
+    return server_listen_address(role.server_host or socket.gethostname(), role.controller_host)
 
 
 def _stop_role_on_signals(role: str, grace_s: float) -> None:

@@ -304,6 +304,8 @@ class PlacementConfig:
     """Port of the trainer -> engines weight broadcast group on the first trainer node (rollout.weight_sync=broadcast); 0 = 29600."""
     weight_sync_bind: str = ""
     """Address the weight broadcast's rendezvous listens on; empty = the one address the engines are told to reach (every interface only when asked: 0.0.0.0 or ::). It answers only the group's ranks either way (megarl/rollout/rendezvous.py)."""
+    server_addresses: dict[str, str] = field(default_factory=dict)
+    """Address of a node that runs engines or the dedicated scorer with a command of their own, by the node's short name in the allocation (e.g. {node03: 10.0.0.3}, or placement.server_addresses.node03=10.0.0.3): they listen there and the trainer connects there. Needed where the node's name resolves to a loopback address on the node itself (an /etc/hosts line such as '127.0.1.1 node03'), which `megarl launch` and the role itself refuse, naming this key; a node not listed: its name, resolved on the node."""
     engine_port: int = 8100
     """First HTTP port of the engines that run as their own command (one more per engine on the same node)."""
     gpu_memory_gb: float = 80.0

@@ -1,24 +1,45 @@
-"""Listeners other nodes must reach, checked before anything starts: none may listen on a loopback address.
+"""Listeners other nodes must reach, checked before anything starts: each binds the address it announces, and
+none may listen on a loopback address for other nodes.
 
 Trainer rank 0 serves two things the other nodes connect to, both on the address its node reaches
 ``MASTER_ADDR`` from, the address it also announces: the trainer world's store (megarl/trainer/world_store.py;
 the other trainer nodes) and the weight broadcast's rendezvous (megarl/rollout/rendezvous.py; engines with
-commands of their own on other nodes). When the node's own name resolves to a loopback address there (Ubuntu
-images map it to 127.0.1.1 in /etc/hosts), both would listen where no other node reaches them: the other ranks
-would retry their connection until the store's timeout, the engines would fail at the first publish. So
-`megarl launch` refuses such a plan on that node with one error naming the key to set, before any process
-starts, and a trainer started some other way refuses it too (:func:`check_world_address`).
+commands of their own on other nodes). Engines and the dedicated scorer with commands of their own listen on
+their node's address in the plan, the one the controller (trainer rank 0) is told to connect to: the node's
+name, resolved on the node, or the address ``placement.server_addresses`` gives it (megarl/launch/plan_parts.py).
 
-Engines and the dedicated scorer announce their node's name too; where it resolves to loopback on their own
-node they listen on every interface instead (megarl/commands/train.py, ``engine_host``), still answering only
-holders of the run's key, so they need no setting.
+When a node's own name resolves to a loopback address there (Ubuntu images map it to 127.0.1.1 in /etc/hosts),
+such a listener would be where no other node reaches it: the other trainer ranks would retry their connection
+until the store's timeout, the engines would fail at the first publish, the controller would find no engine. So
+`megarl launch` refuses such a plan on that node with one error naming the key to set and the node's cluster
+address as its value (the address its route to the peer leaves from), before any process starts
+(:func:`loopback_listener_problem`: ``placement.master_addr`` or ``placement.weight_sync_bind`` on the trainer's
+node, ``placement.server_addresses.<node>`` on a server's). A process started some other way refuses it too:
+trainer rank 0 (:func:`check_world_address`), an engine or the dedicated scorer (:func:`server_listen_address`).
+A loopback listener is fine where its only peer is on the same node: one node, or a server beside the controller.
+
+An engine binding an address its node's name does not resolve to also points torch's gloo transport (the weight
+broadcast's data plane) at that address's interface (:func:`gloo_interface_env`). And on a node of several
+trainer nodes `megarl launch` refuses a ``placement.master_addr`` that is not trainer rank 0's node
+(:func:`master_host_problem`): torchrun's node-rank 0 would serve the rendezvous where nobody looks for it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
+import logging
+import os
 import socket
+import struct
 
 from megarl.errors import ConfigError
 from megarl.rollout.engine_key import is_loopback
+
+log = logging.getLogger("megarl.listen_check")
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+SIOCGIFADDR = 0x8915  # linux/sockios.h
 
 
 def _short(host: str) -> str:
@@ -43,6 +64,13 @@ def _route_address(peer: str) -> str:
     return "" if is_loopback(addr) else addr
 
 
+def _reached_over_loopback(peer: str) -> bool:
+    try:
+        return is_loopback(route_address(peer))
+    except OSError:
+        return False
+
+
 def _fix(keys: str, name: str, peer: str) -> str:
     addr = _route_address(peer) if peer else ""
     example = addr or "<this node's cluster address>"
@@ -52,12 +80,94 @@ def _fix(keys: str, name: str, peer: str) -> str:
 
 
 def loopback_listener_problem(plan, weight_sync_bind: str = "", hostname: str | None = None) -> str | None:
-    """The error for a plan whose trainer rank 0 would listen on loopback for other nodes (module doc), or None.
+    """The error for a plan with a listener on loopback for other nodes on this node (module doc), or None.
 
-    Checked only on the node ``plan.master_addr`` names (``hostname``, default this one): how a name resolves
-    is a node's own /etc/hosts."""
-    name = plan.master_addr
+    Checked for the listeners of the node ``hostname`` (default this one): how a name resolves is a node's own
+    /etc/hosts."""
     here = _short(hostname or socket.gethostname())
+    return _trainer_problem(plan, weight_sync_bind, here) or _servers_problem(plan, here)
+
+
+def _servers_problem(plan, here: str) -> str | None:
+    controller = plan.trainer.hosts[0]
+    for s in plan.servers:
+        if not s.spawned and _short(s.host) == here:
+            problem = _server_problem(s.listen_host, controller)
+            if problem:
+                return problem
+    return None
+
+
+def _server_problem(name: str, controller: str) -> str | None:
+    """The error for a server listening on ``name`` here, where that is loopback though ``controller``'s node, which
+    connects to it, is another one; None where it is fine (module doc)."""
+    if is_loopback(name) or not controller or _short(controller) == _short(name):
+        return None
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return None  # the server names an unresolvable address itself
+    if not is_loopback(addr) or _reached_over_loopback(controller):
+        return None  # a controller this node reaches over loopback runs here
+    return _fix(f"placement.server_addresses.{_short(name)}={{addr}} (where the engines and the dedicated scorer "
+                f"on {_short(name)} listen and the trainer connects to them)", name, controller)
+
+
+def server_listen_address(name: str, controller: str) -> str:
+    """The address an engine or the dedicated scorer with its own command binds: ``name`` (its node's address in
+    the plan, MEGARL_SERVER_HOST), resolved here. A ConfigError naming ``placement.server_addresses`` where that
+    is loopback and ``controller`` (MEGARL_CONTROLLER_HOST), which connects to it, is another node (module doc);
+    without a ``controller`` (a role started without it) a loopback address is bound with a warning. An address
+    (placement.server_addresses) is bound as given."""
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(name))
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError as e:
+        raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e}); set "
+                          f"placement.server_addresses.{_short(name)} to the address the trainer reaches") from None
+    problem = _server_problem(name, controller)
+    if problem:
+        raise ConfigError(problem)
+    if is_loopback(addr) and not is_loopback(name) and not controller:
+        log.warning("%s resolves to %s here, which other nodes cannot reach: set placement.server_addresses.%s "
+                    "if the trainer runs on another node", name, addr, _short(name))
+    return addr
+
+
+def gloo_interface_env(addr: str, hostname: str | None = None) -> dict[str, str]:
+    """``{"GLOO_SOCKET_IFNAME": <the interface that holds addr>}`` for a server that binds ``addr`` on a node whose
+    name resolves to a loopback address here: torch's gloo transport (the weight broadcast's data plane, in this
+    process and in vLLM's workers) listens on the address the node's name resolves to otherwise, where the trainer
+    does not reach it. {} where gloo's own choice is right, GLOO_SOCKET_IFNAME is set already, or no interface
+    holds ``addr`` (IPv4 addresses only)."""
+    if os.environ.get(GLOO_IFNAME_ENV) or is_loopback(addr):
+        return {}
+    try:
+        own = socket.gethostbyname(hostname or socket.gethostname())
+    except OSError:
+        own = ""  # gloo falls back to loopback then too
+    if own and not is_loopback(own):
+        return {}
+    name = _interface_of(addr)
+    return {GLOO_IFNAME_ENV: name} if name else {}
+
+
+def _interface_of(addr: str) -> str:
+    """The network interface whose (first) IPv4 address is ``addr``; '' if none (Linux: SIOCGIFADDR)."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address
+        if socket.inet_ntoa(packed[20:24]) == addr:
+            return name
+    return ""
+
+
+def _trainer_problem(plan, weight_sync_bind: str, here: str) -> str | None:
+    name = plan.master_addr
     if is_loopback(name) or _short(name) != here:
         return None
     master_host = _short(plan.trainer.hosts[0])
@@ -77,6 +187,44 @@ def loopback_listener_problem(plan, weight_sync_bind: str = "", hostname: str | 
                     "there)", name, plan.trainer.hosts[1])
     return _fix("placement.weight_sync_bind={addr} (where the weight broadcast's rendezvous listens; or "
                 "placement.master_addr)", name, remote_engines[0])
+
+
+def master_host_problem(plan, hostname: str | None = None) -> str | None:
+    """The error for a plan of several trainer nodes whose ``master_addr`` is not the node torchrun's node-rank 0
+    (trainer rank 0, whose store the others join) runs on, as seen from this node (``hostname``, default this
+    one), or None: rank 0's node must hold that address (it can bind it), every other trainer node must not. Else
+    the rendezvous waits for a store nobody serves until its timeout. An address that does not resolve here is
+    left to torchrun."""
+    hosts = [_short(h) for h in plan.trainer.hosts]
+    here = _short(hostname or socket.gethostname())
+    if len(hosts) < 2 or here not in hosts:
+        return None
+    mine = _holds(plan.master_addr)
+    if mine is None or mine == (hosts[0] == here):
+        return None
+    rank0 = f"trainer rank 0 runs on the plan's first trainer node, {hosts[0]} (torchrun's --node-rank=0)"
+    if mine:
+        return (f"placement.master_addr={plan.master_addr} is an address of this node ({here}), but {rank0}, where "
+                f"the trainer world's rendezvous is served; set placement.master_addr to an address of {hosts[0]}, "
+                f"or leave it empty (the first trainer node's name)")
+    return (f"placement.master_addr={plan.master_addr} is not an address of this node ({here}), and {rank0}: the "
+            f"trainer world's rendezvous would be served here while the other nodes wait for it at "
+            f"{plan.master_addr}; set placement.master_addr to an address of {here}, or leave it empty")
+
+
+def _holds(name: str) -> bool | None:
+    """Whether this node holds the address ``name`` resolves to here (it can bind it); None where it does not
+    resolve."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return None
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(sockaddr)
+        except OSError:
+            return False
+    return True
 
 
 def check_world_address(address: str, master_addr: str, world_size: int, local_world_size: int) -> None:

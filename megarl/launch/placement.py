@@ -26,52 +26,12 @@ import yaml
 from megarl.config.input_paths import where_looked
 from megarl.errors import ConfigError
 from megarl.launch.cluster import Allocation, compress_hosts
+from megarl.launch.plan_parts import ServerPlan, TrainerPlan, with_server_addresses
 from megarl.launch.role_commands import describe_plan, render
 from megarl.rollout.router import group_ranks
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_WEIGHT_SYNC_PORT = 29600
-
-
-@dataclass(frozen=True)
-class TrainerPlan:
-    """The trainer's torch.distributed world; the controller runs on its rank 0 (first host)."""
-
-    hosts: tuple[str, ...]
-    ranks_per_node: int
-    world_size: int
-    tp: int
-    pp: int
-    ep: int
-    dp: int
-    expert_dp: int
-    sequence_parallel: bool
-    gpu_ids: tuple[int, ...]
-    """Local GPU ids every trainer host gives its ranks (empty on cpu)."""
-
-
-@dataclass(frozen=True)
-class ServerPlan:
-    """One engine or the dedicated scorer: a server process the controller talks to."""
-
-    role: str
-    """engine or dedicated."""
-    index: int
-    host: str
-    tp: int
-    gpu_ids: tuple[int, ...]
-    port: int
-    """HTTP port; 0 when the controller spawns it (it picks a free one)."""
-    spawned: bool
-    """True: started by the controller on its own node (cpu); False: started by its own command."""
-
-    @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def name(self) -> str:
-        return f"engine{self.index}" if self.role == "engine" else "dedicated"
 
 
 @dataclass
@@ -385,6 +345,8 @@ def resolve_plan(cfg, hf_config: dict, allocation: Allocation, *, config_path: s
 
     if cfg.rollout.weight_sync == "disk" and need > 1:
         notes.append("rollout.weight_sync=disk across nodes: run_dir must be on a disk every node shares")
+    servers = with_server_addresses(engines + ([dedicated] if dedicated else []), p.server_addresses)
+    engines, dedicated = servers[:len(engines)], (servers[-1] if dedicated else None)
     return Plan(
         device=p.device, allocation=allocation, model=model_summary(hf_config),
         trainer=TrainerPlan(tuple(trainer_hosts), rpn, world, par.tp, par.pp, par.ep, dp, expert_dp,

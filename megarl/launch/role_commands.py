@@ -130,7 +130,8 @@ def role_env(plan, role: str, server=None, *, set_visible_devices: bool) -> dict
     else:
         if role == "engine":
             env["MEGARL_ENGINE_INDEX"] = str(server.index)
-        env["MEGARL_SERVER_HOST"] = server.host  # the address it serves on: the one the trainer reaches
+        env["MEGARL_SERVER_HOST"] = server.listen_host  # the address it serves on: the one the trainer reaches
+        env["MEGARL_CONTROLLER_HOST"] = plan.trainer.hosts[0]  # whether that must be reachable from another node
         env["MEGARL_SERVER_PORT"] = str(server.port)
         env["MEGARL_SERVER_TP"] = str(server.tp)
         if broadcast and role == "engine":
@@ -343,7 +344,8 @@ def describe_plan(plan) -> str:
         slots = f"{t.ranks_per_node} {unit}" + (f" ({_gpu_ranges(t.gpu_ids)})" if t.gpu_ids else "")
         lines.append(f"{'trainer':<11} {h:<14} {slots:<18} {layout if i == 0 else '(same world)'}")
     for s in plan.servers:
-        where = "spawned by the controller" if s.spawned else f"port {s.port}"
+        at = f" on {s.address}" if s.address else ""
+        where = "spawned by the controller" if s.spawned else f"port {s.port}{at}"
         what = "vLLM TP" if s.role == "engine" and plan.backend == "vllm" else "TP"
         slots = _gpu_ranges(s.gpu_ids) if s.gpu_ids else "1 process"
         lines.append(f"{s.name:<11} {s.host:<14} {slots:<18} {what}={s.tp}; {where}")

@@ -13,6 +13,7 @@ MEGARL_ENGINE_INDEX        engine: its index in rollout.n_engines
 MEGARL_DEDICATED_AUTHKEY   trainer / dedicated: the key of their TCP connection, taken at start (megarl/secret_env.py)
 MEGARL_SERVER_PORT         engine: the HTTP port to serve on; dedicated: the TCP port the trainer connects to
 MEGARL_SERVER_HOST         engine / dedicated: its node's address in the plan, which it serves on
+MEGARL_CONTROLLER_HOST     engine / dedicated: the node of the controller (trainer rank 0), which connects to it
 MEGARL_ENGINE_KEY          trainer / engine: the key every engine request carries (megarl/rollout/engine_key.py)
 MEGARL_SERVER_TP           engine / dedicated: its tensor-parallel size
 MEGARL_WEIGHT_SYNC_ADDR    host:port of the trainer -> servers weight broadcast group (broadcast only)
@@ -39,6 +40,7 @@ class RoleEnv:
     engine_index: int = 0
     server_port: int = 0
     server_host: str = ""
+    controller_host: str = ""
     server_tp: int = 1
     weight_sync_addr: str = ""
     weight_sync_world: int = 0
@@ -68,7 +70,7 @@ def current_role(env: Mapping[str, str] | None = None) -> RoleEnv:
     addrs = tuple(a for a in env.get("MEGARL_ENGINE_ADDRS", "").split(",") if a)
     return RoleEnv(role=role, engine_addrs=addrs, dedicated_addr=env.get("MEGARL_DEDICATED_ADDR", ""),
                    engine_index=_int(env, "MEGARL_ENGINE_INDEX", 0), server_port=_int(env, "MEGARL_SERVER_PORT", 0),
-                   server_host=env.get("MEGARL_SERVER_HOST", ""),
+                   server_host=env.get("MEGARL_SERVER_HOST", ""), controller_host=env.get("MEGARL_CONTROLLER_HOST", ""),
                    server_tp=_int(env, "MEGARL_SERVER_TP", 1), weight_sync_addr=env.get("MEGARL_WEIGHT_SYNC_ADDR", ""),
                    weight_sync_world=_int(env, "MEGARL_WEIGHT_SYNC_WORLD", 0),
                    weight_sync_rank=_int(env, "MEGARL_WEIGHT_SYNC_RANK", 0))

@@ -1,10 +1,11 @@
 """A stranger on the cluster network: a host that is not part of the run and holds none of its keys.
 
 Run on that host: ``python stranger_probe.py ENGINE_HOST:PORT RENDEZVOUS_HOST:PORT SCORER_HOST:PORT
-[AGENT_HOST:PORT]``. Every attempt has a deadline of a few seconds (so a listener that kept the stranger waiting
-shows as a hang here, not as a refusal); prints one JSON object: per target, each attempt and how it ended,
-and the counts of attempts and refusals. A refusal is a 401, a closed or failed handshake, or a connection
-refused; anything the stranger got (an answer, a handshake passed) is ``accepted``.
+[AGENT_HOST:PORT]`` (``-`` skips a target). Every attempt has a deadline of a few seconds (so a listener
+that kept the stranger waiting shows as a hang here, not as a refusal); prints one JSON object: per
+target, each attempt and how it ended, and the counts of attempts and refusals. A refusal is a 401, a
+closed or failed handshake, or a connection refused; anything the stranger got (an answer, a handshake
+passed) is ``accepted``.
 """
 from __future__ import annotations
 
@@ -73,8 +74,12 @@ def scorer(addr: str) -> list[str]:
 
 def agent(addr: str) -> list[str]:
     body = {"model": "megarl", "messages": [{"role": "user", "content": "hi"}]}
+    guessed = f"megarl-{os.urandom(32).hex()}"  # shaped like an episode's key
     return [_http(f"http://{addr}/v1/chat/completions", body, None),
-            _http(f"http://{addr}/v1/chat/completions", body, "sk-stranger")]
+            _http(f"http://{addr}/v1/chat/completions", body, "sk-stranger"),
+            _http(f"http://{addr}/v1/chat/completions", body, guessed),
+            _http(f"http://{addr}/sessions", {}, os.urandom(24).hex()),  # claim an episode: the service key
+            _http(f"http://{addr}/sessions/{guessed}/reward", {"reward": 1.0}, guessed)]
 
 
 def main(argv: list[str]) -> None:
@@ -83,6 +88,8 @@ def main(argv: list[str]) -> None:
     started = time.monotonic()
     for name, probe, addr in zip(("engine", "rendezvous", "scorer", "agent"), (engine, rendezvous, scorer, agent),
                                  argv):
+        if addr == "-":  # not probed
+            continue
         t0 = time.monotonic()
         report["targets"][name] = {"addr": addr, "results": probe(addr), "seconds": round(time.monotonic() - t0, 2)}
     results = [r for t in report["targets"].values() for r in t["results"]]

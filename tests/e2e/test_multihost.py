@@ -38,13 +38,103 @@ def test_a_trainer_node_named_loopback_is_refused_before_anything_starts(ckpt, t
         assert "[megarl launch]" not in r.stderr and "torch.distributed.run" not in r.stdout + r.stderr
 
 
+def test_master_addr_on_another_host_than_trainer_rank_0_is_refused_before_anything_starts(ckpt, tmp_path):
+    """placement.master_addr names node02, but torchrun's node-rank 0 (trainer rank 0) runs on node01: the launch
+    on each trainer node refuses at once, naming the key (without the check, torchrun on node01 serves the
+    rendezvous where node02 does not look, and both wait for its timeout: a timeout here)."""
+    with cluster(2, tmp_path / "shared", names=["node01", "node02"]) as c:
+        addr = c.host("node02").addr
+        for host, says in (("node01", "is not an address of this node (node01)"),
+                           ("node02", "is an address of this node (node02), but trainer rank 0 runs on")):
+            r = c.run(host, [PY, "-m", "megarl.cli", "launch", "--launcher", "torchrun", "--nodes", "2",
+                             "--gpus-per-node", "0", "--config", "configs/tiny_cpu.yaml", f"model.checkpoint={ckpt}",
+                             "placement.trainer_nodes=2", f"placement.master_addr={addr}",
+                             f"logging.output_dir={tmp_path / 'shared' / 'run'}"],
+                      timeout=60, cwd=ROOT, env=megarl_env(MEGARL_WORLD_KEY="k" * 32))
+            assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+            assert f"placement.master_addr={addr} {says}" in r.stderr, r.stderr[-2000:]
+            assert "torch.distributed.run" not in r.stdout + r.stderr
+
+
 KEYS = {"MEGARL_WORLD_KEY": "w" * 48, "MEGARL_ENGINE_KEY": "e" * 48, "MEGARL_DEDICATED_AUTHKEY": "d" * 32}
-STEPS = 3
+#: enough that the stranger's probe (a few seconds) ends while the run still trains
+STEPS = 8
 RUN_ARGS = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.batch_size=32", "rollout.group_size=8",
             "logging.progress=none", "logging.tensorboard=false", "eval.path=", "logging.save_every=0",
             f"trainer.total_steps={STEPS}", "rollout.weight_sync=broadcast", "recovery.name=dedicated"]
 THREE_NODES = ["--launcher", "torchrun", "--nodes", "3", "--gpus-per-node", "0", *RUN_ARGS, "placement.trainer_nodes=2",
                "placement.engine_nodes=1", "placement.dedicated_command=true"]
+
+
+def test_an_engine_node_named_loopback_is_refused_before_anything_starts(ckpt, tmp_path):
+    """The hosts-file trap on the engine's node: `megarl launch` on node02 refuses the plan at once, naming
+    placement.server_addresses.node02 with node02's address, and starts no engine; the engine role started any
+    other way (its own `python -m megarl.train`) refuses too, before it loads anything. Without the check, the
+    engine serves on every interface and the launch waits for its stop: a timeout here."""
+    with cluster(2, tmp_path / "shared", names=["node01", "node02"], trap="node02") as c:
+        fix = f"set placement.server_addresses.node02={c.host('node02').addr}"
+        env = megarl_env(**KEYS)
+        r = c.run("node02", [PY, "-m", "megarl.cli", "launch", "--launcher", "torchrun", "--nodes", "2",
+                             "--gpus-per-node", "0", *RUN_ARGS, f"model.checkpoint={ckpt}", "placement.engine_nodes=1",
+                             f"logging.output_dir={tmp_path / 'shared' / 'run'}"], timeout=60, cwd=ROOT, env=env)
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "'node02' resolves to a loopback address on this node" in r.stderr and fix in r.stderr, r.stderr
+        assert "starting engine0" not in r.stdout + r.stderr
+        role = {"MEGARL_ROLE": "engine", "MEGARL_SERVER_HOST": "node02", "MEGARL_CONTROLLER_HOST": "node01",
+                "MEGARL_SERVER_PORT": "8100"}
+        r = c.run("node02", [PY, "-m", "megarl.train", *RUN_ARGS, f"model.checkpoint={ckpt}"], timeout=60, cwd=ROOT,
+                  env={**env, **role})
+        assert r.returncode == 2 and fix in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+#: megarl's agent endpoint (megarl/agents/http_server.py) on the address given, as `agent.http_host` exposes it to
+#: the cluster network, with one episode open and a service key; writes "port key" to the file given once it listens
+AGENT_ENDPOINT = """
+import asyncio, os, sys
+from megarl.agents.http_server import AgentHttpServer
+
+async def main(host, out):
+    server = AgentHttpServer(host=host, port=0, model="policy", service_key=os.urandom(24).hex())
+    await server.start()
+    session = server.open_session(client=None)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{server.port} {session.key}")
+    os.replace(tmp, out)
+    await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_a_stranger_gets_nothing_from_an_agent_endpoint_on_the_cluster_network(tmp_path):
+    """The agent endpoint listening on node01's cluster address (agent.http_host): node04, without the run's keys,
+    tries completions without a key, with an OpenAI-shaped one and with one shaped like an episode's, to claim an
+    episode without the service key and to report a reward: each is refused (401) within its deadline. The episode's
+    key holder on node04 is answered, so the refusals are the endpoint's, not the network's."""
+    shared = tmp_path / "shared"
+    with cluster(2, shared, names=["node01", "node04"]) as c:
+        addr, out = c.host("node01").addr, shared / "agent_endpoint"
+        server = c.popen("node01", [PY, "-c", AGENT_ENDPOINT, addr, str(out)], cwd=ROOT, env=megarl_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not out.exists():
+            assert server.poll() is None and time.monotonic() < deadline, server.communicate()[1][-2000:]
+            time.sleep(0.1)
+        port, key = out.read_text().split()
+        stranger = c.run("node04", [PY, str(ROOT / "tests" / "e2e" / "stranger_probe.py"), "-", "-", "-",
+                                    f"{addr}:{port}"], timeout=60, cwd=ROOT, env=megarl_env())
+        holder = c.run("node04", [PY, "-c", "import sys, urllib.request as u; r = u.urlopen(u.Request(sys.argv[1], "
+                                  "headers={'Authorization': 'Bearer ' + sys.argv[2]}), timeout=5); "
+                                  "print(r.status, r.read().decode())", f"http://{addr}:{port}/v1/models", key],
+                       timeout=60, cwd=ROOT, env=megarl_env())
+        assert server.poll() is None, "the endpoint ended under the stranger's requests"
+    assert stranger.returncode == 0, stranger.stderr[-2000:]
+    report = json.loads(stranger.stdout)
+    print("stranger at the agent endpoint:", json.dumps(report))
+    assert report["targets"]["agent"]["results"] == ["refused 401"] * 5, report
+    assert report["refused"] == report["attempts"] == 5 and report["seconds"] < 30, report
+    assert holder.returncode == 0 and holder.stdout.startswith("200 ") and '"policy"' in holder.stdout, holder
 
 
 def _wait(cond, procs, logs, what: str, timeout: float) -> None:
@@ -60,15 +150,18 @@ def _wait(cond, procs, logs, what: str, timeout: float) -> None:
 def test_three_hosts_torchrun_broadcast_scorer_and_a_stranger(ckpt, tmp_path):
     """Two trainer ranks on node01/node02 (torchrun's c10d rendezvous across hosts, rank 0 on node01), the engine
     on node03 reached over the bridge, weights broadcast across hosts (gloo), the dedicated scorer as its own
-    command on node01; a fourth host without the run's keys is refused by each listener while the run goes on."""
+    command on node01; a fourth host without the run's keys is refused by each listener while the run goes on.
+    node03 has the hosts-file trap (its own name at 127.0.1.1): placement.server_addresses gives it its address,
+    where the engine listens and the trainer connects."""
     shared = tmp_path / "shared"
     run = shared / "run"
-    with cluster(4, shared, names=["node01", "node02", "node03", "node04"]) as c:
+    with cluster(4, shared, names=["node01", "node02", "node03", "node04"], trap="node03") as c:
         env = megarl_env(**KEYS)
+        engine_addr = f"placement.server_addresses.node03={c.host('node03').addr}"
         logs, procs = {}, []
         for host in ("node03", "node01", "node02"):  # each node runs its own `megarl launch` (launch/torchrun.sh)
             logs[host] = shared / f"launch.{host}.log"
-            procs.append(c.popen(host, [PY, "-m", "megarl.cli", "launch", *THREE_NODES,
+            procs.append(c.popen(host, [PY, "-m", "megarl.cli", "launch", *THREE_NODES, engine_addr,
                                         f"model.checkpoint={ckpt}", f"logging.output_dir={run}"],
                                  cwd=ROOT, env=env, stdout=open(logs[host], "w"), stderr=subprocess.STDOUT))
         try:
@@ -76,6 +169,8 @@ def test_three_hosts_torchrun_broadcast_scorer_and_a_stranger(ckpt, tmp_path):
             targets = ["node03:8100", "node01:29600", "node01:8100"]
             stranger = c.run("node04", [PY, str(ROOT / "tests" / "e2e" / "stranger_probe.py"), *targets],
                              timeout=60, cwd=ROOT, env=megarl_env())
+            # the listeners it met were the run's: every process still runs, short of the last step
+            running = [p.poll() is None for p in procs] + [len(jsonl(run / "metrics.jsonl")) < STEPS]
             _wait(lambda: all(p.poll() is not None for p in procs[1:]), procs[1:], logs, "the trainer's end", 300)
             procs[0].send_signal(signal.SIGTERM)  # the engine node's launch serves until it is stopped
             procs[0].wait(timeout=60)
@@ -84,7 +179,10 @@ def test_three_hosts_torchrun_broadcast_scorer_and_a_stranger(ckpt, tmp_path):
         assert [p.returncode for p in procs] == [75, 0, 0], {h: t[-3000:] for h, t in texts.items()}
     report = json.loads(stranger.stdout)
     print("stranger:", json.dumps(report))
+    assert running == [True] * 4, f"the run ended before the stranger's probe did: {report}"
     assert report["refused"] == report["attempts"] == 6, report
+    assert not [r for t in report["targets"].values() for r in t["results"] if "ConnectionRefused" in r or
+                r == "refused connection"], f"a listener was not there: {report}"
     assert report["seconds"] < 30, report  # no listener kept it waiting
     metrics = jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))

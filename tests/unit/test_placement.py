@@ -420,15 +420,22 @@ def test_a_launched_engine_serves_on_its_node_address_not_on_every_address(monke
     async def fake_serve(checkpoint, backend, **kw):
         seen.update(kw)
 
+    table = {"node01": "10.0.0.1", "node03": "10.0.0.3", "node04": "127.0.1.1"}
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: table.get(name, "10.0.0.9"))
     monkeypatch.setattr(train_cmd, "serve", fake_serve)
-    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"node03": "10.0.0.3", "node04": "127.0.1.1"}[name])
     cfg = load_run_config(CFG_TINY, ["rollout.backend=hf"])
-    env = {"MEGARL_ROLE": "engine", "MEGARL_SERVER_PORT": "8000", "MEGARL_SERVER_HOST": "node03"}
+    env = {"MEGARL_ROLE": "engine", "MEGARL_SERVER_PORT": "8000", "MEGARL_SERVER_HOST": "node03",
+           "MEGARL_CONTROLLER_HOST": "node01"}
     train_cmd.serve_role(cfg, current_role(env))
     assert (seen["host"], seen["port"]) == ("10.0.0.3", 8000)
-    # a node whose name resolves to a loopback address on itself could not be reached there: all addresses
-    train_cmd.serve_role(cfg, current_role({**env, "MEGARL_SERVER_HOST": "node04"}))
-    assert seen["host"] == "0.0.0.0"
+    # a node whose name resolves to a loopback address on itself could not be reached from the controller's
+    # node: refused, naming the key that gives it an address (never every address)
+    seen.clear()
+    with pytest.raises(ConfigError, match="placement.server_addresses.node04="):
+        train_cmd.serve_role(cfg, current_role({**env, "MEGARL_SERVER_HOST": "node04"}))
+    assert seen == {}
+    train_cmd.serve_role(cfg, current_role({**env, "MEGARL_SERVER_HOST": "10.0.0.4"}))  # the address it is given
+    assert seen["host"] == "10.0.0.4"
 
 
 def test_engines_with_own_commands_share_the_run_key_through_the_environment(monkeypatch):
