@@ -50,6 +50,7 @@ from megarl.tokenizer import RunTokenizer
 from megarl.trainer.base import TrainerProtocol
 from megarl.trainer.follower import FollowerView, follow
 from megarl.trainer.megatron_trainer import MegatronTrainer
+from megarl.trainer.parallel import timed_out_collective
 from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
 from megarl.workflows import build_workflow
 from recovery import _negative_controls as negative_controls
@@ -210,6 +211,8 @@ class Run:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
+        if isinstance(self.trainer, DrivingTrainer) and timed_out_collective(exc) is not None:
+            self.trainer.followers_lost = True  # a trainer rank is gone: no collective waits for it again
         await self.closing.aclose()
         if exc_type is None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)

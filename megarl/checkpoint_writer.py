@@ -16,7 +16,9 @@ subclass (the disk full, a file-size limit, an I/O error on any rank), which ``e
 catch: :func:`torch_save_errors` turns it into a :class:`~megarl.errors.CheckpointError` naming each rank's
 error where megarl calls torch's writer, and :func:`is_save_failure` tells what a caller counts as a failed
 save: anything a save raises except the interpreter's own (``KeyboardInterrupt``, ``SystemExit``,
-``GeneratorExit``) and the cancellation of the task that waits for it, which keep their meaning. The write
+``GeneratorExit``) and the cancellation of the task that waits for it, which keep their meaning, and a
+collective that timed out waiting for another rank (megarl/trainer/parallel.py ``timed_out_collective``): a
+trainer node lost, which the next save would only wait out again, so the run stops at once. The write
 thread reports whatever ends it (a ``SystemExit`` there would otherwise end the thread silently and leave every
 rank waiting for its outcome).
 
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megarl.errors import CheckpointError
+from megarl.trainer.parallel import timed_out_collective
 from megarl.trainer.sharded_write import checkpoint_group
 
 log = logging.getLogger("megarl.checkpoint")
@@ -49,7 +52,11 @@ NOT_SAVE_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.Cance
 
 def is_save_failure(e: BaseException) -> bool:
     """Whether ``e``, raised by a save, is that save failing (module doc)."""
-    return not isinstance(e, NOT_SAVE_FAILURES)
+    if isinstance(e, NOT_SAVE_FAILURES) or timed_out_collective(e) is not None:
+        return False
+    if isinstance(e, CheckpointException):  # each rank's own error
+        return not any(timed_out_collective(exc) is not None for exc, _ in e.failures.values())
+    return True
 
 
 def describe_failure(e: BaseException) -> str:

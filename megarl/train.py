@@ -9,6 +9,10 @@ replay its trainer and strategy calls (megarl/trainer/spmd.py).
 (megarl/resume.py): engines restart from the checkpoint's weights at its version,
 the trainer, strategy, replay buffer, dataset and RNG continue, and the run's logs
 are rewound to the checkpoint before new lines are appended.
+A trainer rank that waits ``trainer.collective_timeout_s`` in a collective for
+another (a trainer node lost mid-run: its network down, its host stopped)
+stops the run with an error that says so and names the key; the newest
+complete checkpoint stands for ``logging.resume``.
 
 A stop signal (SIGTERM, SIGUSR1, SIGINT) on any trainer rank stops the run
 cleanly with exit code 75 (megarl/stop_protocol.py): in the loop every rank
@@ -26,6 +30,7 @@ if __name__ == "__main__":  # python -m megarl.train (the launchers): a stop dur
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from megarl.builder import Run, StrategyWrapper, build_run, run_follower  # noqa: E402
@@ -40,7 +45,7 @@ from megarl.resume import ResumePoint, prepare_resume  # noqa: E402
 from megarl.rollout.engine_pool import PooledEngines  # noqa: E402
 from megarl.run_stop import stop_on_signals  # noqa: E402
 from megarl.stop_ready import announce_stop_ready  # noqa: E402
-from megarl.trainer.parallel import init_ranks  # noqa: E402
+from megarl.trainer.parallel import init_ranks, lost_rank_error  # noqa: E402
 from megarl.trainer.spmd import DrivingTrainer, receive_go, share_go  # noqa: E402
 
 
@@ -59,14 +64,15 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     stop_budget.configure(cfg.logging.stop_grace_s)
     apply_umask(cfg.logging)  # the run's files are this user's alone (logging.file_umask)
     with early_stop.installed():  # a stop signal from here to the loop is latched (module doc)
-        rank, world = init_ranks()  # every rank joins after its latch is installed
+        rank, world = init_ranks(cfg.trainer.collective_timeout_s)  # every rank joins after its latch is installed
         if rank == 0:
             announce_stop_ready()  # `megarl launch` passes a stop on from now (megarl/stop_ready.py)
         if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
             # its own stop signal reaches rank 0 at the next step boundary (megarl/trainer/spmd.py)
             run_dir = Path(receive_go())
             _pin_trainer(cfg)
-            run_follower(cfg, run_dir)
+            with _name_a_lost_rank(cfg, run_dir):
+                run_follower(cfg, run_dir)
             return run_dir
         if early_stop.received is not None:  # during the imports: nothing written yet
             share_go(world, stopped=early_stop.received)
@@ -83,7 +89,8 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
         protect(setup.run_dir)  # hidden from agent commands and sandboxed code (megarl/process_isolation.py)
         _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
         point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
-        summary = asyncio.run(_train(cfg, setup, point, wrap_strategy, engine_pool))
+        with _name_a_lost_rank(cfg, setup.run_dir):
+            summary = asyncio.run(_train(cfg, setup, point, wrap_strategy, engine_pool))
     (setup.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
     return setup.run_dir
 
@@ -114,6 +121,19 @@ def _stopped_before(phase: str, step: int) -> RunStopped:
     write_stop_marker(early_stop.received or "stop", step, checkpointed=False)
     return RunStopped(f"stopped by {early_stop.received} after {phase}, before the loop (step {step}): nothing "
                       f"new was written; run the same command again (a requeued job does)")
+
+
+@contextmanager
+def _name_a_lost_rank(cfg: MegaRLConfig, run_dir: Path):
+    """A collective that waited trainer.collective_timeout_s for another trainer rank (a trainer node lost
+    mid-run) stops the run with an error that says so and names the key (megarl/trainer/parallel.py)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any other error is raised as it is
+        error = lost_rank_error(e, cfg.trainer.collective_timeout_s, run_dir)
+        if error is None:
+            raise
+        raise error from e
 
 
 def _pin_trainer(cfg: MegaRLConfig) -> None:

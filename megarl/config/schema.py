@@ -94,6 +94,8 @@ class TrainerConfig:
     """Stop the run after this many consecutive steps skipped for non-finite loss or gradients."""
     stall_timeout_s: float = 600.0
     """Checkpoint and stop when the trainer has waited this long for a batch with no trajectory accepted meanwhile (0 = wait forever)."""
+    collective_timeout_s: float = 1800.0
+    """Several trainer ranks: seconds a rank waits in one torch.distributed collective (the default group, megatron's groups, the control and checkpoint groups; init_process_group's timeout) before it fails. A trainer node lost mid-run (network down, host stopped) stops the run within this of rank 0's next collective with it, with an error naming this key, instead of hanging; the newest complete checkpoint stands (resume with logging.resume). Keep it above the longest time the other ranks wait for rank 0 between two collectives: its engine start and model load, and its wait for a batch (up to trainer.stall_timeout_s)."""
 
 
 @dataclass

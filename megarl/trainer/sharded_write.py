@@ -35,6 +35,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megarl.trainer.parallel import collective_timeout
+
 _GROUP = None
 #: files each rank writes side by side (torch.distributed.checkpoint's FileSystemWriter thread_count)
 WRITE_THREADS = 4
@@ -44,7 +46,7 @@ def checkpoint_group():
     """The gloo group of background checkpoint writes (made on first use: a collective of every rank)."""
     global _GROUP
     if _GROUP is None:
-        _GROUP = dist.new_group(backend="gloo")
+        _GROUP = dist.new_group(backend="gloo", timeout=collective_timeout())  # trainer.collective_timeout_s
     return _GROUP
 
 

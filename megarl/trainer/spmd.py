@@ -56,6 +56,7 @@ from megarl.checkpoint import load_rank_state, prepare_rank_state, save_rank_sta
 from megarl.checkpoint_writer import describe_failure, is_save_failure
 from megarl.errors import CheckpointError, MegarlError
 from megarl.stop_protocol import RunStopped
+from megarl.trainer.parallel import collective_timeout
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 log = logging.getLogger("megarl.spmd")
@@ -98,7 +99,7 @@ class ControlChannel:
     """Pickled events from rank 0 to every other rank, over a dedicated gloo group."""
 
     def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=collective_timeout())  # trainer.collective_timeout_s
         self.rank = dist.get_rank()
         self.lock = threading.Lock()
 
@@ -229,6 +230,9 @@ class DrivingTrainer:
         self.channel = channel
         #: the stop signal the run stopped on (set by megarl/run_stop.py); sent with the final ``stop``
         self.stopped_by: str | None = None
+        #: a collective with the followers timed out (a trainer node lost): the final ``stop`` is not sent, it
+        #: would wait out trainer.collective_timeout_s once more (set by megarl/builder.py, Run.__aexit__)
+        self.followers_lost = False
 
     @property
     def version(self) -> int:
@@ -287,6 +291,9 @@ class DrivingTrainer:
             return _stop_votes(self.channel, None)
 
     def stop_followers(self) -> None:
+        if self.followers_lost:
+            log.warning("the followers' stop was not sent: a collective with them timed out")
+            return
         with self.channel.lock:
             self.channel.send(("stop", self.stopped_by))
 
