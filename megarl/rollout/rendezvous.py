@@ -61,8 +61,20 @@ from megarl.errors import EngineError
 from megarl.rollout.engine_key import is_loopback
 
 log = logging.getLogger("megarl.publish")
-#: what the rendezvous is called in its errors by default (megarl/trainer/world_store.py names its own)
+#: what the rendezvous is called in its errors by default
 WEIGHT_SYNC = "weight broadcast rendezvous"
+#: the trainer world's (megarl/trainer/world_store.py)
+WORLD_STORE = "trainer world store"
+#: what a client that cannot connect is told to check, by label
+_UNREACHABLE = {WEIGHT_SYNC: "it listens on the trainer's address for this host name unless "
+                             "placement.weight_sync_bind says otherwise",
+                WORLD_STORE: "trainer rank 0 serves it on the address its node reaches MASTER_ADDR from; the nodes "
+                             "must reach each other on every TCP port"}
+#: why a server closes a handshake, by label (a client's error and the server's warning)
+_OTHER_SECRET = {WEIGHT_SYNC: "the connecting process holds another group's secret (another run's, or another "
+                              "publish's)",
+                 WORLD_STORE: "MEGARL_WORLD_KEY differs between the nodes: export the same value on every node "
+                              "before `megarl launch` (a launch makes its own key when none is set)"}
 
 #: the key whose presence says the publish is over for everyone still receiving
 ABORT_KEY = "megarl/abort"
@@ -141,7 +153,9 @@ class RendezvousServer:
 
     def __init__(self, host: str, port: int, secret: str, *, bind_host: str | None = None,
                  timeout_s: float = 300.0, label: str = WEIGHT_SYNC) -> None:
-        self.secret = secret
+        self.secret, self.label = secret, label
+        #: addresses told about a refused handshake (once each: a stranger may try again and again)
+        self._warned: set[str] = set()
         self.store = dist.HashStore()
         self.store.set_timeout(timedelta(seconds=timeout_s))
         family, sockaddr = _addr(bind_host or host, port)
@@ -207,6 +221,7 @@ class RendezvousServer:
             answer = _recv_exact(conn, _NONCE + 32)
             nonce_c, proof = answer[:_NONCE], answer[_NONCE:]
             if not hmac.compare_digest(proof, _mac(self.secret, b"client", nonce_s, nonce_c)):
+                self._warn_refused(conn)
                 return
             member = True
             conn.sendall(_mac(self.secret, b"server", nonce_c, nonce_s))
@@ -221,6 +236,16 @@ class RendezvousServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _warn_refused(self, conn: socket.socket) -> None:
+        try:
+            peer = conn.getpeername()[0]
+        except OSError:
+            return
+        if peer not in self._warned:
+            self._warned.add(peer)
+            log.warning("%s: refused a connection from %s that did not prove the secret; if it is a process of this "
+                        "run, %s", self.label, peer, _OTHER_SECRET.get(self.label, _OTHER_SECRET[WEIGHT_SYNC]))
 
     def _handle(self, req: dict) -> dict:
         op, s = req.get("op"), self.store
@@ -260,16 +285,19 @@ class RendezvousStore(dist.Store):
         self._lock = threading.Lock()
         try:
             sock = _connect(host, port, timeout_s)
+        except OSError as e:
+            raise EngineError(f"{label} {host}:{port} unreachable ({type(e).__name__}: {e}); "
+                              f"{_UNREACHABLE.get(label, _UNREACHABLE[WEIGHT_SYNC])}") from e
+        try:
             nonce_s = _recv_exact(sock, _NONCE)
             nonce_c = os.urandom(_NONCE)
             sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
             proof = _recv_exact(sock, 32)
         except (OSError, ConnectionError) as e:
-            if "sock" in locals():
-                sock.close()
-            raise EngineError(f"{label} {host}:{port} unreachable or refused this process's "
-                              f"secret ({type(e).__name__}: {e}); it listens on the trainer's address for this host "
-                              "name unless placement.weight_sync_bind says otherwise") from e
+            sock.close()
+            raise EngineError(f"{label} {host}:{port} refused this process's secret: it closed the handshake "
+                              f"({type(e).__name__}: {e}); {_OTHER_SECRET.get(label, _OTHER_SECRET[WEIGHT_SYNC])}"
+                              ) from e
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
             sock.close()
             raise EngineError(f"{host}:{port} is not this group's {label} (it does not hold "

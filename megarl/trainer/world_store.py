@@ -21,13 +21,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megarl.launch.listen_check import check_world_address, route_address
-from megarl.rollout.rendezvous import RendezvousServer, RendezvousStore
+from megarl.rollout.rendezvous import WORLD_STORE, RendezvousServer, RendezvousStore
 from megarl.secret_env import WORLD_KEY_ENV, take_secret
 
 log = logging.getLogger("megarl.trainer")
 #: the key of torch's store that says where the authenticated one listens
 ADDRESS_KEY = "megarl/world_store"
-LABEL = "trainer world store"
+LABEL = WORLD_STORE
 #: rank 0's server and every rank's client, alive as long as the process: torch holds only the C++ side of a
 #: Python store, whose calls need the Python object
 _alive: list[RendezvousServer | RendezvousStore] = []

@@ -76,7 +76,7 @@ def test_a_client_with_another_secret_cannot_join_and_no_server_without_the_secr
     secret = new_secret()
     server = RendezvousServer("127.0.0.1", 0, secret)
     try:
-        with pytest.raises(EngineError, match="unreachable or refused"):
+        with pytest.raises(EngineError, match="refused this process's secret"):
             RendezvousStore("127.0.0.1", server.port, new_secret(), timeout_s=5).set("0/1", b"x")
         member = RendezvousStore("127.0.0.1", server.port, secret, timeout_s=5)
         member.set("0/1", b"rank 1")
@@ -84,7 +84,7 @@ def test_a_client_with_another_secret_cannot_join_and_no_server_without_the_secr
         assert server.store.num_keys() == 1, "only the member's key is in the store"
         # an engine handed a group whose server holds another secret refuses to rendezvous there
         impostor = RendezvousServer("127.0.0.1", 0, new_secret())
-        with pytest.raises(EngineError, match="unreachable or refused|not this group's"):
+        with pytest.raises(EngineError, match="refused this process's secret|not this group's"):
             RendezvousStore("127.0.0.1", impostor.port, secret, timeout_s=5)
         impostor.close()
         member.close()
@@ -149,3 +149,33 @@ def test_every_interface_only_when_asked(tmp_path, monkeypatch):
             socket.create_connection((addr, server.port), timeout=1).close()
     finally:
         server.close()
+
+
+def test_a_failed_rendezvous_says_whether_it_was_unreachable_or_refused_the_secret_and_what_to_set(caplog):
+    """Read from a real failure: two trainer nodes launched with different MEGARL_WORLD_KEYs. The client's error
+    tells a port nobody listens on from a handshake the server closed, and names the setting for each store; the
+    server says once per address that it refused a connection, so the node that waits for its peers is told too."""
+    from megarl.errors import EngineError
+    from megarl.rollout.rendezvous import WEIGHT_SYNC, RendezvousServer, RendezvousStore, new_secret
+    from megarl.trainer.world_store import LABEL as WORLD
+
+    server = RendezvousServer("127.0.0.1", 0, new_secret(), label=WORLD)
+    try:
+        with caplog.at_level("WARNING", logger="megarl.publish"):
+            for _ in range(2):
+                with pytest.raises(EngineError) as refused:
+                    RendezvousStore("127.0.0.1", server.port, new_secret(), timeout_s=5, label=WORLD)
+        text = str(refused.value)
+        assert f"trainer world store 127.0.0.1:{server.port} refused this process's secret" in text
+        assert "unreachable" not in text and "MEGARL_WORLD_KEY differs between the nodes" in text
+        warned = [r.getMessage() for r in caplog.records if "refused a connection from 127.0.0.1" in r.getMessage()]
+        assert len(warned) == 1 and "MEGARL_WORLD_KEY" in warned[0], caplog.text
+    finally:
+        server.close()
+    port = free_port()
+    for label, says in ((WEIGHT_SYNC, "placement.weight_sync_bind"), (WORLD, "reaches MASTER_ADDR from")):
+        with pytest.raises(EngineError) as unreachable:
+            RendezvousStore("127.0.0.1", port, new_secret(), timeout_s=0.3, label=label)
+        text = str(unreachable.value)
+        assert f"{label} 127.0.0.1:{port} unreachable (ConnectionRefusedError" in text and says in text, text
+        assert "secret" not in text
