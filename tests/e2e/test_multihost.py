@@ -61,7 +61,8 @@ KEYS = {"MEGARL_WORLD_KEY": "w" * 48, "MEGARL_ENGINE_KEY": "e" * 48, "MEGARL_DED
 STEPS = 8
 RUN_ARGS = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.batch_size=32", "rollout.group_size=8",
             "logging.progress=none", "logging.tensorboard=false", "eval.path=", "logging.save_every=0",
-            f"trainer.total_steps={STEPS}", "rollout.weight_sync=broadcast", "recovery.name=dedicated"]
+            f"trainer.total_steps={STEPS}", "rollout.weight_sync=broadcast", "recovery.name=dedicated",
+            "rollout.eta=0"]  # synchronous: a batch holds the same groups whatever the timing (the single-host twin)
 THREE_NODES = ["--launcher", "torchrun", "--nodes", "3", "--gpus-per-node", "0", *RUN_ARGS, "placement.trainer_nodes=2",
                "placement.engine_nodes=1", "placement.dedicated_command=true"]
 
@@ -193,3 +194,28 @@ def test_three_hosts_torchrun_broadcast_scorer_and_a_stranger(ckpt, tmp_path):
     assert max(gaps) < 1e-5, gaps
     assert "starting trainer.node0" in texts["node01"] and "starting dedicated" in texts["node01"]
     assert "starting trainer.node1" in texts["node02"] and "starting engine0" in texts["node03"]
+    assert_single_host_twin(ckpt, tmp_path / "single", run, env)
+
+
+#: what a step's training computed, compared to the bit with the single-host twin
+TWIN_KEYS = ("loss", "grad_norm", "reward_mean")
+
+
+def assert_single_host_twin(ckpt, single, run, env) -> None:
+    """The same config on one host (both trainer ranks, the engine and the scorer on this machine) trains the
+    same steps to the bit: synchronous (rollout.eta=0), each batch holds the same groups whatever the timing, and
+    every request's seed comes from its trajectory's id, so the hosts (the gloo collectives across the bridge, the
+    weights broadcast to another host) are all that differ."""
+    from safetensors.torch import load_file
+
+    r = subprocess.run([PY, "-m", "megarl.cli", "launch", "--launcher", "torchrun", *RUN_ARGS,
+                        "placement.trainer_ranks=2", "placement.dedicated_command=true", f"model.checkpoint={ckpt}",
+                        f"logging.output_dir={single}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    hosts, twin = jsonl(run / "metrics.jsonl"), jsonl(single / "metrics.jsonl")
+    print("three hosts:", [[m[k] for k in TWIN_KEYS] for m in hosts])
+    assert [[m[k] for k in TWIN_KEYS] for m in hosts] == [[m[k] for k in TWIN_KEYS] for m in twin], \
+        [[m[k] for k in TWIN_KEYS] for m in twin]
+    a, b = (load_file(d / "final" / "model.safetensors") for d in (run, single))
+    assert a.keys() == b.keys() and [k for k in a if not a[k].equal(b[k])] == [], "final weights differ"
