@@ -9,7 +9,7 @@ bash scripts/setup.sh
 bash scripts/install_slurm.sh  # the real Slurm of tests/e2e/test_preempt_slurm.py (fails in CI when it cannot)
 .venv/bin/ruff check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-PYTEST=(.venv/bin/python -m pytest -q -rs --durations=20)
+PYTEST=(.venv/bin/python -m pytest -q -rs --durations=50)
 if [[ $# -gt 0 ]]; then
   exec "${PYTEST[@]}" "$@"
 fi
