@@ -27,6 +27,7 @@ import sys
 from megarl.config.run_output import apply_umask
 from megarl.errors import ConfigError
 from megarl.launch import cluster, host_memory, memory
+from megarl.launch.cluster import short_host
 from megarl.launch.engine_key_env import ensure_run_keys
 from megarl.launch.key_files import KeyFiles, key_dir_base
 from megarl.launch.listen_check import loopback_listener_problem, master_host_problem
@@ -75,9 +76,6 @@ def allocation(args, cfg):
     return alloc
 
 
-def _short(host: str) -> str:
-    return host.split(".")[0]
-
 
 def run(args) -> int:
     latch_launch_stops()  # a stop from here on is held, not fatal, and delivered once the trainer can take it
@@ -123,8 +121,8 @@ def run(args) -> int:
     if problem:  # before any process starts (megarl/launch/listen_check.py)
         raise ConfigError(problem)
     if launcher == "torchrun" and plan.allocation.source != "local":
-        me = _short(socket.gethostname())
-        mine = [c for c in commands if _short(c.host) == me]
+        me = short_host(socket.gethostname())
+        mine = [c for c in commands if short_host(c.host) == me]
         if not mine:
             hosts = sorted({c.host for c in commands})
             raise ConfigError(f"this host ({me}) has no role in the plan; run launch/torchrun.sh on each of: "

@@ -108,6 +108,11 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def short_host(host: str) -> str:
+    """A host's short name (``node03`` of ``node03.cluster.local``): how a node is named across the plan."""
+    return host.split(".")[0]
+
+
 def compress_hosts(hosts: tuple[str, ...] | list[str]) -> str:
     """Short human form of a host list (not Slurm's exact algorithm): node01..node04 -> node[01-04]."""
     groups: list[tuple[str, list[str]]] = []

@@ -34,6 +34,7 @@ import socket
 import struct
 
 from megarl.errors import ConfigError
+from megarl.launch.cluster import short_host
 from megarl.rollout.engine_key import is_loopback
 
 log = logging.getLogger("megarl.listen_check")
@@ -41,9 +42,6 @@ log = logging.getLogger("megarl.listen_check")
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 SIOCGIFADDR = 0x8915  # linux/sockios.h
 
-
-def _short(host: str) -> str:
-    return host.split(".")[0]
 
 
 def route_address(peer: str, port: int = 9) -> str:
@@ -84,14 +82,14 @@ def loopback_listener_problem(plan, weight_sync_bind: str = "", hostname: str | 
 
     Checked for the listeners of the node ``hostname`` (default this one): how a name resolves is a node's own
     /etc/hosts."""
-    here = _short(hostname or socket.gethostname())
+    here = short_host(hostname or socket.gethostname())
     return _trainer_problem(plan, weight_sync_bind, here) or _servers_problem(plan, here)
 
 
 def _servers_problem(plan, here: str) -> str | None:
     controller = plan.trainer.hosts[0]
     for s in plan.servers:
-        if not s.spawned and _short(s.host) == here:
+        if not s.spawned and short_host(s.host) == here:
             problem = _server_problem(s.listen_host, controller)
             if problem:
                 return problem
@@ -101,7 +99,7 @@ def _servers_problem(plan, here: str) -> str | None:
 def _server_problem(name: str, controller: str) -> str | None:
     """The error for a server listening on ``name`` here, where that is loopback though ``controller``'s node, which
     connects to it, is another one; None where it is fine (module doc)."""
-    if is_loopback(name) or not controller or _short(controller) == _short(name):
+    if is_loopback(name) or not controller or short_host(controller) == short_host(name):
         return None
     try:
         addr = socket.gethostbyname(name)
@@ -109,8 +107,8 @@ def _server_problem(name: str, controller: str) -> str | None:
         return None  # the server names an unresolvable address itself
     if not is_loopback(addr) or _reached_over_loopback(controller):
         return None  # a controller this node reaches over loopback runs here
-    return _fix(f"placement.server_addresses.{_short(name)}={{addr}} (where the engines and the dedicated scorer "
-                f"on {_short(name)} listen and the trainer connects to them)", name, controller)
+    return _fix(f"placement.server_addresses.{short_host(name)}={{addr}} (where the engines and the dedicated scorer "
+                f"on {short_host(name)} listen and the trainer connects to them)", name, controller)
 
 
 def server_listen_address(name: str, controller: str) -> str:
@@ -125,13 +123,13 @@ def server_listen_address(name: str, controller: str) -> str:
         addr = socket.gethostbyname(name)
     except OSError as e:
         raise ConfigError(f"MEGARL_SERVER_HOST={name!r} does not resolve on this node ({e}); set "
-                          f"placement.server_addresses.{_short(name)} to the address the trainer reaches") from None
+                          f"placement.server_addresses.{short_host(name)} to the address the trainer reaches") from None
     problem = _server_problem(name, controller)
     if problem:
         raise ConfigError(problem)
     if is_loopback(addr) and not is_loopback(name) and not controller:
         log.warning("%s resolves to %s here, which other nodes cannot reach: set placement.server_addresses.%s "
-                    "if the trainer runs on another node", name, addr, _short(name))
+                    "if the trainer runs on another node", name, addr, short_host(name))
     return addr
 
 
@@ -168,11 +166,11 @@ def _interface_of(addr: str) -> str:
 
 def _trainer_problem(plan, weight_sync_bind: str, here: str) -> str | None:
     name = plan.master_addr
-    if is_loopback(name) or _short(name) != here:
+    if is_loopback(name) or short_host(name) != here:
         return None
-    master_host = _short(plan.trainer.hosts[0])
+    master_host = short_host(plan.trainer.hosts[0])
     trainer_nodes = len(plan.trainer.hosts) > 1
-    remote_engines = [s.host for s in plan.engines if not s.spawned and _short(s.host) != master_host]
+    remote_engines = [s.host for s in plan.engines if not s.spawned and short_host(s.host) != master_host]
     broadcast_elsewhere = plan.weight_sync == "broadcast" and bool(remote_engines) and not weight_sync_bind
     if not trainer_nodes and not broadcast_elsewhere:
         return None
@@ -195,8 +193,8 @@ def master_host_problem(plan, hostname: str | None = None) -> str | None:
     one), or None: rank 0's node must hold that address (it can bind it), every other trainer node must not. Else
     the rendezvous waits for a store nobody serves until its timeout. An address that does not resolve here is
     left to torchrun."""
-    hosts = [_short(h) for h in plan.trainer.hosts]
-    here = _short(hostname or socket.gethostname())
+    hosts = [short_host(h) for h in plan.trainer.hosts]
+    here = short_host(hostname or socket.gethostname())
     if len(hosts) < 2 or here not in hosts:
         return None
     mine = _holds(plan.master_addr)

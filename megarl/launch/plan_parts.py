@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megarl.errors import ConfigError
+from megarl.launch.cluster import short_host
 
 
 @dataclass(frozen=True)
@@ -59,21 +60,18 @@ class ServerPlan:
         return f"engine{self.index}" if self.role == "engine" else "dedicated"
 
 
-def _short(host: str) -> str:
-    return host.split(".")[0]
-
 
 def with_server_addresses(servers: list[ServerPlan], addresses: dict) -> list[ServerPlan]:
     """``servers`` with the address ``addresses`` (placement.server_addresses: a node's short name -> address)
     gives their node, for those with a command of their own; a name that is no such server's node is refused."""
-    own = {_short(s.host) for s in servers if not s.spawned}
+    own = {short_host(s.host) for s in servers if not s.spawned}
     for name, addr in addresses.items():
         if not isinstance(addr, str) or not addr:
             raise ConfigError(f"placement.server_addresses.{name}={addr!r} must be an address (e.g. 10.0.0.3)")
-        if _short(str(name)) not in own:
+        if short_host(str(name)) not in own:
             where = ", ".join(sorted(own)) or "no node: every server is spawned by the controller"
             raise ConfigError(f"placement.server_addresses names {name}, which runs no engine or dedicated scorer "
                               f"with a command of its own in this plan (those run on {where})")
-    by_node = {_short(str(k)): v for k, v in addresses.items()}
-    return [s if s.spawned or _short(s.host) not in by_node else replace(s, address=by_node[_short(s.host)])
+    by_node = {short_host(str(k)): v for k, v in addresses.items()}
+    return [s if s.spawned or short_host(s.host) not in by_node else replace(s, address=by_node[short_host(s.host)])
             for s in servers]

@@ -14,11 +14,22 @@ THREE = ["placement.trainer_nodes=2", "placement.engine_nodes=1", "placement.tra
 ONE_TRAINER_NODE = ["placement.engine_nodes=1", "rollout.weight_sync=broadcast"]
 
 
+def _resolve_from(monkeypatch, table: dict[str, str]):
+    """This node's name resolution as ``table`` says (an unknown name fails as socket's does); the resolver."""
+    def resolve(name):
+        if name not in table:
+            raise socket.gaierror(f"unknown host {name}")
+        return table[name]
+
+    monkeypatch.setattr(listen_check.socket, "gethostbyname", resolve)
+    return resolve
+
+
 @pytest.fixture
 def trap(monkeypatch):
     """node01's /etc/hosts maps its own name to 127.0.1.1 (the Ubuntu default); the others resolve normally."""
     table = {"node01": "127.0.1.1", "node02": "10.9.0.2", "node03": "10.9.0.3"}
-    monkeypatch.setattr(listen_check.socket, "gethostbyname", lambda name: table[name])
+    _resolve_from(monkeypatch, table)
     monkeypatch.setattr(listen_check, "_route_address", lambda peer: "10.9.0.1")
     return table
 
@@ -87,16 +98,11 @@ SCORER_NODE = ["recovery.name=dedicated", "placement.dedicated_nodes=1", "rollou
 def server_trap(monkeypatch):
     """node02's /etc/hosts maps its own name to 127.0.1.1; node02's route to the others leaves from 10.9.0.2."""
     table = {"node01": "10.9.0.1", "node02": "127.0.1.1", "node03": "10.9.0.3", "localhost": "127.0.0.1"}
-
-    def resolve(name):
-        if name not in table:
-            raise socket.gaierror(f"unknown host {name}")
-        return table[name]
+    resolve = _resolve_from(monkeypatch, table)
 
     def route(peer, port=9):
         return "127.0.0.1" if resolve(peer).startswith("127.") else "10.9.0.2"
 
-    monkeypatch.setattr(listen_check.socket, "gethostbyname", resolve)
     monkeypatch.setattr(listen_check, "route_address", route)
     return table
 
