@@ -112,6 +112,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self._stopping = False
         self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
                          "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0,
+                         "n_engine_prefix_cached_tokens": 0,
                          **dict.fromkeys(RESUME_COUNTERS, 0)}
         self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
         self.generation.may_hold = self._may_hold

@@ -38,7 +38,7 @@ def failures(report: dict[str, Any]) -> list[str]:
             out.append(f"{name}: the engine oracle failed: the reference logp_old misses the fp32 engine's "
                        f"logp_behav by up to {oracle['max_abs_err']:.3g} (> {oracle['tol']:.3g}); the trainer's "
                        f"forward at each token's version does not reproduce the engine (wrong routes, version or "
-                       f"alignment)")
+                       f"alignment, or the engine reused KV of another version from its prefix cache)")
         out.extend(_route_failures(name, rep))
         if not rep["claims_exact"] or rep["measured_exact"]:
             continue

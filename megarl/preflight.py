@@ -228,7 +228,8 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
         raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds the model's "
                           f"max_position_embeddings {max_len}; lower one of them")
     ro = cfg.rollout
-    engine_options(ro.backend, ro.kv_cache_gb, ro.cpu_threads)  # the engines' resources, checked before they start
+    # the engines' resources, checked before they start
+    engine_options(ro.backend, ro.kv_cache_gb, ro.cpu_threads, kv_block_size=ro.kv_block_size)
     check_affinity(cfg.placement.cpu_affinity)
     if truncates_sampling(ro.top_p, ro.top_k, int(hf.get("vocab_size") or 0)) and not cfg.loss.allow_truncated_sampling:
         raise ConfigError(f"rollout.top_p={ro.top_p}, rollout.top_k={ro.top_k} truncate the sampling distribution: "

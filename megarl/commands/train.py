@@ -102,7 +102,8 @@ def serve_role(cfg, role: RoleEnv) -> int:
             raise ConfigError(f"placement.engine_tp={role.server_tp} needs rollout.backend=vllm "
                               f"(the hf engine runs one worker); set placement.engine_tp=1")
         routes = {"routed_experts": True} if wants_routed_experts(cfg.rollout) else {}
-        resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads)
+        resources = engine_options(cfg.rollout.backend, cfg.rollout.kv_cache_gb, cfg.rollout.cpu_threads,
+                                   kv_block_size=cfg.rollout.kv_block_size)
         os.environ.update(batch_invariant.engine_env(cfg))  # read by vLLM in this process and its engine core
         host = engine_host(role)
         os.environ.update(gloo_interface_env(host))  # the broadcast's data plane where the trainer reaches it

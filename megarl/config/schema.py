@@ -148,6 +148,8 @@ class RolloutConfig:
     """Broadcast to vLLM engines of several tensor-parallel workers (placement.engine_tp): each worker receives only the slices its loader keeps (megarl/rollout/engine_shards.py), about the model once per engine; false sends every worker the full tensors."""
     kv_cache_gb: int = 1
     """KV cache of each vLLM CPU engine megarl starts, in GiB (a whole number; megarl sets VLLM_CPU_KVCACHE_SPACE from it, without which vLLM claims ~92% of the node's memory)."""
+    kv_block_size: int = 0
+    """Tokens per KV-cache block of each vLLM engine (vLLM's block_size); 0 = vLLM's own (128 on CPU, where it must be a multiple of 32; 16 on GPU). The prefix cache shares whole blocks only, so a smaller block lets shorter shared prefixes (a group's prompt, a resubmitted answer) hit it; the cache is emptied at every publish (megarl/rollout/vllm_engine.py). vllm backend only."""
     cpu_threads: int = 1
     """Threads of each engine megarl starts on CPU (OMP_NUM_THREADS of a vLLM CPU engine's processes, torch threads of the HF engine); 0 = leave them to the environment and the library."""
     max_concurrency: int = 256

@@ -185,11 +185,18 @@ def wants_routed_experts(rollout) -> bool:
     return rollout.routing_replay and rollout.backend == "vllm"
 
 
-def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: list[int] | tuple = ()) -> dict:
+def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: list[int] | tuple = (), *,
+                   kv_block_size: int = 0) -> dict:
     """``make_engine`` options for an engine's CPU resources (``rollout.kv_cache_gb``, ``rollout.cpu_threads``,
     ``placement.cpu_affinity.engines`` or the same-named command flags), so that no engine megarl starts depends
     on VLLM_CPU_KVCACHE_SPACE or OMP_NUM_THREADS being set; all apply on CPU only (``cpu_threads`` 0: left to
-    the environment). With ``cpu_cores`` the engine pins itself to them and runs one thread per core."""
+    the environment). With ``cpu_cores`` the engine pins itself to them and runs one thread per core.
+    ``kv_block_size`` (rollout.kv_block_size, --kv-block-size; 0: vLLM's own): tokens per KV-cache block of a
+    vllm engine, on any device."""
+    if kv_block_size < 0 or (kv_block_size and backend != "vllm"):
+        raise ConfigError(f"rollout.kv_block_size (--kv-block-size) is the vllm engine's KV-cache block: a number of "
+                          f"tokens >= 1, or 0 for vLLM's own; got {kv_block_size} with the {backend} engine"
+                          + ("" if backend == "vllm" else ", which has no paged KV cache: set it to 0"))
     if kv_cache_gb < 1:
         raise ConfigError(f"rollout.kv_cache_gb (--kv-cache-gb) must be >= 1 GiB, got {kv_cache_gb}")
     if cpu_threads < 0:
@@ -201,12 +208,14 @@ def engine_options(backend: str, kv_cache_gb: int, cpu_threads: int, cpu_cores: 
         options["cpu_cores"] = list(cpu_cores)
     if backend == "vllm":
         options["kv_cache_gib"] = kv_cache_gb
+    if kv_block_size:
+        options["block_size"] = kv_block_size
     return options
 
 
 def resources_note(health: dict) -> str:
-    """", kv cache N GiB, T CPU thread(s), on core(s) C" from an engine's health, the parts that apply
-    ("" for none)."""
+    """", kv cache N GiB, T CPU thread(s), on core(s) C, kv block B tokens, prefix cache on" from an engine's
+    health, the parts that apply ("" for none)."""
     parts = []
     if health.get("kv_cache_gb") is not None:
         parts.append(f"kv cache {health['kv_cache_gb']:g} GiB")
@@ -214,5 +223,8 @@ def resources_note(health: dict) -> str:
         parts.append(f"{health['cpu_threads']} CPU thread(s)")
     if health.get("cpu_cores"):
         parts.append(f"on core(s) {format_cores(health['cpu_cores'])}")
+    if health.get("kv_block_size") is not None:
+        cache = "on" if health.get("prefix_caching") else "off"
+        parts.append(f"kv block {health['kv_block_size']} tokens, prefix cache {cache}")
     return "".join(f", {p}" for p in parts)
 

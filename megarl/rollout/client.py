@@ -135,7 +135,7 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
                           env: dict | None = None, log_path: str | None = None,
                           startup_timeout_s: float = 300.0, initial_version: int = 0,
                           exit_with_parent: bool = True, kv_cache_gb: int | None = None,
-                          cpu_threads: int | None = None,
+                          cpu_threads: int | None = None, kv_block_size: int = 0,
                           cpu_cores: list[int] | None = None) -> tuple[subprocess.Popen, EngineClient]:
     """Start ``python -m megarl.cli engine ...`` and wait until its /health answers.
 
@@ -147,8 +147,9 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     by default, ``proc.log_path``); its tail is in the EngineError if start fails.
     ``kv_cache_gb`` and ``cpu_threads`` become the engine's ``--kv-cache-gb`` and
     ``--cpu-threads`` (rollout.kv_cache_gb, rollout.cpu_threads; None: the flags'
-    defaults). ``cpu_cores`` become ``--cpu-cores`` (placement.cpu_affinity.engines): the engine pins itself
-    and vLLM's processes to them. ``env`` adds to this process's environment; a variable set to None is removed.
+    defaults); ``kv_block_size`` (rollout.kv_block_size) its ``--kv-block-size`` when set. ``cpu_cores``
+    become ``--cpu-cores`` (placement.cpu_affinity.engines): the engine pins itself and vLLM's processes to them.
+    ``env`` adds to this process's environment; a variable set to None is removed.
     The engine's key (``MEGARL_ENGINE_KEY`` of ``env`` or of this process, else a new one) goes to it through a
     pipe (megarl/secret_env.py: never in its environment, where /proc shows it), and the returned client sends it;
     the run's other secrets do not go to it at all.
@@ -163,6 +164,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
         cmd += ["--kv-cache-gb", str(kv_cache_gb)]
     if cpu_threads is not None:
         cmd += ["--cpu-threads", str(cpu_threads)]
+    if kv_block_size:
+        cmd += ["--kv-block-size", str(kv_block_size)]
     if cpu_cores:
         cmd += ["--cpu-cores", format_cores(cpu_cores)]
     key = (env or {}).get(ENGINE_KEY_ENV) or engine_key_from_env() or new_engine_key()

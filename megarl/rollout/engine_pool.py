@@ -51,7 +51,8 @@ def engine_launch_kwargs(cfg: MegaRLConfig, ckpt: Path, i: int) -> dict[str, Any
     workers = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     return {"checkpoint": str(ckpt), "backend": ro.backend, "port": ro.base_port + i if ro.base_port else None,
             "extra_args": ["--dtype", cfg.engine_dtype, *workers, *routes], "kv_cache_gb": ro.kv_cache_gb,
-            "cpu_threads": ro.cpu_threads, "cpu_cores": cfg.placement.cpu_affinity.engines,
+            "kv_block_size": ro.kv_block_size, "cpu_threads": ro.cpu_threads,
+            "cpu_cores": cfg.placement.cpu_affinity.engines,
             # engine_tp GPUs of its own on a multi-GPU machine, never the trainer's GPU 0
             "env": {**(engine_gpu_env(i, ro.n_engines, tp) or {}), **batch_invariant.engine_env(cfg)} or None}
 

@@ -28,7 +28,8 @@ from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajec
 
 
 class InterruptibleGeneration:
-    """Policy turns through ``router``; ``counters`` (shared with the loop) gets n_interrupted, n_engine_resubmits."""
+    """Policy turns through ``router``; ``counters`` (shared with the loop) gets n_interrupted, n_engine_resubmits
+    and n_engine_prefix_cached_tokens (prompt tokens the engines read from their prefix caches)."""
 
     def __init__(self, router: RouterProtocol, rollout, *, seed: int, counters: dict[str, int]) -> None:
         """``rollout``: the run's RolloutConfig (max_concurrency, routing_replay, routing_replay_strict)."""
@@ -143,6 +144,7 @@ class InterruptibleGeneration:
                 self.counters["n_engine_resubmits"] += counted
                 await self.router.wait_available()
                 continue
+            self.counters["n_engine_prefix_cached_tokens"] += res.n_cached_tokens * counted
             if self.return_routes:
                 self._take_routes(traj, req, res, counted)
             traj.append_policy(res.output_ids, res.logp_behav, res.versions)

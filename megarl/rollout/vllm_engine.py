@@ -121,6 +121,9 @@ class VLLMEngine:
         self.kv_cache_gb: float | None = None
         #: OMP_NUM_THREADS of vLLM's processes (None: inherited)
         self.cpu_threads: int | None = None
+        #: tokens per KV-cache block, and whether vLLM's prefix cache is on (reported by /health)
+        self.kv_block_size: int | None = None
+        self.prefix_caching: bool | None = None
         #: the cores this engine and vLLM's processes are pinned to (None: not pinned by megarl)
         self.cpu_cores: list[int] | None = None
 
@@ -129,7 +132,8 @@ class VLLMEngine:
                      max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
                      enforce_eager: bool | None = None, kv_cache_gib: int | None = None,
                      cpu_threads: int | None = None, tensor_parallel_size: int = 1,
-                     cpu_cores: list[int] | None = None, routed_experts: bool = False) -> "VLLMEngine":
+                     cpu_cores: list[int] | None = None, routed_experts: bool = False,
+                     block_size: int | None = None) -> "VLLMEngine":
         """``dtype``: "float32", "bfloat16", "auto" (the checkpoint's recorded dtype, see
         megarl.rollout.base.resolve_dtype) or None: float32 on CPU (exact log-prob parity), vLLM's own
         choice on GPU. ``cpu_cores``: the cores this process was pinned to (megarl.rollout.backends.make_engine);
@@ -183,6 +187,8 @@ class VLLMEngine:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if block_size:
+            kwargs["block_size"] = block_size
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         try:
@@ -197,6 +203,8 @@ class VLLMEngine:
         kv_bytes = llm.vllm_config.cache_config.kv_cache_memory_bytes
         engine.kv_cache_gb = kv_bytes / 2**30 if kv_bytes else None
         engine.cpu_threads = int(child_env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in child_env else None
+        cache = llm.vllm_config.cache_config
+        engine.kv_block_size, engine.prefix_caching = int(cache.block_size), bool(cache.enable_prefix_caching)
         await llm.update_weight_version(str(initial_version))
         return engine
 
@@ -370,7 +378,8 @@ class VLLMEngine:
                 "in_flight": len(self._inflight), "checkpoint": self.checkpoint,
                 "max_model_len": self.max_model_len, "paused": self._user_paused,
                 "last_update_s": self.last_update_s, "n_workers": self.n_workers,
-                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads, "cpu_cores": self.cpu_cores}
+                "kv_cache_gb": self.kv_cache_gb, "cpu_threads": self.cpu_threads, "cpu_cores": self.cpu_cores,
+                "kv_block_size": self.kv_block_size, "prefix_caching": self.prefix_caching}
 
     async def pause(self) -> None:
         self._user_paused = True

@@ -10,7 +10,7 @@ spliced across them.
 import json
 
 import pytest
-from conftest import ENGINE_VARS, assert_exact_fp32, run_megarl
+from conftest import ENGINE_VARS, ROOT, assert_exact_fp32, run_megarl
 from safetensors.torch import load_file
 
 MOE = ["model.init_model=configs/models/tiny_qwen3_moe.yaml", "rollout.routing_replay=true",
@@ -88,20 +88,36 @@ def test_a_wrong_strategy_that_claims_exactness_fails_in_fp32_and_bf16(ckpt, tmp
         assert (s["max_abs_err"] <= 1e-5) == (dtype == "float32"), s
         assert "a copy of the engine's log-probs" in r.stderr, r.stderr[-2000:]
 
+#: a shared instruction before every prompt (character tokens): the prompts' first KV-cache block of 32 tokens is
+#: the same in every request, so later requests of a version read it from vLLM's prefix cache
+PREAMBLE = "Reverse the digits of the number below; answer with the digits only. "
+
+
 def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     # configs/verify_vllm_cpu.yaml says how answers that run to the token cap keep generation the bottleneck,
     # so that every publish finds requests mid-answer. Started without VLLM_CPU_KVCACHE_SPACE and
     # OMP_NUM_THREADS (a new user's shell), the engine takes its KV cache and threads from rollout.kv_cache_gb
     # and rollout.cpu_threads. The engine has two tensor-parallel workers (placement.engine_tp=2) and every
     # version reaches them by broadcast, each worker receiving only its slices (megarl/rollout/engine_shards.py):
-    # the fp32 engine oracle then checks every token against the trainer across those publishes
+    # the fp32 engine oracle then checks every token against the trainer across those publishes.
+    # The prefix cache is on (vLLM's default) with blocks of 32 tokens and every prompt starts with PREAMBLE:
+    # requests read prompt blocks from the cache, and a request resubmitted after a publish would read its own
+    # prompt and answer so far, computed by the old weights, if the publish did not empty the cache. Seen failing
+    # with the engine's reset at publish removed: the oracle missed the engine by up to 0.247 here, 0.299 with one
+    # engine worker (docs/results.md)
+    data = tmp_path / "prompts.jsonl"
+    with open(ROOT / "configs" / "data" / "reverse_digits_256.jsonl") as rows, open(data, "w") as out:
+        out.writelines(json.dumps({**row, "prompt": PREAMBLE + row["prompt"]}) + "\n"
+                       for row in map(json.loads, rows))
     report = tmp_path / "report.json"
     r = run_megarl("verify-recovery", "--config", "configs/verify_vllm_cpu.yaml", "--strategies", "snapshot",
                    "--steps", "10", "--output", str(report), f"model.checkpoint={tmp_path / 'text_model'}",
-                   "rollout.kv_cache_gb=2", "placement.engine_tp=2", "rollout.weight_sync=broadcast", timeout=600,
+                   "rollout.kv_cache_gb=2", "placement.engine_tp=2", "rollout.weight_sync=broadcast",
+                   "rollout.kv_block_size=32", f"data.path={data}", "data.max_prompt_len=128", timeout=600,
                    unset=ENGINE_VARS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "kv cache 2 GiB, 1 CPU thread(s)" in (tmp_path / "engines" / "engine0.log").read_text()
+    assert "kv cache 2 GiB, 1 CPU thread(s), kv block 32 tokens, prefix cache on" in (
+        tmp_path / "engines" / "engine0.log").read_text()
     s = json.loads(report.read_text())["strategies"]["snapshot"]
     assert_exact_fp32("snapshot", s)
     records = [json.loads(line) for line in (tmp_path / "verify-snapshot" / "metrics.jsonl").read_text().splitlines()]
@@ -111,6 +127,8 @@ def test_verify_with_the_vllm_engine_splices_and_is_exact(tmp_path):
     # every publish went by broadcast, cut per worker: the model about once (not once per worker)
     assert len(sent) >= 5 and all(model_bytes <= b <= 1.01 * model_bytes for b in sent), (sent, model_bytes)
     assert not any(rec.get("weight_sync_fallbacks") for rec in records), records[-1]
+    cached = [rec["n_engine_prefix_cached_tokens"] for rec in records]
+    assert sum(cached) >= 32, ("no request read the shared prompt block from the prefix cache", cached)
     assert s["n_sequences"] == 40 and s["max_versions_per_sequence"] >= 2, s
     # publishes abort requests mid-answer (the resubmission re-prefills under the new weights), and
     # rollout.splice_at_tokens (configs/verify_cpu.yaml) holds every other group's 2 trajectories at 8 tokens

@@ -27,12 +27,46 @@ def test_engine_options_per_backend():
         engine_options("hf", 1, -1)
 
 
+def test_the_kv_block_size_goes_to_vllm_alone():
+    assert engine_options("vllm", 1, 1, kv_block_size=32) == {"kv_cache_gib": 1, "cpu_threads": 1, "block_size": 32}
+    assert "block_size" not in engine_options("vllm", 1, 1, kv_block_size=0)  # vLLM's own
+    with pytest.raises(ConfigError, match=r"rollout\.kv_block_size .* with the hf engine, which has no paged KV "
+                                          r"cache: set it to 0"):
+        engine_options("hf", 1, 1, kv_block_size=32)
+    with pytest.raises(ConfigError, match=r"a number of tokens >= 1, or 0 for vLLM's own; got -32 with the vllm"):
+        engine_options("vllm", 1, 1, kv_block_size=-32)
+    cfg = load_run_config(REPO / "configs" / "tiny_cpu.yaml", ["rollout.backend=hf", "rollout.kv_block_size=32"])
+    with pytest.raises(ConfigError, match="rollout.kv_block_size"):  # before anything starts
+        validate(cfg, {"vocab_size": 16, "max_position_embeddings": 128})
+
+
+def test_the_engine_command_gets_the_kv_block_size(monkeypatch, tmp_path):
+    from megarl.rollout import client
+
+    seen = {}
+
+    def popen(cmd, **kw):
+        seen["cmd"] = cmd
+        raise OSError("not started here")
+
+    monkeypatch.setattr(client.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="not started here"):
+        client.launch_engine_process("ckpt", "vllm", port=1, kv_block_size=64, exit_with_parent=False,
+                                     log_path=str(tmp_path / "engine.log"))
+    assert seen["cmd"][seen["cmd"].index("--kv-block-size") + 1] == "64"
+    args = build_parser(only="engine").parse_args(["engine", "--checkpoint", "c", "--kv-block-size", "64"])
+    from megarl.commands._engine_args import engine_resource_options
+
+    assert engine_resource_options(args)["block_size"] == 64
+
+
 @pytest.mark.parametrize("command", ["engine", "generate"])
 def test_command_flags_default_to_the_config_defaults(command):
     args = build_parser(only=command).parse_args([command, "--checkpoint", "c", "--input", "i", "--output", "o"]
                                                  if command == "generate" else [command, "--checkpoint", "c"])
     defaults = RolloutConfig()
     assert (args.kv_cache_gb, args.cpu_threads) == (defaults.kv_cache_gb, defaults.cpu_threads) == (1, 1)
+    assert args.kv_block_size == defaults.kv_block_size == 0
 
 
 def test_bad_engine_resources_fail_before_the_run():
@@ -44,6 +78,8 @@ def test_bad_engine_resources_fail_before_the_run():
 def test_resources_note():
     assert resources_note({"kv_cache_gb": 2.0, "cpu_threads": 1}) == ", kv cache 2 GiB, 1 CPU thread(s)"
     assert resources_note({"kv_cache_gb": None, "cpu_threads": None}) == ""
+    assert resources_note({"kv_cache_gb": 1.0, "cpu_threads": 1, "kv_block_size": 32, "prefix_caching": True}) == \
+        ", kv cache 1 GiB, 1 CPU thread(s), kv block 32 tokens, prefix cache on"
 
 
 def test_hf_engine_takes_its_cpu_threads(tmp_path):

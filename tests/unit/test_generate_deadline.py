@@ -70,7 +70,8 @@ def test_a_wedged_engine_is_restarted_and_its_requests_are_sent_again():
                                health_timeout_s=1.0, generate_timeout_s=0.5)
         await sup.start()
         gen = InterruptibleGeneration(sup, RolloutConfig(max_concurrency=8), seed=0,
-                                      counters={"n_interrupted": 0, "n_engine_resubmits": 0})
+                                      counters={"n_interrupted": 0, "n_engine_resubmits": 0,
+                                                "n_engine_prefix_cached_tokens": 0})
         trajs = [Trajectory(traj_id=f"g0-{j}", group_id="g0", prompt_ids=[1, 5, 2]) for j in range(3)]
         try:
             results = await asyncio.wait_for(asyncio.gather(*(

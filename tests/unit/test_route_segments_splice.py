@@ -46,7 +46,8 @@ def spliced(tmp_path_factory):
         engine = await HFEngine.create(str(ckpt))
         rollout = RolloutConfig(backend="hf", routing_replay=True, routing_replay_strict=True,
                                 splice_at_tokens=SPLICE_AT)
-        counters = {"n_interrupted": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0}
+        counters = {"n_interrupted": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0,
+                    "n_engine_prefix_cached_tokens": 0}
         gen = InterruptibleGeneration(EngineRouter([engine]), rollout, seed=0, counters=counters)
         gen.may_hold = lambda traj: True
         trajs = [Trajectory(f"t{i}", "g", [1, 4 + i, 5 + i, 6, 7 + i, 2]) for i in range(N_TRAJ)]

@@ -289,7 +289,8 @@ def test_a_publish_whose_drain_misses_the_deadline_restarts_the_engine_holding_t
                                health_timeout_s=1.0, stop=lambda proc, timeout: stopped.append(proc.pid))
         await sup.start()
         gen = InterruptibleGeneration(sup, RolloutConfig(max_concurrency=4), seed=0,
-                                      counters={"n_interrupted": 0, "n_engine_resubmits": 0})
+                                      counters={"n_interrupted": 0, "n_engine_resubmits": 0,
+                                                "n_engine_prefix_cached_tokens": 0})
         traj = Trajectory(traj_id="g0-0", group_id="g0", prompt_ids=[1, 5, 2])
         turn = asyncio.create_task(gen.generate(traj, [1, 5, 2], SamplingParams(max_new_tokens=4)))
         await asyncio.sleep(0.05)
