@@ -25,14 +25,9 @@ Choices that matter for RL, and why:
   once, after the reload: cached prefixes would otherwise keep producing
   log-probs of the old weights (the pause does not clear the cache; the one
   reset after the reload is the one that matters).
-- On CPU: fp32, eager mode, no thread pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``
-  unless set; with ``cpu_cores`` the workers' threads are bound to those cores),
-  and ``TORCHDYNAMO_DISABLE=1`` (unless set) for the engine-core process only: the
-  one thing left to compile is vLLM's logprob-rank helper, whose first call
-  otherwise costs ~20 s of C++ compilation per engine process. The KV cache
-  (``kv_cache_gib``) and the threads (``cpu_threads``) go to vLLM's processes as
-  VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS: without the first, vLLM reserves
-  ~92% of the node's memory and fails to start when other processes hold some.
+- On CPU: fp32, eager mode, and the environment and arguments of
+  :mod:`megarl.rollout.vllm_cpu` (threads, KV cache, no chunked prefill, the
+  worker inside the engine-core process).
 - MoE routes (``GenerateRequest.return_routes``): on GPU from vLLM's own output
   (``routed_experts``, the engine started with ``routed_experts=True``), on CPU
   captured by megarl's worker extension, hooked on the first request that asks;
@@ -46,11 +41,11 @@ import itertools
 import os
 from pathlib import Path
 
-from megarl.cpu_affinity import omp_bind
 from megarl.errors import EngineError, InputError
 from megarl.models.hf_config import is_moe
 from megarl.platform.amx import REQUEST_ENV, request_amx
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
+from megarl.rollout.vllm_cpu import cpu_engine_setup
 from megarl.rollout.vllm_routes import ROUTES_ARG, native_histories, unpack_histories
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.routes import request_segments
@@ -59,8 +54,6 @@ from megarl.types import GenerateRequest, GenerateResult
 # vLLM is imported inside the methods that use it: this module is named by `megarl engine --backend vllm`
 # and must import (and fail with a clear message) where vLLM is not installed.
 
-#: tokens one scheduler step may process on a CPU engine (vLLM's default budget)
-_CPU_STEP_TOKENS = 2048
 _WORKER_EXT = "megarl.rollout.vllm_worker_ext.MegarlWorkerExtension"
 
 
@@ -151,17 +144,9 @@ class VLLMEngine:
                               f"or use --backend hf") from e
         on_cpu = current_platform.is_cpu()
         dtype = dtype or ("float32" if on_cpu else "auto")
-        child_env = {}
-        if on_cpu:
-            # vLLM's default pins each CPU engine's threads to the same cores (core 0 on a 2-core
-            # box): several engines on one machine then queue on one core while the other idles
-            bind = omp_bind(cpu_cores, tensor_parallel_size) if cpu_cores else None
-            child_env = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1"),
-                         "VLLM_CPU_OMP_THREADS_BIND": bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-            if kv_cache_gib is not None:
-                child_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-            if cpu_threads:
-                child_env["OMP_NUM_THREADS"] = str(cpu_threads)
+        child_env, cpu_kwargs = cpu_engine_setup(
+            max_model_len=int(config["max_position_embeddings"]), tensor_parallel_size=tensor_parallel_size,
+            cpu_cores=cpu_cores, kv_cache_gib=kv_cache_gib, cpu_threads=cpu_threads) if on_cpu else ({}, {})
         if on_cpu and dtype == "bfloat16":
             # vLLM's bf16 CPU attention uses AMX where the host has it: every process that runs it must ask
             # the kernel for AMX state first, or it dies of SIGILL (megarl/platform/amx.py)
@@ -174,12 +159,7 @@ class VLLMEngine:
                       generation_config="vllm", worker_extension_cls=_WORKER_EXT,
                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
                       disable_log_stats=True)
-        if on_cpu:
-            # vLLM's CPU worker cannot rewind a CPU generator: a seeded request whose prefill is split over
-            # two scheduler steps kills the engine ("CPU Generator does not use offset"). Without chunked
-            # prefill a prompt is scheduled whole (the step budget must then hold the longest one)
-            kwargs.update(enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(kwargs["max_model_len"], _CPU_STEP_TOKENS))
+        kwargs.update(cpu_kwargs)
         native_routes = routed_experts and not on_cpu and is_moe(config)
         if native_routes:
             kwargs["enable_return_routed_experts"] = True

@@ -523,7 +523,8 @@ def test_generate_cli(ckpts, tmp_path):
                "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "12", "--temperature", "1.0",
                "--seed", "3", timeout=240, unset=ENGINE_VARS)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "(vllm, kv cache 1 GiB, 1 CPU thread(s))" in out.stderr  # the flags' defaults
+    # the flags' defaults: vLLM's own block (128 tokens on CPU), its prefix cache on
+    assert "(vllm, kv cache 1 GiB, 1 CPU thread(s), kv block 128 tokens, prefix cache on)" in out.stderr
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for p, row in zip(prompts, rows):
