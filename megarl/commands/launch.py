@@ -76,7 +76,6 @@ def allocation(args, cfg):
     return alloc
 
 
-
 def run(args) -> int:
     latch_launch_stops()  # a stop from here on is held, not fatal, and delivered once the trainer can take it
     from megarl.builder import load_run_config  # the strategies' config classes (torch): not for `megarl --help`

@@ -43,7 +43,6 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 SIOCGIFADDR = 0x8915  # linux/sockios.h
 
 
-
 def route_address(peer: str, port: int = 9) -> str:
     """This node's address toward ``peer``, the one the route to it leaves from (a UDP connect picks the route
     and sends nothing); OSError when ``peer`` does not resolve or route."""

@@ -60,7 +60,6 @@ class ServerPlan:
         return f"engine{self.index}" if self.role == "engine" else "dedicated"
 
 
-
 def with_server_addresses(servers: list[ServerPlan], addresses: dict) -> list[ServerPlan]:
     """``servers`` with the address ``addresses`` (placement.server_addresses: a node's short name -> address)
     gives their node, for those with a command of their own; a name that is no such server's node is refused."""
