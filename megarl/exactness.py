@@ -21,6 +21,7 @@ from typing import Any
 from megarl.builder import DEFAULT_TOL, VerifyingStrategy, load_run_config
 from megarl.builder import negative_controls as controls
 from megarl.errors import ConfigError
+from megarl.exactness_restart import STOP_WINDOW, StopMidAnswer, attempt, run_across_restart
 from megarl.rollout.base import truncates_sampling
 from megarl.rollout.engine_pool import EnginePool
 from megarl.train import train
@@ -40,6 +41,10 @@ def failures(report: dict[str, Any]) -> list[str]:
                        f"forward at each token's version does not reproduce the engine (wrong routes, version or "
                        f"alignment, or the engine reused KV of another version from its prefix cache)")
         out.extend(_route_failures(name, rep))
+        if "restart" in rep and not rep["restart"]["n_spliced_across_restart"]:
+            out.append(f"{name}: no checked row holds tokens of both sides of the restart at step "
+                       f"{rep['restart']['stopped_at_step']} ({rep['restart']['n_partial_rows_kept']} partial rows "
+                       f"kept): the restart was not tested; stop at another step (--restart-at) or run more --steps")
         if not rep["claims_exact"] or rep["measured_exact"]:
             continue
         if rep["n_tokens"] == 0:
@@ -87,6 +92,13 @@ def _matter_part(m: dict[str, Any]) -> str:
             f"{m['anchor_other_routes']:.0f}, unseen {m['anchor_unseen']:.0f}: {verdict}")
 
 
+def _restart_part(rep: dict[str, Any]) -> str:
+    r = rep["restart"]
+    return (f" | restart: stopped at step {r['stopped_at_step']} with {r['n_partial_rows_kept']} partial rows kept, "
+            f"{r['n_spliced_across_restart']} checked rows spliced across it (continued "
+            f"{rep['n_continued_after_resume']}, regenerated {rep['n_regenerated_after_resume']})")
+
+
 def _oracle_part(o: dict[str, Any]) -> str:
     if o["judges"]:
         return f" | oracle (fp32 engine) max {o['max_abs_err']:.3g}: {'passed' if o['passed'] else 'FAILED'}"
@@ -110,22 +122,31 @@ def oracle_judges(cfg) -> bool:
 
 
 def verify_recovery(config_path: str, strategies: list[str], steps: int, output: str, overrides: list[str],
-                    tol: float = DEFAULT_TOL, negative_control: str = "") -> dict:
+                    tol: float = DEFAULT_TOL, negative_control: str = "", restart_at: int = 0) -> dict:
     """Run the loop once per strategy (same seed and config) and write ``output`` (report.json).
 
     ``negative_control``: make one thing wrong on purpose (recovery/_negative_controls.py); the checks must
-    then fail. The runs share one set of engines, reset to the base checkpoint before each
+    then fail. ``restart_at`` > 0: each run is stopped from that step on and resumed from its checkpoint
+    (megarl/exactness_restart.py). The runs share one set of engines, reset to the base checkpoint before each
     (megarl/rollout/engine_pool.py); their logs are in ``engines/`` beside ``output``."""
     if negative_control and negative_control not in controls.NAMES:
         raise ConfigError(f"--negative-control {negative_control!r} is not one of {', '.join(controls.NAMES)}")
+    if negative_control in controls.RESTART_CONTROLS and not restart_at:
+        raise ConfigError(f"--negative-control {negative_control} changes the checkpoint a resume loads: give "
+                          f"--restart-at (e.g. --restart-at 3)")
+    if restart_at < 0 or (restart_at and steps < restart_at + STOP_WINDOW + 1):
+        raise ConfigError(f"--restart-at {restart_at} needs --steps >= {restart_at + STOP_WINDOW + 1} (the stop "
+                          f"may come up to {STOP_WINDOW} steps later, and the resumed run must train after it)")
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with EnginePool(out.parent / "engines") as pool:
-        return _verify_each(config_path, strategies, steps, out, overrides, tol, pool, negative_control)
+        return _verify_each(config_path, strategies, steps, out, overrides, tol, pool, negative_control,
+                            restart_at)
 
 
 #: loop counters a verify report carries (summed over the run's steps): how the splices came about
-COUNTERS = ("n_interrupted", "n_splice_holds", "n_routes_missing")
+COUNTERS = ("n_interrupted", "n_splice_holds", "n_routes_missing", "n_continued_after_resume",
+            "n_regenerated_after_resume")
 
 
 def _counters(run_dir: Path) -> dict[str, int]:
@@ -134,8 +155,9 @@ def _counters(run_dir: Path) -> dict[str, int]:
 
 
 def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path, overrides: list[str],
-                 tol: float, pool: EnginePool, negative_control: str) -> dict:
-    report: dict[str, Any] = {"tol": tol, "negative_control": negative_control or None, "strategies": {}}
+                 tol: float, pool: EnginePool, negative_control: str, restart_at: int) -> dict:
+    report: dict[str, Any] = {"tol": tol, "negative_control": negative_control or None,
+                              "restart_at": restart_at or None, "strategies": {}}
     for name in strategies:
         run_dir = out.parent / f"verify-{name}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of an old one
@@ -148,18 +170,29 @@ def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path,
         if negative_control in controls.ROUTE_CONTROLS and not cfg.rollout.routing_replay:
             raise ConfigError(f"--negative-control {negative_control} corrupts MoE routes: it needs an MoE model "
                               f"with rollout.routing_replay=true")
-        verifiers: list[VerifyingStrategy] = []
         judges = oracle_judges(cfg)
 
-        def wrap(inner, verifiers=verifiers, judges=judges):
-            if negative_control in controls.STRATEGY_CONTROLS:
-                inner = controls.STRATEGY_CONTROLS[negative_control](inner)
-            verifiers.append(VerifyingStrategy(inner, oracle_judges=judges,
-                                               corrupt_routes=controls.ROUTE_CONTROLS.get(negative_control)))
-            return verifiers[-1]
+        def train_once(stop_at=None, resume=None, earlier=None, kept=None, cfg=cfg, judges=judges):
+            verifiers: list = []  # the verifier, then any StopMidAnswer around it
 
-        train(cfg, wrap_strategy=wrap, engine_pool=pool)
-        rep = verifiers[-1].report(tol)
+            def wrap(inner):
+                if negative_control in controls.STRATEGY_CONTROLS:
+                    inner = controls.STRATEGY_CONTROLS[negative_control](inner)
+                verifier = VerifyingStrategy(inner, oracle_judges=judges,
+                                             corrupt_routes=controls.ROUTE_CONTROLS.get(negative_control))
+                if earlier is not None:
+                    verifier.continue_from(earlier, kept)
+                verifiers.append(verifier)
+                if stop_at:
+                    verifiers.append(StopMidAnswer(verifier, stop_at))
+                return verifiers[-1]
+
+            return attempt(lambda: train(cfg, wrap_strategy=wrap, resume=resume, engine_pool=pool), verifiers)
+
+        if restart_at:
+            rep = run_across_restart(train_once, run_dir, restart_at, tol, negative_control)
+        else:
+            rep = train_once().verifier.report(tol)
         rep.update(_counters(run_dir))
         report["strategies"][name] = rep
         by_conv = "".join(f" max_abs_err[{c}]={e['max_abs_err']:.3g}" for c, e in rep.get("conventions", {}).items())
@@ -168,7 +201,8 @@ def _verify_each(config_path: str, strategies: list[str], steps: int, out: Path,
               f"tokens={rep['n_tokens']} spliced={rep['n_spliced_sequences']}/{rep['n_sequences']} "
               f"(interrupted {rep['n_interrupted']}, held {rep['n_splice_holds']})"
               + _oracle_part(rep["oracle"]) + (_routes_line(rep["routes"]) if "routes" in rep else "")
-              + (_matter_part(rep["routes_matter"]) if "routes_matter" in rep else ""), flush=True)
+              + (_matter_part(rep["routes_matter"]) if "routes_matter" in rep else "")
+              + (_restart_part(rep) if "restart" in rep else ""), flush=True)
         out.write_text(json.dumps(report, indent=2,
                                   default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     return report

@@ -108,7 +108,8 @@ class VerifyingStrategy(DelegatingStrategy):
         self.stats = {"max_abs_err": 0.0, "sum_abs_err": 0.0, "n_tokens": 0, "n_sequences": 0,
                       "n_spliced_sequences": 0, "max_versions_per_sequence": 0,
                       "r_d_abs_max": 0.0, "r_d_abs_sum": 0.0, "r_d_n_tokens": 0,
-                      "copied": 0.0, "telling": 0.0, "n_spliced_across_update": 0}
+                      "copied": 0.0, "telling": 0.0, "n_spliced_across_update": 0,
+                      "n_spliced_across_restart": 0}
         #: per v_theta convention of an interpolation strategy: [max abs err, sum abs err]
         self.by_convention: dict[str, list[float]] = {c: [0.0, 0.0] for c in inner.conventions}
         #: seconds the wrapped strategy's own ``anchor`` took in the last call (the rest was the verifier's)
@@ -120,6 +121,20 @@ class VerifyingStrategy(DelegatingStrategy):
         self.routes_matter = empty_routes_matter()
         self.policy_routes_wrong = 0
         self._tap: RouteTap | None = None
+        #: row id -> policy tokens a checkpoint kept of a partial answer (a resumed run: :meth:`continue_from`)
+        self.kept_before_restart: dict[str, int] = {}
+
+    def continue_from(self, earlier: "VerifyingStrategy", kept: dict[str, int]) -> None:
+        """Go on judging a resumed run where ``earlier`` (the verifier of the stopped attempt, in this process)
+        left off: its record of every version's weights and its counts. ``kept``: row id -> policy tokens the
+        checkpoint kept of each partial answer; a checked row with more is counted spliced across the restart."""
+        self.params_by_version.update(earlier.params_by_version)
+        self.stats = dict(earlier.stats)
+        self.by_convention = {c: list(v) for c, v in earlier.by_convention.items()}
+        self.flips, self.no_replay = copy.deepcopy(earlier.flips), dict(earlier.no_replay)
+        self.routes_matter = copy.deepcopy(earlier.routes_matter)
+        self.policy_routes_wrong = earlier.policy_routes_wrong
+        self.kept_before_restart = dict(kept)
 
     def on_weights_published(self, version: int) -> None:
         if self._tap is None:  # before the strategy's first forward
@@ -162,6 +177,7 @@ class VerifyingStrategy(DelegatingStrategy):
         s["n_sequences"] += batch.size
         s["n_spliced_sequences"] += int(c["n_spliced_sequences"])
         s["n_spliced_across_update"] += self._across_update(pristine)
+        s["n_spliced_across_restart"] += self._across_restart(pristine)
         s["max_versions_per_sequence"] = max(s["max_versions_per_sequence"], int(c["max_versions_per_sequence"]))
         oracle = engine_oracle(truth, pristine)  # |reference - logp_behav|: r_d, and in fp32 the oracle's error
         s["r_d_abs_max"] = max(s["r_d_abs_max"], oracle["max"])
@@ -191,6 +207,14 @@ class VerifyingStrategy(DelegatingStrategy):
             a, z = (self.params_by_version.get(vs[0]), self.params_by_version.get(vs[-1])) if vs else (None, None)
             n += len(vs) >= 2 and a is not None and z is not None and any(not torch.equal(a[k], z[k]) for k in a)
         return n
+
+    def _across_restart(self, batch: TrainBatch) -> int:
+        """Rows that hold policy tokens a checkpoint kept and tokens generated after the resume."""
+        if not self.kept_before_restart:
+            return 0
+        n_policy = policy_tokens(batch).sum(-1).tolist()
+        return sum(tid in self.kept_before_restart and n > self.kept_before_restart[tid] > 0
+                   for tid, n in zip(batch.traj_ids, n_policy))
 
     def _without_replay(self, batch: TrainBatch, truth: torch.Tensor, anchor: torch.Tensor) -> dict[str, float]:
         """What routing replay changes on this batch: route flips by cause, r_d when the true logp_old is
@@ -225,6 +249,7 @@ class VerifyingStrategy(DelegatingStrategy):
                "mean_abs_err": s["sum_abs_err"] / n, "n_tokens": s["n_tokens"],
                "n_sequences": s["n_sequences"], "n_spliced_sequences": s["n_spliced_sequences"],
                "n_spliced_across_update": s["n_spliced_across_update"],
+               "n_spliced_across_restart": s["n_spliced_across_restart"],
                "spliced_frac": s["n_spliced_sequences"] / max(s["n_sequences"], 1),
                "max_versions_per_sequence": s["max_versions_per_sequence"],
                # the engines' discrepancy from the trainer, r_d, on the same tokens (not the strategy's error)

@@ -26,7 +26,13 @@ def register(sub) -> None:
     p.add_argument("--negative-control", default="", metavar="NAME",
                    help="make one thing wrong on purpose, to see a check fail (exit code 1 expected): "
                         "anchor_is_behav, next_version (wrong strategies claiming exactness), routes_shifted, "
-                        "routes_other_version, routes_first_prefix (wrong MoE routes; the engine oracle in fp32)")
+                        "routes_other_version, routes_first_prefix (wrong MoE routes; the engine oracle in fp32), "
+                        "restart_wrong_version (with --restart-at: a partial answer's kept tokens claim an older "
+                        "version in the checkpoint the resume loads)")
+    p.add_argument("--restart-at", type=int, default=0, metavar="K",
+                   help="stop each run with SIGTERM at the first step from K on where an answer is under way, then "
+                        "resume it from its checkpoint (as `megarl train --resume` does): the sequences spliced "
+                        "across the restart are checked too (0: no restart)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.set_defaults(func=run)
 
@@ -41,7 +47,7 @@ def run(args) -> int:
         raise ConfigError(f"--tol={tol} must be a finite number >= 0")
     chosen = strategy_names(args.strategies)
     report = verify_recovery(args.config, chosen, args.steps, args.output, args.overrides, tol=tol,
-                             negative_control=args.negative_control)
+                             negative_control=args.negative_control, restart_at=args.restart_at)
     print(f"wrote {args.output}")
     failed = failures(report)
     for line in failed:
