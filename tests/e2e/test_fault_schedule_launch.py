@@ -61,8 +61,10 @@ from test_resume import jsonl, process_gone, wait_for
 from megarl.rollout.client import free_port
 
 #: enough steps that attempt 2's stop lands before the last one (a stop during the last step finishes the run)
-TOTAL = 8
-BATCH = 16  # configs/tiny_agent_cpu.yaml
+TOTAL = 10
+#: episodes per step (configs/tiny_agent_cpu.yaml has 16 in groups of 8): two groups of 4, so that each step starts
+#: half as many isolated agent commands, each of which costs its namespaces' setup on a 2-core machine
+BATCH, GROUP = 8, 4
 KEYS = {"MEGARL_ENGINE_KEY": "5e1f0e7a11c3d2b4a69807f6e5d4c3b2", "MEGARL_DEDICATED_AUTHKEY": "d7c6b5a49382716050f4e3d2"}
 #: the /generate deadline: far above what a request of this config takes on a loaded 2-core machine (a few
 #: seconds), below the /health probe's own 60 s read limit, so that the deadline is what sees the stopped engine
@@ -197,7 +199,8 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
               "logging.tensorboard=false", "logging.save_every=0", "placement.trainer_ranks=2",
               f"placement.master_port={master_port}", "recovery.name=dedicated", "placement.dedicated_command=true",
               f"placement.engine_port={scorer_port}", f"model.checkpoint={text_ckpt}", f"trainer.total_steps={TOTAL}",
-              "rollout.health_interval_s=1", f"rollout.health_timeout_s={HEALTH_TIMEOUT_S}",
+              f"trainer.batch_size={BATCH}", f"rollout.group_size={GROUP}", "rollout.health_interval_s=1",
+              f"rollout.health_timeout_s={HEALTH_TIMEOUT_S}",
               f"rollout.generate_timeout_s={GENERATE_TIMEOUT_S}",
               f"agent.command={sys.executable} tests/e2e/attack_agent.py {reports} {plan_file}",
               f"agent.command_writable=[{reports}]"]  # its reports; the rest of the filesystem is read-only to it
