@@ -39,7 +39,7 @@ HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, PUBLISH_TIMEOUT_S = 1.0, 2.0, 5.0
 ENGINE_BOUND_S = HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S + PUBLISH_TIMEOUT_S
 ENGINE_STEPS = 10
 #: the trainer case's bound: rank 0's next collective with the lost rank fails this long after it began
-COLLECTIVE_TIMEOUT_S = 30.0
+COLLECTIVE_TIMEOUT_S = 20.0
 #: what may come on top of it: the time to rank 0's next collective (a step here) and the exit of every process
 STOP_MARGIN_S = 30.0
 TRAINER_STEPS = 6
