@@ -56,13 +56,13 @@ from megarl.workflows import build_workflow
 from recovery import _negative_controls as negative_controls
 from recovery import registry
 from recovery._calibration_probe import CalibrationProbe
-from recovery.base import RecoveryContext, RecoveryStrategy
+from recovery.base import DelegatingStrategy, RecoveryContext, RecoveryStrategy
 from recovery.dedicated import serve_role as serve_dedicated_role
 from recovery.verifier import DEFAULT_TOL, VerifyingStrategy
 
-__all__ = ["DEFAULT_TOL", "CalibrationProbe", "Run", "VerifyingStrategy", "build_run", "build_trainer",
-           "describe_config", "load_run_config", "negative_controls", "run_follower", "serve_dedicated_role",
-           "strategy_configs", "strategy_names"]
+__all__ = ["DEFAULT_TOL", "CalibrationProbe", "DelegatingStrategy", "Run", "VerifyingStrategy", "build_run",
+           "build_trainer", "describe_config", "load_run_config", "negative_controls", "run_follower",
+           "serve_dedicated_role", "strategy_configs", "strategy_names"]
 
 #: ``wrap_strategy(strategy) -> strategy``: what verification and benchmarking put around the run's strategy
 StrategyWrapper = Callable[[RecoveryStrategy], RecoveryStrategy]

@@ -110,9 +110,8 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.step = 0
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
-        self.counters = {"n_interrupted": 0, "n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0,
-                         "n_filtered": 0, "n_engine_resubmits": 0, "n_routes_missing": 0, "n_splice_holds": 0,
-                         "n_engine_prefix_cached_tokens": 0,
+        # the generation adds the counters it keeps (megarl/rollout/interruptible.py COUNTERS)
+        self.counters = {"n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0, "n_filtered": 0,
                          **dict.fromkeys(RESUME_COUNTERS, 0)}
         self.generation = InterruptibleGeneration(router, cfg.rollout, seed=cfg.trainer.seed, counters=self.counters)
         self.generation.may_hold = self._may_hold
@@ -366,7 +365,8 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         are kept whole, partial trajectories included (megarl/running_groups.py).
         """
         return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
-                "counters": dict(self.counters), "gen_stall_s": self.gen_stall_s,
+                "counters": dict(self.counters), "step_counters": dict(self._step_counters),
+                "gen_stall_s": self.gen_stall_s,
                 "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
                 **self._running_state(), **self._loss_state()}
 
@@ -386,7 +386,8 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.version = int(state["version"])
         self.group_counter = int(state["group_counter"])
         self.counters.update(state["counters"])
-        self._step_counters = dict(self.counters)
+        # counted after the last step record (a stop's aborted requests): the next record reports them
+        self._step_counters = {**self.counters, **state.get("step_counters", {})}
         self.gen_stall_s = float(state.get("gen_stall_s", 0.0))
         self.buffer.load_state_dict(state["buffer"])
         self.dataset.load_state_dict(state["dataset"])

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from megarl.builder import DelegatingStrategy, VerifyingStrategy
 from megarl.checkpoint_dirs import list_checkpoints
 from megarl.checkpoint_files import MANIFEST, build_manifest, load_plain, read_manifest
 from megarl.errors import ConfigError
@@ -39,8 +40,6 @@ from megarl.run_key import MAC_FIELD
 from megarl.stop_checkpoint import cancel_exit
 from megarl.stop_protocol import RunStopped, early_stop, stop_budget
 from megarl.types import NO_VERSION
-from recovery.base import DelegatingStrategy
-from recovery.verifier import VerifyingStrategy
 
 #: the stop comes at most this many steps after --restart-at when no answer is under way before
 STOP_WINDOW = 3

@@ -138,22 +138,32 @@ class RunningGroups:
 
     # -- checkpoint ------------------------------------------------------------------
     def _running_state(self) -> dict[str, Any]:
-        """Prompts taken but not admitted, and every running group whole (module doc); on the event loop."""
+        """Prompts taken but not admitted, and every running group whole (module doc); on the event loop. With
+        ``logging.keep_running_groups=false`` only their prompts, and what that throws away (counted on resume)."""
+        running = [g for g in sorted(self.buffer.running_groups.values(), key=lambda g: g.seq)
+                   if g.group_id in self._items]  # a failed one is being dropped
+        prompts = [p.to_dict() for p in self._regenerate]
+        if not self.cfg.logging.keep_running_groups:
+            trajs = [t for g in running for t in g.trajectories]
+            return {"running_prompts": prompts + [self._items[g.group_id].to_dict() for g in running],
+                    "running_groups": [], "thrown_away": {
+                        "trajectories": len(trajs), "tokens": sum(r.n_policy_tokens for t in trajs for r in t.rows())}}
         groups = []
-        for g in sorted(self.buffer.running_groups.values(), key=lambda g: g.seq):
-            if g.group_id not in self._items:  # failed: it is being dropped
-                continue
+        for g in running:
             ids = {t.traj_id for t in g.trajectories}
             groups.append({"group_id": g.group_id, "start_version": g.start_version,
                            "prompt": self._items[g.group_id].to_dict(),
                            "trajectories": [t.to_dict() for t in g.trajectories],
                            "turns": {k: asdict(p) for k, p in self._turns.items() if k in ids}})
-        return {"running_prompts": [p.to_dict() for p in self._regenerate], "running_groups": groups}
+        return {"running_prompts": prompts, "running_groups": groups}
 
     def _restore_running(self, state: dict[str, Any]) -> None:
         """Admit the running groups of :meth:`_running_state` again (started by :meth:`_start_restored`); call
         it after ``id_prefix`` and the counters are set. A checkpoint of an older megarl holds only prompts."""
         self._regenerate = [Prompt.from_dict(d) for d in state["running_prompts"]]
+        thrown_away = state.get("thrown_away", {})  # logging.keep_running_groups=false
+        self.counters["n_regenerated_after_resume"] += thrown_away.get("trajectories", 0)
+        self.counters["n_tokens_regenerated_after_resume"] += thrown_away.get("tokens", 0)
         for d in state.get("running_groups", []):
             item = Prompt.from_dict(d["prompt"])
             turns = {k: TurnPoint(**p) for k, p in d["turns"].items()}

@@ -9,7 +9,10 @@ runs.jsonl`` reruns nothing: it prints the quality tables re-derived from a grid
 per-run summary (megarl/bench/quality_runs.py). With ``rollout.routing_replay=true`` the
 bench also reports what replay costs (megarl/bench/replay_cost.py). ``--packing`` compares
 the trainer's packing plan with the round-robin deal it replaced and times both on 2 CPU
-ranks (megarl/bench/packing.py); it needs no config.
+ranks (megarl/bench/packing.py); it needs no config. ``--preemption`` stops a run with SIGTERM
+at ``--stops`` and resumes it, with running groups kept whole and with their prompts only, and
+reports the generation thrown away and the time to the first step after each resume
+(megarl/bench/preemption.py).
 """
 from __future__ import annotations
 
@@ -75,6 +78,14 @@ def register(sub) -> None:
                    help="--packing: micro_batch_tokens of the table (default 32768)")
     p.add_argument("--packing-runs", default="", metavar="RUN_DIR[,RUN_DIR...]",
                    help="--packing: also the batches these runs trained (their trained_ids.jsonl row lengths)")
+    p.add_argument("--preemption", action="store_true",
+                   help="stop each run with SIGTERM after the steps of --stops and resume it, with running groups "
+                        "kept whole in the checkpoint (logging.keep_running_groups=true) and with their prompts only; "
+                        "report generated tokens thrown away per stop, time to the first trained step after a "
+                        "resume and generated tokens per trained token (megarl/bench/preemption.py)")
+    p.add_argument("--stops", default=None, metavar="K[,K...]",
+                   help="--preemption: the steps after which SIGTERM is sent (default: a third and two thirds of "
+                        "--steps)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides for every run")
     p.set_defaults(func=run)
 
@@ -119,6 +130,28 @@ def _from_runs(args) -> int:
     return 0
 
 
+def _preemption(args) -> int:
+    from megarl.bench.interleave import DEFAULT_REPEATS
+    from megarl.bench.preemption import render, run_preemption
+    from megarl.bench.run import write_report
+    from megarl.builder import load_run_config
+
+    others = [f for f, on in (("--sweep", args.sweep), ("--quality", args.quality),
+                              ("--compare-sync", args.compare_sync)) if on]
+    if others:
+        raise ConfigError(f"--preemption is a benchmark of its own; run {', '.join(others)} apart from it")
+    cfg = load_run_config(args.config, list(args.overrides))  # fails fast on a bad config or override
+    steps = args.steps or cfg.trainer.total_steps
+    stops = _ints(args.stops, "--stops") if args.stops else [steps // 3, 2 * steps // 3]
+    rep = run_preemption(args.config, list(args.overrides), args.output, stops, steps,
+                         DEFAULT_REPEATS if args.repeats is None else args.repeats)
+    text = render(rep)
+    write_report(Path(args.output), rep, text)
+    print(text, end="")
+    print(f"wrote {args.output}/report.json, report.md")
+    return 0
+
+
 def run(args) -> int:
     if args.repeats is not None and (args.sweep or args.quality or args.packing):
         raise ConfigError("--repeats repeats the strategies' runs of a plain bench; --sweep, --quality and "
@@ -135,6 +168,8 @@ def run(args) -> int:
         return 0
     if args.output is None:
         raise ConfigError("--output is required (except with --quality --from-runs)")
+    if args.preemption:
+        return _preemption(args)
     # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
     from megarl.bench import quality, sweep
     from megarl.bench.run import bench, machine_meta, run_strategy, write_report

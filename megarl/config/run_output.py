@@ -32,6 +32,8 @@ class LoggingConfig:
     """Checkpoint (RUN_DIR/checkpoints/step_N) every k steps (0 = by logging.save_every_s only); `megarl train --resume RUN_DIR` continues from the newest. A run also checkpoints at the end, on SIGTERM/SIGINT (then exits with code 75) and before an error stops it."""
     save_every_s: float = 1800.0
     """Also checkpoint at the first step boundary once this many seconds passed since the last checkpoint (or the start), so that a crash never loses more than about this much work (0 = off)."""
+    keep_running_groups: bool = True
+    """A checkpoint keeps the groups still running whole: finished trajectories, and partial ones with their tokens, per-token versions, logp_behav, routes and turn, which a resume continues (docs/guide.md, Preemption and stop signals). false: it keeps only their prompts, and a resume generates them again (counted in n_regenerated_after_resume and n_tokens_regenerated_after_resume): smaller checkpoints where running groups hold long answers with MoE routes, at the cost of the generation thrown away (`megarl bench --preemption` measures both)."""
     keep_last: int = 2
     """Checkpoints kept (the newest ones; 0 = all); a damaged_step_N directory a resume set aside is deleted once the oldest one kept is of step N or later."""
     async_save: bool = False

@@ -26,14 +26,22 @@ from megarl.rollout.base import RouterProtocol
 from megarl.rollout.supervisor import EngineLost
 from megarl.types import GenerateRequest, GenerateResult, SamplingParams, Trajectory
 
+#: the counters :class:`InterruptibleGeneration` keeps in the loop's ``counters``
+COUNTERS = ("n_interrupted", "n_engine_resubmits", "n_routes_missing", "n_splice_holds",
+            "n_engine_prefix_cached_tokens", "n_engine_generated_tokens")
+
 
 class InterruptibleGeneration:
-    """Policy turns through ``router``; ``counters`` (shared with the loop) gets n_interrupted, n_engine_resubmits
-    and n_engine_prefix_cached_tokens (prompt tokens the engines read from their prefix caches)."""
+    """Policy turns through ``router``; ``counters`` (shared with the loop) gets :data:`COUNTERS`: n_interrupted,
+    n_engine_resubmits, n_routes_missing, n_splice_holds, n_engine_prefix_cached_tokens (prompt tokens the engines
+    read from their prefix caches) and n_engine_generated_tokens (tokens the engines sampled and returned,
+    resubmissions and what a resume then threw away included)."""
 
     def __init__(self, router: RouterProtocol, rollout, *, seed: int, counters: dict[str, int]) -> None:
         """``rollout``: the run's RolloutConfig (max_concurrency, routing_replay, routing_replay_strict)."""
         self.router = router
+        for key in COUNTERS:  # the loop's counters dict gets the ones this class keeps
+            counters.setdefault(key, 0)
         #: ask engines for MoE routes; and stop on a result without them instead of counting it
         #: (n_routes_missing) and routing those tokens live
         self.return_routes = rollout.routing_replay
@@ -145,6 +153,7 @@ class InterruptibleGeneration:
                 await self.router.wait_available()
                 continue
             self.counters["n_engine_prefix_cached_tokens"] += res.n_cached_tokens * counted
+            self.counters["n_engine_generated_tokens"] += len(res.output_ids) * counted
             if self.return_routes:
                 self._take_routes(traj, req, res, counted)
             traj.append_policy(res.output_ids, res.logp_behav, res.versions)

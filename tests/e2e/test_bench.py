@@ -160,3 +160,21 @@ def test_quality_smoke(tmp_path):
     assert "2 of 2 runs finished before" in p.stdout and "0 runs of 2 steps" in p.stdout
     assert json.loads((out / "report.json").read_text())["quality"]["final"] == final
     assert sorted(p.name for p in (out / "engines").iterdir()) == ["engine0.log"]  # nor an engine
+
+
+def test_preemption_smoke(tmp_path):
+    """--preemption: one round, each variant stopped once by SIGTERM after step 1 and resumed to step 3 (HF
+    engine, answers of 48 tokens, so the stop finds groups mid-answer). Running groups kept whole: no generated
+    token thrown away and none regenerated; with their prompts only the resume throws tokens away and counts them."""
+    out = tmp_path / "pre"
+    p = _bench(tmp_path, "--preemption", "--config", "configs/bench_preempt_cpu.yaml", "--stops", "1", "--steps",
+               "3", "--repeats", "1", "--output", str(out), "rollout.backend=hf", "rollout.max_new_tokens=48")
+    rep = json.loads((out / "report.json").read_text())
+    whole, prompts = rep["runs"]["whole"][0], rep["runs"]["prompts"][0]
+    for r in (whole, prompts):
+        assert r["steps"] == 3 and r["n_stops"] == 1 and r["trained_tokens"] > 0, r
+        assert r["generated_tokens"] >= r["trained_tokens"] and r["first_step_after_resume_s"] > 0, r
+    assert whole["thrown_away_tokens"] == 0 and whole["regenerated"] == 0 and whole["continued"] > 0, whole
+    assert prompts["thrown_away_tokens"] > 0 and prompts["regenerated"] > 0 and prompts["continued"] == 0, prompts
+    assert "| whole (megarl) | 0 |" in p.stdout and "whole / prompts, generated tokens per trained token" in p.stdout
+    assert (out / "report.md").read_text() in p.stdout

@@ -255,3 +255,33 @@ def test_a_checkpoint_of_an_older_megarl_regenerates_running_groups_from_their_p
     del state["running_groups"]
     c = resumed(state, None, ScriptedRouterFake({}, version=1))
     assert c._restored == [] and [p.prompt_id for p in c._regenerate] == ["p0"] and c.buffer.running == 0
+
+
+def test_with_keep_running_groups_false_a_checkpoint_keeps_prompts_and_the_resume_counts_what_it_threw_away():
+    """logging.keep_running_groups=false: the running group's prompt only; its two trajectories (one finished,
+    one partial; 3 + 2 policy tokens) are generated again as a new group, counted on resume."""
+    wf = SingleTurnWorkflow(SamplingParams(max_new_tokens=12, stop_token_ids=[STOP]))
+    c, *_ = make_controller(0, workflow=wf, overrides=["logging.keep_running_groups=false"])
+    c.buffer.admit(Group("g0", 0, [traj(0, [3, 3, 3], [0, 0, 1]), traj(1, [4, STOP], [0, 0], finished=True)]))
+    c._items["g0"] = Prompt("p0", list(PROMPT))
+    state = {**c.state_dict(), "trainer_version": 0}
+    assert state["running_groups"] == [] and [p["prompt_id"] for p in state["running_prompts"]] == ["p0"]
+    assert state["thrown_away"] == {"trajectories": 2, "tokens": 5}
+    r = resumed(state, wf, ScriptedRouterFake({}, version=1))
+    assert r._restored == [] and [p.prompt_id for p in r._regenerate] == ["p0"]
+    assert {k: r.counters[k] - state["counters"][k] for k in ("n_regenerated_after_resume",
+                                                            "n_tokens_regenerated_after_resume")} == \
+        {"n_regenerated_after_resume": 2, "n_tokens_regenerated_after_resume": 5}
+
+
+def test_what_a_stop_counts_after_the_last_step_record_reaches_the_resumed_runs_first_record():
+    """A stop's aborted requests return tokens after the last step's record: their counts (here 3 generated
+    tokens) are in the checkpoint and the resumed run's first step record reports them, not lost between two."""
+    c, *_ = make_controller(0)
+    c.counters["n_engine_generated_tokens"] = 10
+    c._step_counters = dict(c.counters)  # the last step record
+    c.counters["n_engine_generated_tokens"] += 3  # the stop's aborted requests
+    state = {**c.state_dict(), "trainer_version": 0}
+    r = resumed(state, None, ScriptedRouterFake({}, version=1))
+    step = {k: r.counters[k] - r._step_counters[k] for k in r.counters}
+    assert step["n_engine_generated_tokens"] == 3
