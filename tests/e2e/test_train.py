@@ -110,13 +110,11 @@ def test_sync_run_trains_only_current_version(ckpt, tmp_path):
 def test_verify_exact_strategies(text_ckpt, tmp_path):
     # configs/verify_cpu.yaml splices by construction (rollout.splice_at_tokens): the odd groups' trajectories,
     # two per group, stop at 8 tokens until the next publish. Group 1's reach their 8th token while group 0's
-    # batch trains (one request at a time: group 0's go first), so they are held at version 0 and spliced.
-    # --restart-at 3: each run is stopped by SIGTERM from step 3 on with an answer held mid-way, and resumed from
-    # its checkpoint; the held answers go on under the resumed version, spliced across the restart too
+    # batch trains (one request at a time: group 0's go first), so they are held at version 0 and spliced
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
-               "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "8", "--restart-at", "3", "--output",
-               str(report), f"model.checkpoint={text_ckpt}", timeout=900)
+               "snapshot,interrupt_sync,dedicated,loglinear", "--steps", "8", "--output", str(report),
+               f"model.checkpoint={text_ckpt}", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     strategies = json.loads(report.read_text())["strategies"]
     for name in ("snapshot", "interrupt_sync", "dedicated"):
@@ -124,7 +122,6 @@ def test_verify_exact_strategies(text_ckpt, tmp_path):
         assert_exact_fp32(name, s)
         assert s["n_tokens"] > 0 and s["max_versions_per_sequence"] >= 2, (name, s)
         assert s["n_spliced_sequences"] >= 2, (name, s)
-        assert_spliced_across_the_restart(name, s)
     loglinear = strategies["loglinear"]
     assert not loglinear["claims_exact"] and loglinear["max_abs_err"] > 0
     # both v_theta conventions are measured; the run trained with megarl's, so its error is that one
@@ -136,25 +133,26 @@ def assert_spliced_across_the_restart(name: str, s: dict) -> None:
     """A --restart-at run: rows that hold tokens of both sides of the restart were checked, and the resume
     continued every trajectory the checkpoint kept, generating none again."""
     r = s["restart"]
-    assert 3 <= r["stopped_at_step"] <= 6 and r["n_partial_rows_kept"] >= 1, (name, r)
+    assert 2 <= r["stopped_at_step"] <= 5 and r["n_partial_rows_kept"] >= 1, (name, r)
     assert r["n_spliced_across_restart"] >= 1, (name, r)
     assert s["n_continued_after_resume"] >= r["n_partial_rows_kept"] and s["n_regenerated_after_resume"] == 0, s
 
 
 def test_verify_exact_strategies_multi_turn(text_ckpt, tmp_path):
     # a multi-turn trajectory waits between its turns (tool, next turn) through publishes: it must be
-    # reported as partial then, or its earlier-version segments are lost to dedicated; and a stop and resume from
-    # step 3 on continues it at its turn
+    # reported as partial then, or its earlier-version segments are lost to dedicated. --restart-at 2: each run
+    # is stopped by SIGTERM from step 2 on with an answer under way and resumed from its checkpoint, where the
+    # episode goes on at its turn: every exact strategy is checked on rows spliced across the restart too
     report = tmp_path / "report.json"
-    r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "interrupt_sync,dedicated",
-               "--steps", "8", "--restart-at", "3", "--output", str(report), f"model.checkpoint={text_ckpt}",
-               "rollout.workflow=multi_turn", "rollout.max_turns=4", timeout=600)
+    r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies",
+               "snapshot,interrupt_sync,dedicated", "--steps", "6", "--restart-at", "2", "--output", str(report),
+               f"model.checkpoint={text_ckpt}", "rollout.workflow=multi_turn", "rollout.max_turns=4", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name, s in json.loads(report.read_text())["strategies"].items():
         assert_exact_fp32(name, s)
         assert s["max_versions_per_sequence"] >= 2 and s["n_spliced_sequences"] >= 2, (name, s)
         # policy tokens only: tool output is never scored
-        assert 0 < s["n_tokens"] < 8 * 2 * 64, (name, s)
+        assert 0 < s["n_tokens"] < 6 * 2 * 64, (name, s)
         assert_spliced_across_the_restart(name, s)
 
 
@@ -163,7 +161,7 @@ def test_verify_across_a_restart_fails_on_a_wrong_version_in_the_checkpoint(text
     # their own in the checkpoint the resume loads (signed again with the run's key, so it is loaded)
     report = tmp_path / "report.json"
     r = megarl("verify-recovery", "--config", "configs/verify_cpu.yaml", "--strategies", "interrupt_sync",
-               "--steps", "8", "--restart-at", "3", "--negative-control", "restart_wrong_version", "--output",
+               "--steps", "6", "--restart-at", "2", "--negative-control", "restart_wrong_version", "--output",
                str(report), f"model.checkpoint={text_ckpt}", "rollout.workflow=multi_turn", "rollout.max_turns=4",
                timeout=600)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
