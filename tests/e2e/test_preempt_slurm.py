@@ -8,9 +8,9 @@ say where each ran. `scancel --signal=TERM --batch` reaches the batch shell alon
 as --signal=B:... does before the time limit; the run must checkpoint the step it reached, exit 75 and requeue
 the job (Restarts=1); started again at once (StartTime=now), the job resumes from the checkpoint and trains to
 the end with every step once and no trajectory trained twice. Each srun step writes its own log. The trainer
-runs 2 ranks; the stop's checkpoint keeps the groups still running whole (megarl/running_groups.py) and the
-resumed job continues them: no trajectory is generated again, and every partial one the checkpoint kept is
-trained under its own id.
+runs 2 ranks and the workflow is multi-turn; the stop's checkpoint keeps the groups still running whole
+(megarl/running_groups.py) and the resumed job continues them, each episode at its turn: no trajectory is
+generated again, and every partial one the checkpoint kept is trained under its own id.
 
 Slurm comes from scripts/install_slurm.sh (scripts/test.sh runs it); without it (or without root, which the
 hosts need) the test is skipped, except in CI (CI=true), where either fails it.
@@ -30,8 +30,12 @@ from test_resume import jsonl
 from megarl.checkpoint import load_file
 
 TOTAL = 6
+#: the multi-turn workflow (a tool answer between policy turns): the stop cuts episodes in a turn or between two,
+#: and the resumed job continues each at its turn (the single-turn case is tests/e2e/test_resume.py's and the
+#: preemption bench's)
 RUN_ARGS = ["--config", "configs/tiny_cpu.yaml", "rollout.backend=hf", "trainer.batch_size=32",
-            "rollout.group_size=8", "logging.progress=none", "logging.tensorboard=false", "eval.path=",
+            "rollout.group_size=8", "rollout.workflow=multi_turn", "rollout.max_turns=3", "logging.progress=none",
+            "logging.tensorboard=false", "eval.path=",
             "logging.save_every=0", f"trainer.total_steps={TOTAL}", "placement.trainer_nodes=2",
             "placement.engine_nodes=1", "rollout.weight_sync=broadcast"]
 
@@ -114,5 +118,9 @@ def test_sbatch_preempted_checkpoints_exits_75_requeues_and_resumes(slurm, ckpt,
                        "n_tokens_regenerated_after_resume": 0}, resumed
     partial = [t["traj_id"] for g in kept for t in g["trajectories"] if t["response_ids"] and not t["finished"]]
     assert set(partial) <= set(trained), "a partial trajectory the checkpoint kept was not trained under its id"
+    # episodes the cut found past a tool answer (tool tokens carry no version): they went on in a later turn
+    past_tool = [t["traj_id"] for g in kept for t in g["trajectories"] if -1 in t["versions"] and not t["finished"]]
+    assert past_tool, "the stop cut no episode past its first turn: the multi-turn resume was not tested"
     print(f"\nslurm x3 nodes: stopped at step {k} with {len(kept)} groups running ({len(partial)} partial "
-          f"trajectories, {sum(len(t['response_ids']) for g in kept for t in g['trajectories'])} tokens kept)")
+          f"trajectories, {len(past_tool)} of them past a tool answer, "
+          f"{sum(len(t['response_ids']) for g in kept for t in g['trajectories'])} tokens kept)")
