@@ -1,14 +1,15 @@
 """`megarl bench --preemption`: what a stop and a resume cost, with the running groups kept whole and without.
 
-Each run is `megarl train` in a child process of its own, sent SIGTERM (the stop a scheduler sends) once
+Each run is `megarl train` in a child process of its own (`megarl launch --launcher torchrun` with
+``placement.trainer_ranks`` > 1), sent SIGTERM (the stop a scheduler sends) once
 ``metrics.jsonl`` holds each step of ``--stops``, so that the stop lands in the middle of the next step's
-generation; each stop exits with 75 and the run is resumed with `megarl train --resume RUN_DIR` until its last
-step. Two variants of the same config and seed, interleaved over ``--repeats`` rounds (megarl/bench/interleave.py):
+generation; each stop exits with 75 and the run is resumed (``logging.resume=RUN_DIR``) until its last step.
+Two variants of the same config and seed, interleaved over ``--repeats`` rounds (megarl/bench/interleave.py):
 
 * ``whole``: ``logging.keep_running_groups=true`` (megarl's default, megarl/running_groups.py): a checkpoint
   keeps the running groups' finished and partial trajectories, and the resume continues them;
 * ``prompts``: ``logging.keep_running_groups=false``: a checkpoint keeps their prompts only, and the resume
-  generates them again (what megarl did before, and what the anchors do).
+  generates them again (as systems that regenerate unfinished groups from their prompts do).
 
 Per run, from its own metrics (every step of every attempt: a stop checkpoints the step it reached):
 
@@ -46,12 +47,12 @@ def _lines(path: Path) -> int:
 
 
 def _attempt(argv: list[str], log: Path, metrics: Path, stop_after: int | None, env: dict) -> dict[str, Any]:
-    """One `megarl train` process: the seconds to its first new step line, and the stop sent after step
-    ``stop_after`` (None: it runs to its last step)."""
+    """One `megarl train` (or `megarl launch`) process: the seconds to its first new step line, and the stop sent
+    after step ``stop_after`` (None: it runs to its last step)."""
     before = _lines(metrics)
     t0 = time.monotonic()
     with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", *argv], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *argv], stdout=out,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     first_step_s = None
     try:
@@ -79,16 +80,20 @@ def _attempt(argv: list[str], log: Path, metrics: Path, stop_after: int | None, 
     return {"stop_after": stop_after, "first_step_s": first_step_s}
 
 
-def run_stopped(config: str, overrides: list[str], run_dir: Path, stops: list[int], steps: int) -> dict[str, Any]:
-    """One run of ``steps`` steps stopped after each step of ``stops`` and resumed; its numbers (module doc)."""
-    common = ["--config", config, *overrides, f"trainer.total_steps={steps}", "logging.progress=none",
+def run_stopped(config: str, overrides: list[str], run_dir: Path, stops: list[int], steps: int,
+                trainer_ranks: int = 1) -> dict[str, Any]:
+    """One run of ``steps`` steps stopped after each step of ``stops`` and resumed; its numbers (module doc).
+    ``trainer_ranks`` > 1: the run is `megarl launch --launcher torchrun` (SIGTERM to the launch, which passes
+    the stop on to every rank), else `megarl train`."""
+    cmd = ["launch", "--launcher", "torchrun"] if trainer_ranks > 1 else ["train"]
+    common = [*cmd, "--config", config, *overrides, f"trainer.total_steps={steps}", "logging.progress=none",
               "logging.tensorboard=false"]
     metrics, log = run_dir / "metrics.jsonl", run_dir.parent / f"{run_dir.name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     attempts = [_attempt([*common, f"logging.output_dir={run_dir}"], log, metrics, stops[0] if stops else None, env)]
     for i in range(len(stops)):
         nxt = stops[i + 1] if i + 1 < len(stops) else None
-        attempts.append(_attempt([*common, "--resume", str(run_dir)], log, metrics, nxt, env))
+        attempts.append(_attempt([*common, f"logging.resume={run_dir}"], log, metrics, nxt, env))
     records = load_metrics(metrics)
     trained = sum(r.get("tokens", 0) for r in records)
     generated = sum(r.get("n_engine_generated_tokens", 0) for r in records)
@@ -103,7 +108,7 @@ def run_stopped(config: str, overrides: list[str], run_dir: Path, stops: list[in
 
 
 def run_preemption(config: str, overrides: list[str], output: str, stops: list[int], steps: int,
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int, trainer_ranks: int = 1) -> dict[str, Any]:
     """Both variants, interleaved over ``repeats`` rounds (module doc); the report."""
     if not stops or sorted(set(stops)) != stops or stops[0] < 1 or stops[-1] >= steps:
         raise ConfigError(f"--stops {','.join(map(str, stops))}: give increasing steps from 1 to below --steps "
@@ -115,10 +120,11 @@ def run_preemption(config: str, overrides: list[str], output: str, stops: list[i
         run_dir = out / f"{variant}-r{r}"
         if run_dir.exists():
             raise ConfigError(f"{run_dir} exists: give a new --output (a bench run never resumes an old one)")
-        rep = run_stopped(config, [*overrides, VARIANTS[variant]], run_dir, stops, steps)
+        rep = run_stopped(config, [*overrides, VARIANTS[variant]], run_dir, stops, steps, trainer_ranks)
         runs[variant].append(rep)
         print(f"round {r + 1}/{repeats} {variant:>7}: {_run_line(rep)}", flush=True)
     return {"config": config, "overrides": overrides, "stops": stops, "steps": steps, "repeats": repeats,
+            "trainer_ranks": trainer_ranks,
             "schedule": describe(repeats), "runs": runs, "summary": summarize(runs)}
 
 

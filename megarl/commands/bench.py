@@ -140,11 +140,15 @@ def _preemption(args) -> int:
                               ("--compare-sync", args.compare_sync)) if on]
     if others:
         raise ConfigError(f"--preemption is a benchmark of its own; run {', '.join(others)} apart from it")
+    from megarl.preflight import ensure_checkpoint
+
     cfg = load_run_config(args.config, list(args.overrides))  # fails fast on a bad config or override
     steps = args.steps or cfg.trainer.total_steps
     stops = _ints(args.stops, "--stops") if args.stops else [steps // 3, 2 * steps // 3]
+    ensure_checkpoint(cfg)  # megarl launch plans from the checkpoint's config.json: written first, as train would
     rep = run_preemption(args.config, list(args.overrides), args.output, stops, steps,
-                         DEFAULT_REPEATS if args.repeats is None else args.repeats)
+                         DEFAULT_REPEATS if args.repeats is None else args.repeats,
+                         trainer_ranks=cfg.placement.trainer_ranks)
     text = render(rep)
     write_report(Path(args.output), rep, text)
     print(text, end="")

@@ -163,12 +163,14 @@ def test_quality_smoke(tmp_path):
 
 
 def test_preemption_smoke(tmp_path):
-    """--preemption: one round, each variant stopped once by SIGTERM after step 1 and resumed to step 3 (HF
-    engine, answers of 48 tokens, so the stop finds groups mid-answer). Running groups kept whole: no generated
-    token thrown away and none regenerated; with their prompts only the resume throws tokens away and counts them."""
+    """--preemption with 2 trainer ranks (each run `megarl launch --launcher torchrun`, the SIGTERM sent to the
+    launch): one round, each variant stopped once after step 1 and resumed to step 3 (HF engine, single-turn
+    answers of 48 tokens, so the stop finds groups mid-answer). Running groups kept whole: no generated token
+    thrown away and none regenerated; with their prompts only the resume throws tokens away and counts them."""
     out = tmp_path / "pre"
     p = _bench(tmp_path, "--preemption", "--config", "configs/bench_preempt_cpu.yaml", "--stops", "1", "--steps",
-               "3", "--repeats", "1", "--output", str(out), "rollout.backend=hf", "rollout.max_new_tokens=48")
+               "3", "--repeats", "1", "--output", str(out), "rollout.backend=hf", "rollout.max_new_tokens=48",
+               "placement.trainer_ranks=2")
     rep = json.loads((out / "report.json").read_text())
     whole, prompts = rep["runs"]["whole"][0], rep["runs"]["prompts"][0]
     for r in (whole, prompts):
@@ -178,3 +180,6 @@ def test_preemption_smoke(tmp_path):
     assert prompts["thrown_away_tokens"] > 0 and prompts["regenerated"] > 0 and prompts["continued"] == 0, prompts
     assert "| whole (megarl) | 0 |" in p.stdout and "whole / prompts, generated tokens per trained token" in p.stdout
     assert (out / "report.md").read_text() in p.stdout
+    log = (out / "whole-r0.log").read_text()
+    assert "torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in log, log[-3000:]
+    assert "stopped on SIGUSR1" in log and "exit code 75" in log, log[-3000:]  # the launch passed the stop on
