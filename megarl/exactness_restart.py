@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from megarl.builder import DelegatingStrategy, VerifyingStrategy
-from megarl.checkpoint_dirs import list_checkpoints
+from megarl.checkpoint_dirs import find_latest_checkpoint
 from megarl.checkpoint_files import MANIFEST, build_manifest, load_plain, read_manifest
 from megarl.errors import ConfigError
 from megarl.run_key import MAC_FIELD
@@ -68,13 +68,6 @@ class StopMidAnswer(DelegatingStrategy):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def newest_step_dir(run_dir: Path) -> Path:
-    found = list_checkpoints(run_dir / "checkpoints")
-    if not found:
-        raise ConfigError(f"the stopped run left no checkpoint in {run_dir / 'checkpoints'}")
-    return found[-1][1]
-
-
 def partial_answers(state: dict) -> dict[str, list[dict]]:
     """Per partial trajectory the checkpoint's loop ``state`` keeps (tokens sampled, not finished): its rows."""
     out = {}
@@ -85,19 +78,17 @@ def partial_answers(state: dict) -> dict[str, list[dict]]:
     return out
 
 
-def kept_policy_tokens(run_dir: Path) -> dict[str, int]:
-    """Row id -> policy tokens the checkpoint keeps, for every row of a partial answer (the verifier counts a row
-    spliced across the restart when it trains more of them)."""
-    state = load_plain(newest_step_dir(run_dir) / "controller.pt")
+def kept_policy_tokens(state: dict) -> dict[str, int]:
+    """Row id -> policy tokens the checkpoint's loop ``state`` keeps, for every row of a partial answer (the
+    verifier counts a row spliced across the restart when it trains more of them)."""
     return {r["traj_id"]: sum(1 for m, v in zip(r["loss_mask"], r["versions"]) if m and v != NO_VERSION)
             for rows in partial_answers(state).values() for r in rows}
 
 
-def store_wrong_version(run_dir: Path) -> str:
-    """The negative control: the partial answer with the most tokens of a version >= 1 claims the version before
-    theirs; the checkpoint is signed again with the run's key. Returns the trajectory's id."""
-    step_dir = newest_step_dir(run_dir)
-    state = load_plain(step_dir / "controller.pt")
+def store_wrong_version(step_dir: Path, state: dict) -> str:
+    """The negative control: in the loop ``state`` of checkpoint ``step_dir``, the partial answer with the most
+    tokens of a version >= 1 claims the version before theirs; the checkpoint is written and signed again with the
+    run's key. Returns the trajectory's id."""
     answers = partial_answers(state)
     scored = {tid: sum(v >= 1 for v in rows[0]["versions"]) for tid, rows in answers.items()}
     if not scored or max(scored.values()) == 0:
@@ -126,11 +117,12 @@ def attempt(train_run: Callable[[], object], verifiers: list[VerifyingStrategy])
     around it, to ``verifiers``). A stop that this module did not send (Ctrl-C, a scheduler) ends the command."""
     try:
         train_run()
+        stopped = False
     except RunStopped:
         if not any(isinstance(w, StopMidAnswer) and w.sent for w in verifiers):
             raise
-        return Attempt(next(v for v in verifiers if isinstance(v, VerifyingStrategy)), True)
-    return Attempt(next(v for v in verifiers if isinstance(v, VerifyingStrategy)), False)
+        stopped = True
+    return Attempt(next(v for v in verifiers if isinstance(v, VerifyingStrategy)), stopped)
 
 
 def run_across_restart(train_once: Callable[..., Attempt], run_dir: Path, restart_at: int, tol: float,
@@ -146,9 +138,11 @@ def run_across_restart(train_once: Callable[..., Attempt], run_dir: Path, restar
                           f"above --restart-at + {STOP_WINDOW + 1}")
     for reset in (stop_budget.reset, early_stop.reset, cancel_exit):  # this process goes on: a new run's budget
         reset()
-    corrupted = store_wrong_version(run_dir) if negative_control == WRONG_VERSION else None
-    kept = kept_policy_tokens(run_dir)
-    step = int(read_manifest(newest_step_dir(run_dir))["step"])
+    step_dir = find_latest_checkpoint(run_dir)  # the one the resume takes
+    state = load_plain(step_dir / "controller.pt")
+    corrupted = store_wrong_version(step_dir, state) if negative_control == WRONG_VERSION else None
+    kept = kept_policy_tokens(state)  # versions aside, the wrong one changes nothing it counts
+    step = int(state["step"])
     second = train_once(stop_at=None, resume=run_dir, earlier=first.verifier, kept=kept)
     rep = second.verifier.report(tol)
     rep["restart"] = {"stopped_at_step": step, "n_partial_rows_kept": len(kept),
