@@ -79,7 +79,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_the_demo_is_the_train_command_the_e2e_run_starts():
-    # the demo is `megarl train --config configs/tiny_cpu.yaml` for 600 steps; tests/e2e/test_train.py runs the
+    # the demo is `megarl train --config configs/tiny_cpu.yaml` for 1000 steps; tests/e2e/test_train.py runs the
     # README's strategy commands, which are the same command with recovery.name set, for 3 and 8 steps
     assert block("demo").commands() == ["bash scripts/demo.sh"]
     (exec_line,) = [x for x in (ROOT / "scripts/demo.sh").read_text().splitlines() if x.startswith("exec ")]
