@@ -48,8 +48,8 @@ from megarl.bench import interleave, plots, replay_cost, replay_engine_cost, rep
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
-from megarl.cpu_affinity import available_cores, format_cores
 from megarl.errors import MegarlError
+from megarl.platform.cpu_affinity import available_cores, format_cores
 from megarl.preflight import ensure_checkpoint
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
 from megarl.rollout.engine_pool import ConnectedEngines, EnginePool

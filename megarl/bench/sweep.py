@@ -18,7 +18,7 @@ megarl/launch/cost.py).
 
 Fits (:func:`fits`): per strategy, recovery seconds against total parameters
 at each eta, and against distinct versions per batch for each model, as power
-laws ``y = c * x^b`` (megarl/bench/fit.py). Growth with eta (:func:`growth`):
+laws ``y = c * x^b`` (megarl/launch/fit.py). Growth with eta (:func:`growth`):
 a cost grows with eta when, from the smallest to the largest eta of the grid,
 it rises by at least :data:`GROWTH_RATIO` and by more than its noise floor
 (:data:`GROWTH_FLOOR`), on at least half of the models.
@@ -32,8 +32,8 @@ from typing import Any, Callable
 import yaml
 
 from megarl.bench import report
-from megarl.bench.fit import power_law
 from megarl.errors import ConfigError
+from megarl.launch.fit import power_law
 from megarl.launch.placement import param_counts
 
 REPO = Path(__file__).resolve().parents[2]

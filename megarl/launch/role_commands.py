@@ -22,7 +22,7 @@ never ends in its SIGKILL mid-checkpoint. Slurm steps ask for GPUs with
 passes on is refused by recent Slurm), and each step writes its own log.
 mpirun passes the user's environment on to remote ranks (:func:`forwarded_env`),
 never a run secret: a command that needs one gets the path of its own key
-file (``-x NAME_FILE``, megarl/launch/key_files.py).
+file (``-x NAME_FILE``, megarl/isolation/key_files.py).
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ import socket
 from dataclasses import dataclass, field
 
 from megarl.errors import ConfigError
+from megarl.isolation.secret_env import DEDICATED_AUTHKEY_ENV, FILE_SUFFIX
 from megarl.launch.cluster import compress_hosts
 from megarl.launch.engine_key_env import has_own_engines
 from megarl.launch.slurm_scripts import engine_tasks_script, node_rank_script
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
-from megarl.secret_env import DEDICATED_AUTHKEY_ENV, FILE_SUFFIX
 from megarl.stop_protocol import STOP_MARKER_ENV
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
@@ -246,7 +246,7 @@ def _slurm_shared_engines(plan, engines, python: str, settings: LaunchSettings) 
     return RoleCommand(name, "engine", "", tuple(srun + ["bash", "-c", script]), True)
 
 
-# -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
+# -- mpirun: MPI starts the ranks; megarl.trainer.mpi_bootstrap turns them into a torch world ----------
 def forwarded_env(names: tuple[str, ...] = (), env=None) -> list[str]:
     """The variables mpirun passes on to remote ranks: PATH, LD_LIBRARY_PATH, those of this environment that
     start with :data:`FORWARD_PREFIXES`, and ``names`` (placement.forward_env) where set; never a run secret."""
@@ -270,7 +270,7 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], settings: Lau
     if not local:
         argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node"]
         argv += [a for name in forwarded_env(settings.forward_env) for a in ("-x", name)]
-        if authkey:  # the path of the command's own key file (megarl/launch/key_files.py), never the key
+        if authkey:  # the path of the command's own key file (megarl/isolation/key_files.py), never the key
             argv += ["-x", AUTHKEY_ENV + FILE_SUFFIX]
         if engine_key:
             argv += ["-x", ENGINE_KEY_ENV + FILE_SUFFIX]

@@ -28,7 +28,7 @@ request id, hence the same sampling seed). Publishing keeps working while an
 engine restarts: it updates the live engines, and the restarted one catches up
 before it serves. A broadcast update goes to the engines live at that moment:
 the publisher makes its group for exactly them (``group_info`` as a callable,
-megarl/publish.py), and a restarted engine, which cannot join a group of fixed
+megarl/rollout/publish.py), and a restarted engine, which cannot join a group of fixed
 size, loads the disk copy of the same version the publisher names (``weights``).
 """
 from __future__ import annotations

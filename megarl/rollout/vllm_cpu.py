@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from megarl.cpu_affinity import omp_bind
+from megarl.platform.cpu_affinity import omp_bind
 
 #: tokens one scheduler step may process on a CPU engine (vLLM's default budget)
 CPU_STEP_TOKENS = 2048

@@ -136,9 +136,9 @@ def _plan_vs_peak(need: Need, workdir: Path) -> None:
 def _publish_memory(need: Need, workdir: Path) -> None:
     from checks_publish import PUBLISH_MODEL, SHM_TOLERANCE, unit_stand_ins
 
-    from megarl import publish
     from megarl.launch.placement import param_counts
     from megarl.models.tiny import load_model_yaml
+    from megarl.rollout import publish
 
     missing = _has_params(publish.BroadcastPublisher.__init__, "trainer", "router", "weights_dir", "backend",
                           "timeout_s")
@@ -152,7 +152,7 @@ def _publish_memory(need: Need, workdir: Path) -> None:
     need("BroadcastPublisher's shared-bucket pool has no bytes_allocated / free_bytes()",
          isinstance(getattr(pool, "bytes_allocated", None), int) and callable(getattr(pool, "free_bytes", None)))
     pub.close()
-    need("megarl.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
+    need("megarl.rollout.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
     try:
         stand_in, shmem = unit_stand_ins()
     except Exception as e:  # noqa: BLE001 - reported as the problem it is
@@ -254,8 +254,7 @@ def _sender_kill(need: Need, workdir: Path) -> None:
 
     from checks_sender import StallingGroupStandIn, group_info
 
-    from megarl import publish
-    from megarl.rollout import broadcast_sender
+    from megarl.rollout import broadcast_sender, publish
     from megarl.rollout.weight_sync import WeightBroadcaster
 
     sender = broadcast_sender.SenderProcess
@@ -264,7 +263,7 @@ def _sender_kill(need: Need, workdir: Path) -> None:
     need(f"SenderProcess.send lacks {_has_params(sender.send, 'group_info', 'buckets', 'timeout_s')}",
          not _has_params(sender.send, "group_info", "buckets", "timeout_s"))
     need("SenderProcess.kill missing", callable(getattr(sender, "kill", None)))
-    need("megarl.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
+    need("megarl.rollout.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
     kwargs = list(_inspect.signature(WeightBroadcaster.__init__).parameters)
     stand_in = [n for n, p in _inspect.signature(StallingGroupStandIn.__init__).parameters.items()
                 if p.kind == p.KEYWORD_ONLY]

@@ -67,7 +67,7 @@ def publish_three(publisher_cls, trainer, workdir: Path, tag: str, cuda: bool) -
     bytes free)`` (megarl/rollout/bucket_pool.py: kept for the next publish); and after ``close`` (``closed``)."""
     import torch
 
-    from megarl.publish import release_ipc_blocks
+    from megarl.rollout.publish import release_ipc_blocks
 
     stand_in, shmem = unit_stand_ins()
     router = stand_in(1, 1)
@@ -111,7 +111,7 @@ def check_publish_memory(workdir: Path) -> str:
     require_cuda()
     import torch
 
-    from megarl.publish import BroadcastPublisher
+    from megarl.rollout.publish import BroadcastPublisher
 
     cuda = torch.cuda.is_available()
     unit_stand_ins()  # SKIP before anything is built when they do not import

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from test_staleness_gate import SimulatedEngineForGateTests, SingleTurn, StepCounterTrainerForGateTests
 
-from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.builder import load_run_config
-from megarl.controller import Controller
 from megarl.errors import AgentError, InputError, RewardError, TrainingError
+from megarl.loop.buffer import PublishedVersion, ReplayBuffer
+from megarl.loop.controller import Controller
 from recovery.base import RecoveryContext
 from recovery.behav import Behav
 
@@ -230,7 +230,7 @@ class HeldEvaluation:
 
 def test_an_evaluation_longer_than_eval_every_is_never_overlapped_and_the_skipped_ones_are_counted():
     from megarl.data import Prompt
-    from megarl.evaluation import Evaluator
+    from megarl.loop.evaluation import Evaluator
 
     held = HeldEvaluation()
     evaluator = Evaluator([Prompt("e0", [1, 5, 2], None, {"prompt": "hi"})], held, ScriptedRewards(lambda t: 1.0),

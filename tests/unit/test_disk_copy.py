@@ -16,10 +16,10 @@ from test_publish import REPO, CheckpointExporter
 from test_supervisor import make, req
 
 import megarl.models.bridge
-from megarl.checkpoint_schedule import CheckpointSchedule
+from megarl.checkpoint.schedule import CheckpointSchedule
 from megarl.errors import EngineError
-from megarl.publish import BroadcastPublisher
 from megarl.rollout.disk_copy import DiskCopy
+from megarl.rollout.publish import BroadcastPublisher
 from megarl.rollout.supervisor import EngineLost
 
 

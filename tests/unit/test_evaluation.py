@@ -6,7 +6,7 @@ import pytest
 from conftest import DEMO, chat_prompt, digits
 
 from megarl.data import Prompt
-from megarl.evaluation import Evaluator, pass_at_k
+from megarl.loop.evaluation import Evaluator, pass_at_k
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.types import GenerateResult, SamplingParams
@@ -123,7 +123,7 @@ def test_a_failing_sample_stops_its_siblings_and_the_other_groups():
 
 def test_an_agent_writing_into_a_part_of_its_episode_generates_into_that_part_in_evaluation():
     # an agent's client calls generate(context, sampling, into=row) (as in training); evaluation must accept it
-    from megarl.evaluation import EvaluationSchedule
+    from megarl.loop.evaluation import EvaluationSchedule
     from megarl.types import Trajectory
 
     class Generation:

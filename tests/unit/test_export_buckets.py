@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from test_publish import REPO, CheckpointExporter
 
-from megarl.publish import BroadcastPublisher
 from megarl.rollout.export_buckets import pack_export
+from megarl.rollout.publish import BroadcastPublisher
 from megarl.rollout.weight_sync import iter_buckets, plan_buckets, unpack
 
 #: 160 B, 16 B, 200 B, 12 B

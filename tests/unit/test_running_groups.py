@@ -1,4 +1,4 @@
-"""Running groups in a checkpoint (megarl/running_groups.py), with hand-made groups on the real controller.
+"""Running groups in a checkpoint (megarl/loop/running_groups.py), with hand-made groups on the real controller.
 
 A group cut mid-run is kept whole: finished trajectories (scored or not) and partial ones with their tokens,
 versions, logp_behav, logp_old and the workflow's turn. On resume megarl's own workflows continue each partial
@@ -13,9 +13,9 @@ import asyncio
 import pytest
 from loop_fixtures import make_controller
 
-from megarl.buffer import Group
 from megarl.data import Prompt
 from megarl.errors import EngineError
+from megarl.loop.buffer import Group
 from megarl.types import NO_VERSION, GenerateResult, SamplingParams, Trajectory
 from megarl.workflows.base import TurnPoint
 from megarl.workflows.multi_turn import MultiTurnWorkflow

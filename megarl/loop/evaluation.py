@@ -8,7 +8,7 @@ resumes them with the new weights, and ``eval/version_min``/``version_max``
 say which versions produced the tokens), but they never pass the staleness
 gate, never enter the replay buffer and are never seen by a recovery strategy.
 A sample that raises fails the evaluation (logged; training goes on) and
-cancels every other sample of it at once (megarl/group_tasks.py).
+cancels every other sample of it at once (megarl/loop/group_tasks.py).
 
 Metrics (per evaluation, logged under ``eval/``): ``reward_mean`` over all
 samples (the reward an agent gave its episode, else the scorer's; a failed
@@ -27,10 +27,10 @@ import time
 from typing import Any, Awaitable, Callable
 
 from megarl.data import Prompt
-from megarl.group_tasks import gather_or_cancel
+from megarl.loop.group_tasks import gather_or_cancel
 from megarl.types import Trajectory
 
-log = logging.getLogger("megarl.controller")
+log = logging.getLogger("megarl.loop.controller")
 
 GenerateFor = Callable[[Trajectory], Callable[..., Awaitable[Any]]]
 
@@ -102,7 +102,7 @@ class Evaluator:
 class EvaluationSchedule:
     """When the controller evaluates (every ``eval.every`` steps, never blocking training, one at a time: one
     due while another runs is skipped and counted in ``eval/n_skipped``; and once at the end): a part of
-    :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's ``cfg``,
+    :class:`megarl.loop.controller.Controller` kept with evaluation; it reads the controller's ``cfg``,
     ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
     ``trainer``."""
 

@@ -11,7 +11,7 @@
   again": launch/slurm.sbatch requeues the job on it). A repeated signal changes
   nothing. The stop's checkpoint (the wait for a write in flight and for the
   engines' disk copy included) is bounded by the stop budget
-  (``logging.stop_grace_s``, megarl/stop_checkpoint.py): one that fails or cannot
+  (``logging.stop_grace_s``, megarl/loop/stop_checkpoint.py): one that fails or cannot
   finish in time is reported in one line, and when an earlier complete checkpoint
   stands the run still exits 75 with a marker naming it; with none it fails
   (a CheckpointError saying so), since a requeue would have nothing to resume.
@@ -25,9 +25,9 @@ An error after a step's optimizer step and before the loop counts the step (a
 recovery hook, the publish) leaves the newest checkpoint as it was: the
 trainer's and the strategy's state no longer match the loop's there.
 
-:class:`RunStops` is a part of :class:`megarl.controller.Controller` kept in a
+:class:`RunStops` is a part of :class:`megarl.loop.controller.Controller` kept in a
 file of its own; it reads the controller's ``cfg``, ``step``, ``trainer``,
-``buffer``, ``version``, ``checkpointer``, ``_checkpoint`` (megarl/checkpoint_schedule.py)
+``buffer``, ``version``, ``checkpointer``, ``_checkpoint`` (megarl/checkpoint/schedule.py)
 and the stall message of ``_stall_message``.
 """
 from __future__ import annotations
@@ -39,14 +39,14 @@ import signal
 from time import monotonic as _now  # a test drives the save clock
 from typing import Iterator
 
-from megarl.checkpoint_writer import is_save_failure
+from megarl.checkpoint.writer import is_save_failure
 from megarl.errors import CheckpointError, TrainingError
-from megarl.stop_checkpoint import exit_by_budget_end, newest_checkpoint, stop_checkpoint
+from megarl.loop.spmd import DrivingTrainer
+from megarl.loop.stop_checkpoint import exit_by_budget_end, newest_checkpoint, stop_checkpoint
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget, write_stop_marker
-from megarl.trainer.spmd import DrivingTrainer
 from megarl.types import Trajectory
 
-log = logging.getLogger("megarl.run_stop")
+log = logging.getLogger("megarl.loop.run_stop")
 
 __all__ = ["EXIT_STOPPED", "RunStopped", "RunStops", "stop_on_signals"]
 
@@ -175,7 +175,7 @@ class RunStops:
         now = _now()
         if ((every > 0 and self.step % every == 0)
                 or (every_s > 0 and self._save_clock is not None and now - self._save_clock >= every_s)):
-            await self._checkpoint(periodic=True)  # a failed one is retried (megarl/checkpoint_schedule.py)
+            await self._checkpoint(periodic=True)  # a failed one is retried (megarl/checkpoint/schedule.py)
             self._save_clock = _now()
 
 

@@ -1,4 +1,5 @@
-"""Continuing a run from its newest valid checkpoint (``megarl train --resume RUN_DIR``; megarl/checkpoint.py).
+"""Continuing a run from its newest valid checkpoint (``megarl train --resume RUN_DIR``;
+megarl/checkpoint/run_checkpoint.py).
 
 Two steps around building the run. :func:`prepare_resume`, before: the run
 directory is rewound to the checkpoint (log lines of later work dropped, the
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.checkpoint import (
+from megarl.checkpoint.run_checkpoint import (
     link_or_copy_tree,
     load_file,
     read_manifest,
@@ -27,7 +28,7 @@ from megarl.checkpoint import (
     set_aside_newer,
 )
 
-log = logging.getLogger("megarl.resume")
+log = logging.getLogger("megarl.checkpoint.resume")
 
 
 @dataclass

@@ -30,8 +30,8 @@ resume. Overwriting a step's checkpoint swaps the two copies in renames
 between which a kill always leaves a complete copy that resume takes. A resume
 past damaged newer checkpoints renames them ``damaged_step_{n}`` (never read,
 never counted by ``keep_last``, pruned with the checkpoints older than those it
-keeps). megarl/checkpoint_dirs.py has the directory names and rules,
-megarl/checkpoint_files.py the manifest. Loading checks the manifest first; a
+keeps). megarl/checkpoint/dirs.py has the directory names and rules,
+megarl/checkpoint/files.py the manifest. Loading checks the manifest first; a
 missing or corrupt file raises :class:`~megarl.errors.CheckpointError` naming it.
 
 The trainer's and the strategy's tensors are stored under their global names and shapes, so a run
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megarl.checkpoint_dirs import (
+from megarl.checkpoint.dirs import (
     find_latest_checkpoint,
     list_checkpoints,
     new_temp_dir,
@@ -65,20 +65,20 @@ from megarl.checkpoint_dirs import (
     set_aside_newer,
     write_checkpoint,
 )
-from megarl.checkpoint_files import (
+from megarl.checkpoint.files import (
     MANIFEST,
     build_manifest,
     link_or_copy_tree,
-    load_plain,
     read_manifest,
     verify_checkpoint,
 )
-from megarl.checkpoint_writer import BackgroundWrite, torch_save_errors
+from megarl.checkpoint.writer import BackgroundWrite, torch_save_errors
 from megarl.errors import CheckpointError, ConfigError
 from megarl.trainer.dist_state import STATE_FILE, load_reshardable, prepare_reshardable
 from megarl.trainer.param_state import load_strategy_state, prepare_strategy_state
+from megarl.trainer.plain_data import load_plain
 
-#: the directory and manifest functions are megarl/checkpoint_dirs.py's and checkpoint_files.py's; callers
+#: the directory and manifest functions are megarl/checkpoint/dirs.py's and checkpoint_files.py's; callers
 #: import them from here, with the state, as one API of run checkpoints
 __all__ = ["MANIFEST", "Checkpointer", "SingleRankStates", "build_manifest", "capture_rng", "check_run_settings",
            "find_latest_checkpoint", "is_reshardable", "link_or_copy_tree", "list_checkpoints", "load_file",
@@ -86,7 +86,7 @@ __all__ = ["MANIFEST", "Checkpointer", "SingleRankStates", "build_manifest", "ca
            "prune", "read_manifest", "remove_temp_dirs", "restore_rng", "rewind_run_logs", "run_settings",
            "save_rank_state", "set_aside_newer", "verify_checkpoint", "write_checkpoint"]
 
-log = logging.getLogger("megarl.checkpoint")
+log = logging.getLogger("megarl.checkpoint.run_checkpoint")
 
 #: run settings a resumed run must share with the checkpoint (name -> config path)
 RUN_KEYS = {"batch_size": "trainer.batch_size", "group_size": "rollout.group_size", "eta": "rollout.eta",
@@ -103,7 +103,7 @@ MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
 # -- state ------------------------------------------------------------------------
 def capture_rng() -> dict:
     """The python, numpy and torch RNG states as plain data (numpy's key as a tensor: checkpoints hold no
-    numpy objects, megarl/checkpoint_files.py's ``load_plain``)."""
+    numpy objects, megarl/trainer/plain_data.py's ``load_plain``)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
                                                    int(has_gauss), float(cached)),
@@ -120,7 +120,7 @@ def restore_rng(state: dict) -> None:
 
 def prepare_rank_state(step_dir: str | Path, trainer, strategy_state: dict, *, background: bool = False):
     """Prepare this rank's trainer (trainer/) and strategy (strategy/) state; a collective of every rank. Returns
-    ``write(group)``, which writes them (megarl/checkpoint_writer.py: in the background over the checkpoint group)."""
+    ``write(group)``, which writes them (megarl/checkpoint/writer.py: in the background over the checkpoint group)."""
     step_dir = Path(step_dir)
     # torch's CheckpointException is a BaseException: made a CheckpointError here
     with torch_save_errors(f"the trainer's state in {step_dir}", str(step_dir)):
@@ -156,7 +156,7 @@ def is_reshardable(step_dir: str | Path) -> bool:
 class SingleRankStates:
     """The trainer's and strategy's files of a run with one trainer rank: this process writes and reads them.
 
-    With several ranks :class:`~megarl.trainer.spmd.DrivingTrainer` takes its place: every rank does its own.
+    With several ranks :class:`~megarl.loop.spmd.DrivingTrainer` takes its place: every rank does its own.
     """
 
     def __init__(self, trainer) -> None:
@@ -173,7 +173,7 @@ class SingleRankStates:
 
 
 def load_file(path: str | Path) -> Any:
-    """A checkpoint file of plain data (megarl/checkpoint_files.py's ``load_plain``); CheckpointError naming a
+    """A checkpoint file of plain data (megarl/trainer/plain_data.py's ``load_plain``); CheckpointError naming a
     missing, damaged or refused one."""
     return load_plain(path)
 
@@ -277,7 +277,7 @@ class Checkpointer:
     between), then writes files in a worker thread while generation goes on; the
     loop waits for that write. ``save(controller, background=True)`` (periodic saves
     with ``logging.async_save``) returns once every rank has prepared its part and
-    writes the rest while the loop trains on (megarl/checkpoint_writer.py); the next
+    writes the rest while the loop trains on (megarl/checkpoint/writer.py); the next
     save, and :meth:`wait`, wait for it first.
     """
 

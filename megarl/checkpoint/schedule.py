@@ -1,6 +1,6 @@
 """When the controller checkpoints, and what a failed periodic checkpoint costs.
 
-:class:`CheckpointSchedule` is a part of :class:`megarl.controller.Controller` kept in a file of its own;
+:class:`CheckpointSchedule` is a part of :class:`megarl.loop.controller.Controller` kept in a file of its own;
 it reads the controller's ``checkpointer``, ``step``, ``cfg``, ``_save_failures`` and ``publisher`` (a checkpoint
 links the engines' disk copy of their version, so it waits for the publisher's writer: megarl/rollout/disk_copy.py).
 
@@ -8,11 +8,11 @@ A periodic checkpoint (``logging.save_every``) that fails (disk full, an I/O err
 behind that looks valid (``write_checkpoint`` writes into a temp directory and publishes it with one rename)
 and the previous one stays: the run goes on and tries again at the next save, and stops only after
 ``logging.max_save_failures`` failures in a row, blocking or in the background alike. A failure is whatever
-the save raises but the interpreter's exit and a cancellation (megarl/checkpoint_writer.py ``is_save_failure``:
+the save raises but the interpreter's exit and a cancellation (megarl/checkpoint/writer.py ``is_save_failure``:
 torch's ``CheckpointException`` is a ``BaseException``). Any other checkpoint (the end of the run, before a
 stop) raises its failure at once, as a :class:`~megarl.errors.CheckpointError`. With
 ``logging.async_save`` a periodic checkpoint is prepared at the step boundary and written while the run goes
-on (megarl/checkpoint_writer.py); its write's failure is counted when the next checkpoint waits for it, and
+on (megarl/checkpoint/writer.py); its write's failure is counted when the next checkpoint waits for it, and
 every other checkpoint waits for it first.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import time
 
-from megarl.checkpoint_writer import describe_failure, is_save_failure
+from megarl.checkpoint.writer import describe_failure, is_save_failure
 from megarl.errors import CheckpointError
 
-log = logging.getLogger("megarl.controller")
+log = logging.getLogger("megarl.loop.controller")
 
 
 class CheckpointSchedule:

@@ -24,9 +24,9 @@ this loop.
 
 Nothing lost: every ``logging.save_every`` steps or ``logging.save_every_s``
 seconds, at the end, on SIGTERM/SIGINT and before an error stops the loop
-(megarl/run_stop.py) the ``checkpointer`` (megarl/checkpoint.py) writes the
+(megarl/loop/run_stop.py) the ``checkpointer`` (megarl/checkpoint/run_checkpoint.py) writes the
 loop's :meth:`state_dict` with the trainer's and strategy's; :meth:`load_state_dict` continues from it
-(running groups kept whole and continued, megarl/running_groups.py). A request whose engine
+(running groups kept whole and continued, megarl/loop/running_groups.py). A request whose engine
 died (``EngineLost``, megarl/rollout/supervisor.py) is sent again, prompt +
 partial, once an engine is up. A step the trainer skipped (non-finite loss or
 gradient norm) is logged with its reason and not published, and its batch
@@ -43,21 +43,21 @@ import math
 import time
 from typing import Any, Callable
 
-from megarl.buffer import Group, PublishedVersion, ReplayBuffer
-from megarl.checkpoint_schedule import CheckpointSchedule
+from megarl.checkpoint.schedule import CheckpointSchedule
 from megarl.data import prompt_stream
-from megarl.evaluation import EvaluationSchedule
 from megarl.failure_causes import AGENT, AGENT_REWARD, REWARD, FailureWindow, generation_failure
-from megarl.group_tasks import gather_or_cancel
+from megarl.loop.buffer import Group, PublishedVersion, ReplayBuffer
+from megarl.loop.evaluation import EvaluationSchedule
+from megarl.loop.group_tasks import gather_or_cancel
+from megarl.loop.run_stop import RunStops
+from megarl.loop.running_groups import RESUME_COUNTERS, RunningGroups, fresh_trajectory
+from megarl.loop.step_record import StepBookkeeping
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.interruptible import InterruptibleGeneration
-from megarl.run_stop import RunStops
-from megarl.running_groups import RESUME_COUNTERS, RunningGroups, fresh_trajectory
-from megarl.step_record import StepBookkeeping
 from megarl.trainer.base import TrainerProtocol
 from megarl.types import TrainBatch, Trajectory, training_rows
 
-log = logging.getLogger("megarl.controller")
+log = logging.getLogger("megarl.loop.controller")
 
 
 class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunStops, RunningGroups):
@@ -75,7 +75,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
     ``on_step(record)`` for logging. Optional: ``checkpointer`` (``await
     checkpointer.save(controller)``), ``journal`` (``journal.write(name,
     record)``: accepted and trained trajectory ids per group and step, and
-    samples decoded with ``tokenizer``) and ``evaluator`` (megarl/evaluation.py,
+    samples decoded with ``tokenizer``) and ``evaluator`` (megarl/loop/evaluation.py,
     results to ``on_eval``).
     """
 
@@ -129,10 +129,10 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self._items: dict[str, Any] = {}  # group id -> its prompt, while the group runs
         self._regenerate: list[Any] = []  # prompts a checkpoint took before their groups were admitted
         self._restored: list[Group] = []  # running groups a checkpoint kept, until train() starts them
-        self._turns: dict = {}  # traj id -> its workflow's TurnPoint (megarl/running_groups.py)
+        self._turns: dict = {}  # traj id -> its workflow's TurnPoint (megarl/loop/running_groups.py)
         self._resumed = False
         self._consecutive_skips = 0
-        self._save_failures = 0  # periodic checkpoints failed in a row (megarl/checkpoint_schedule.py)
+        self._save_failures = 0  # periodic checkpoints failed in a row (megarl/checkpoint/schedule.py)
 
     @property
     def version(self) -> int:
@@ -146,7 +146,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
     def _may_hold(self, traj: Trajectory) -> bool:
         """rollout.splice_at_tokens holds odd groups that can wait for the next publish: of the current version
         (no batch deadline waits on them) or due two versions later at the earliest; the even ones keep batches
-        forming while they are held (megarl/buffer.py). A trajectory already spliced is not held again."""
+        forming while they are held (megarl/loop/buffer.py). A trajectory already spliced is not held again."""
         group = self.buffer.running_groups.get(traj.group_id)
         return (group is not None and group.seq % 2 == 1 and set(traj.versions) <= {self.version}
                 and (group.start_version == self.version or group.start_version + self.eta >= self.version + 2))
@@ -338,7 +338,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                 if failure_error is not None:
                     await self._checkpoint()
                     raise failure_error
-                await self._after_step()  # a stop request, or a checkpoint due (megarl/run_stop.py)
+                await self._after_step()  # a stop request, or a checkpoint due (megarl/loop/run_stop.py)
                 self._maybe_evaluate(total_steps)
             await self._checkpoint()
             await self._final_evaluation()
@@ -362,7 +362,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
 
         The buffer's accepted-but-untrained trajectories keep their per-token
         versions, logp_behav and any recovered logp_old; groups still running
-        are kept whole, partial trajectories included (megarl/running_groups.py).
+        are kept whole, partial trajectories included (megarl/loop/running_groups.py).
         """
         return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
                 "counters": dict(self.counters), "step_counters": dict(self._step_counters),

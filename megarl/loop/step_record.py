@@ -1,7 +1,7 @@
 """What one step of the loop leaves behind: the train step on a batch and its metrics, the step record,
 decoded samples, the check of failed episodes and the stall message.
 
-:class:`StepBookkeeping` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it
+:class:`StepBookkeeping` is a part of :class:`megarl.loop.controller.Controller` kept in a file of its own; it
 reads the controller's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``,
 ``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundary ``_step_counters``),
 ``failures``, ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,

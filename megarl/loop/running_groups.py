@@ -28,7 +28,7 @@ such a group with no finished trajectory starts again from its prompt as a new g
 ``n_continued_after_resume`` (trajectories a resume kept, finished or partial), ``n_regenerated_after_resume``
 (episodes started again) and ``n_tokens_regenerated_after_resume`` (the policy tokens those had).
 
-:class:`RunningGroups` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it reads
+:class:`RunningGroups` is a part of :class:`megarl.loop.controller.Controller` kept in a file of its own; it reads
 the controller's ``buffer``, ``workflow``, ``generation``, ``router``, ``strategy``, ``counters``, ``cfg``,
 ``id_prefix``, ``_items``, ``_regenerate``, ``_turns``, ``_restored``, ``_tasks`` and ``_run_group``.
 """
@@ -40,13 +40,13 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from megarl.buffer import Group
 from megarl.data import Prompt
+from megarl.loop.buffer import Group
 from megarl.stop_protocol import stop_budget
 from megarl.types import GenerateResult, SamplingParams, Trajectory
 from megarl.workflows.base import TurnPoint
 
-log = logging.getLogger("megarl.controller")
+log = logging.getLogger("megarl.loop.controller")
 
 #: seconds a stop waits for aborted requests to return their partial tokens: an engine answers an abort at once,
 #: and a wedged one must not take the stop budget (what it holds is sampled again on resume)
