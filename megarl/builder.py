@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megarl.checkpoint.rank_state import SingleRankStates
 from megarl.checkpoint.resume import ResumePoint, restore
-from megarl.checkpoint.run_checkpoint import Checkpointer, SingleRankStates, run_settings
+from megarl.checkpoint.run_checkpoint import Checkpointer
+from megarl.checkpoint.settings import run_settings
 from megarl.config import MegaRLConfig, load_config
 from megarl.config.loader import describe, to_dict
 from megarl.launch.roles import current_role

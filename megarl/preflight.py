@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.agents.service_rows import ServiceRows
-from megarl.checkpoint.run_checkpoint import check_run_settings, find_latest_checkpoint, read_manifest
+from megarl.checkpoint.run_checkpoint import find_latest_checkpoint, read_manifest
+from megarl.checkpoint.settings import check_run_settings
 from megarl.config import MegaRLConfig, save_config
 from megarl.data import PromptDataset
 from megarl.errors import ConfigError

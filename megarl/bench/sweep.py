@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import yaml
 
-from megarl.bench import report
+from megarl.bench import report, report_render
 from megarl.errors import ConfigError
 from megarl.launch.fit import power_law
 from megarl.launch.placement import param_counts
@@ -201,7 +201,7 @@ def render_sweep_markdown(rep: dict[str, Any]) -> str:
         v = ", ".join(f"{m}: {_fmt_fit(x)}" for m, x in f["recovery_vs_versions"].items())
         out.append(f"| {name} | {p} | {v} |")
     out += ["", "## Publish stall per publish against model size (median ms)", ""]
-    out += report.stall_table({f"{r['model']} eta{r['eta']} {r['strategy']}": r["stall_parts_s"] for r in rows})
+    out += report_render.stall_table({f"{r['model']} eta{r['eta']} {r['strategy']}": r["stall_parts_s"] for r in rows})
     out += ["", "`scaling.png`: recovery seconds against parameters and against distinct versions per batch, "
             "publish stall against parameters, extra bytes held against eta.", ""]
     return "\n".join(out)

@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.checkpoint.rewind import rewind_run_logs
 from megarl.checkpoint.run_checkpoint import (
     link_or_copy_tree,
     load_file,
     read_manifest,
     remove_temp_dirs,
     restore_rng,
-    rewind_run_logs,
     set_aside_newer,
 )
 

@@ -1,7 +1,7 @@
 """A rank's part of a checkpoint written in the background (``logging.async_save``).
 
 An asynchronous checkpoint is taken in two parts. At the step boundary every trainer rank *prepares* its
-part (megarl/checkpoint/run_checkpoint.py ``prepare_rank_state``: the collective layout work and a host copy of its
+part (megarl/checkpoint/rank_state.py ``prepare_rank_state``: the collective layout work and a host copy of its
 shards; rank 0 also writes ``controller.pt`` and links the engines' weights into the temp directory), and
 the loop goes on. Then each rank *writes* its part on a :class:`BackgroundWrite` thread, over
 megarl/trainer/sharded_write.py's checkpoint group; the ranks exchange their outcomes on the same group,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from megarl.checkpoint.run_checkpoint import load_rank_state, prepare_rank_state, save_rank_state
+from megarl.checkpoint.rank_state import load_rank_state, prepare_rank_state, save_rank_state
 from megarl.checkpoint.writer import BackgroundWrite
 from megarl.errors import CheckpointError
 from megarl.loop.spmd import ControlChannel, _run_on_all, _stop_votes

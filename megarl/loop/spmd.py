@@ -32,7 +32,7 @@ follower replays it on its own trainer and strategy, in the same order:
 * checkpoints: ``save_state`` / ``load_state`` (``DrivingTrainer.save_rank_states`` /
   ``load_rank_states``). Rank 0 announces the checkpoint directory, then every
   rank takes part in the collective save (load) of the trainer's and the
-  strategy's sharded state (megarl/checkpoint/run_checkpoint.py); an all-gather of each rank's outcome ends the event,
+  strategy's sharded state (megarl/checkpoint/rank_state.py); an all-gather of each rank's outcome ends the event,
   so rank 0 publishes the checkpoint only after every shard is on disk, and a
   follower's failure is raised on rank 0 too. A background checkpoint
   (``save_state_async``) prepares the same way, then every rank writes its part
@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.run_checkpoint import load_rank_state, prepare_rank_state, save_rank_state
+from megarl.checkpoint.rank_state import load_rank_state, prepare_rank_state, save_rank_state
 from megarl.checkpoint.writer import describe_failure, is_save_failure
 from megarl.errors import CheckpointError, MegarlError
 from megarl.stop_protocol import RunStopped

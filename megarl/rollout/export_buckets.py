@@ -36,8 +36,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megarl.rollout.bucket_format import group_tensors, iter_buckets, pack, payload_bytes, unpack
 from megarl.rollout.engine_shards import ShardRule, shard_rows
-from megarl.rollout.weight_sync import group_tensors, iter_buckets, pack, payload_bytes, unpack
 
 log = logging.getLogger("megarl.rollout.publish")
 

@@ -43,6 +43,7 @@ import torch
 from megarl.errors import EngineError
 from megarl.launch.roles import current_role
 from megarl.rollout.broadcast_sender import SenderProcess
+from megarl.rollout.bucket_format import rows_bytes
 from megarl.rollout.bucket_pool import DISK, SENDER, SharedBucketPool
 from megarl.rollout.disk_copy import DiskCopy
 from megarl.rollout.disk_publisher import DiskPublisher, remove_other_versions
@@ -56,7 +57,7 @@ from megarl.rollout.export_buckets import (
     shard_buckets,
     stream_engine_weights,
 )
-from megarl.rollout.weight_sync import WeightBroadcaster, rows_bytes
+from megarl.rollout.weight_sync import WeightBroadcaster
 
 log = logging.getLogger("megarl.rollout.publish")
 

@@ -43,11 +43,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import ConfigError, InputError
-from megarl.models import entropy, routing_replay
+from megarl.models import entropy
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
 from megarl.models.build import grouped_gemm, use_transformer_engine
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
 from megarl.platform.batch_invariant import enable_in_trainer
+from megarl.trainer import routing_replay
 from megarl.trainer.chunks import build_chunks
 from megarl.trainer.dist_state import load_reshardable, save_reshardable
 from megarl.trainer.layouts import model_inputs, row_lengths, schedule_shape

@@ -18,11 +18,11 @@ import pytest
 from conftest import ROOT
 from loop_fixtures import make_controller
 
+from megarl.checkpoint.rewind import rewind_run_logs
 from megarl.checkpoint.run_checkpoint import (
     find_latest_checkpoint,
     list_checkpoints,
     remove_temp_dirs,
-    rewind_run_logs,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -378,7 +378,7 @@ def test_a_failed_background_write_keeps_the_run_and_the_previous_checkpoint(tmp
     c, trainer, _, _ = make_controller(0, checkpointer=ck,
                                        overrides=["logging.save_every=2", "logging.async_save=true"])
     asyncio.run(asyncio.wait_for(c.train(8), 60))
-    assert c.step == 8 and trainer.version == 8 and c._save_failures == 0
+    assert c.step == 8 and trainer.version == 8 and c.checkpoints.save_failures == 0
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6", "step_8"]
     assert all((p / "trainer" / "rank0.pt").read_bytes() == b"whole" for _, p in list_checkpoints(root))

@@ -1,7 +1,7 @@
 """A resume reads a damaged journal line as damaged: skipped, counted and named in one warning, never a crash.
 
 Before, a line of ``metrics.jsonl`` with a byte that is not UTF-8 failed every resume with UnicodeDecodeError, a
-line ``[1, 2]`` with AttributeError and ``{"step": null}`` with TypeError (megarl/checkpoint/run_checkpoint.py
+line ``[1, 2]`` with AttributeError and ``{"step": null}`` with TypeError (megarl/checkpoint/rewind.py
 rewind_run_logs).
 """
 import json

@@ -200,8 +200,8 @@ def test_broadcast_prepare_packs_into_shared_buckets_without_a_second_copy(tmp_p
     and empties the exported list as it packs, so host memory never holds the model twice."""
     import torch
 
+    from megarl.rollout.bucket_format import rows_bytes
     from megarl.rollout.export_buckets import pack_shared as _pack_shared
-    from megarl.rollout.weight_sync import rows_bytes
 
     tensors = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, 5)), ("c", torch.zeros(2, 2))]
     buckets = _pack_shared(tensors, bucket_bytes=64)

@@ -98,7 +98,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     else:
         with early_stop.installed():
             assert channel.recv() == ("stop_poll",)
-            from megarl.trainer import spmd
+            from megarl.loop import spmd
             spmd._stop_votes(channel, early_stop.received)
             dist.barrier(group=channel.group)
             os.kill(os.getpid(), signal.SIGUSR1)  # caught by the latch: the follower stops at the next poll
