@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megarl under Open MPI: mpirun starts the trainer ranks, megarl.launch.mpi_bootstrap agrees on
+# megarl under Open MPI: mpirun starts the trainer ranks, megarl.trainer.mpi_bootstrap agrees on
 # MASTER_ADDR/MASTER_PORT over MPI and torch.distributed takes over (gloo on CPU, NCCL on GPU).
 #
 #   launch/mpirun.sh --config configs/tiny_cpu.yaml placement.trainer_ranks=2

@@ -26,32 +26,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl.advantages import advantage_fn
-from megarl.buffer import PublishedVersion, ReplayBuffer
-from megarl.checkpoint import Checkpointer, SingleRankStates, run_settings
+from megarl.checkpoint.rank_state import SingleRankStates
+from megarl.checkpoint.resume import ResumePoint, restore
+from megarl.checkpoint.run_checkpoint import Checkpointer
+from megarl.checkpoint.settings import run_settings
 from megarl.config import MegaRLConfig, load_config
 from megarl.config.loader import describe, to_dict
-from megarl.controller import Controller
-from megarl.evaluation import Evaluator
 from megarl.launch.roles import current_role
+from megarl.loop.buffer import PublishedVersion, ReplayBuffer
+from megarl.loop.controller import Controller
+from megarl.loop.evaluation import Evaluator
+from megarl.loop.follower import FollowerView, follow
+from megarl.loop.run_log import RunLogger
+from megarl.loop.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
+from megarl.losses.advantages import advantage_fn
 from megarl.losses.objective import loss_fn_factory, loss_fn_factory_for_run
 from megarl.preflight import RunSetup
-from megarl.publish import make_publisher
-from megarl.resume import ResumePoint, restore
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.rollout.base import logprob_temperature
 from megarl.rollout.client import connect_engine, launch_engine_process, stop_engine_process
 from megarl.rollout.engine_pool import PooledEngines, engine_launch_kwargs
+from megarl.rollout.publish import make_publisher
 from megarl.rollout.supervisor import EngineSupervisor
-from megarl.run_log import RunLogger
 from megarl.tokenizer import RunTokenizer
 from megarl.trainer.base import TrainerProtocol
-from megarl.trainer.follower import FollowerView, follow
 from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.trainer.parallel import timed_out_collective
-from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
 from megarl.workflows import build_workflow
 from recovery import _negative_controls as negative_controls
 from recovery import registry
@@ -193,12 +195,12 @@ class Run:
     #: writes and reads every trainer rank's checkpoint files (SingleRankStates or the DrivingTrainer)
     rank_states: Any
     tokenizer: RunTokenizer
-    #: where published versions are written for the engines (megarl/publish.py)
+    #: where published versions are written for the engines (megarl/rollout/publish.py)
     weights_dir: Path
     closing: AsyncExitStack
 
     def restore(self, point: ResumePoint) -> None:
-        """Continue from a checkpoint (megarl/resume.py): call before :meth:`Controller.train`."""
+        """Continue from a checkpoint (megarl/checkpoint/resume.py): call before :meth:`Controller.train`."""
         restore(point, controller=self.controller, rank_states=self.rank_states, strategy=self.strategy,
                 checkpointer=self.checkpointer)
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except MegarlError as e:
         print(f"megarl {args.command}: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)  # a run stopped by a signal has its own (megarl/run_stop.py)
+        return getattr(e, "exit_code", 2)  # a run stopped by a signal has its own (megarl/loop/run_stop.py)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl import batch_invariant
 from megarl.agents.service_rows import ServiceRows
-from megarl.checkpoint import check_run_settings, find_latest_checkpoint, read_manifest
+from megarl.checkpoint.run_checkpoint import find_latest_checkpoint, read_manifest
+from megarl.checkpoint.settings import check_run_settings
 from megarl.config import MegaRLConfig, save_config
-from megarl.cpu_affinity import check_affinity
 from megarl.data import PromptDataset
 from megarl.errors import ConfigError
 from megarl.models.hf_config import is_moe
 from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
+from megarl.platform import batch_invariant
+from megarl.platform.cpu_affinity import check_affinity
 from megarl.rewards import resolve_reward_fn, reward_kwargs
 from megarl.rewards.code import prepare_sandbox
 from megarl.rollout.base import engine_options, truncates_sampling

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-#: a position without a route in a torch routes tensor (megarl/models/routing_replay.py: routed live)
+#: a position without a route in a torch routes tensor (megarl/trainer/routing_replay.py: routed live)
 NO_ROUTE = -1
 _UINT8_NONE = 255
 

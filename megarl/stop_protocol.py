@@ -7,7 +7,7 @@
   a repeated one is logged and changes nothing (torchrun and Slurm may deliver
   the same stop twice), so only SIGKILL ends a stopping rank at once.
 * **The early latch** (:data:`early_stop`): from the entry point's first lines
-  until the loop takes the signals over (megarl/run_stop.py), a stop signal
+  until the loop takes the signals over (megarl/loop/run_stop.py), a stop signal
   is only recorded; the run checks it between its start-up phases (preflight,
   engine start and model load, resume restore) and exits with
   :data:`EXIT_STOPPED` before the next phase begins, so nothing is left half
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Iterator
 
 from megarl.errors import ConfigError, TrainingError
-from megarl.run_key import sign, signed_by
-from megarl.secret_env import STOP_KEY_ENV, take_secret
+from megarl.isolation.run_key import sign, signed_by
+from megarl.isolation.secret_env import STOP_KEY_ENV, take_secret
 
 log = logging.getLogger("megarl.stop")
 
@@ -157,7 +157,8 @@ def write_stop_marker(reason: str, step: int, checkpointed: bool, env=None, *,
                       checkpoint: str | None = None) -> Path | None:
     """Write the stop marker `megarl launch` named (none named: nothing); call it after the checkpoint.
     ``checkpoint``: the newest complete checkpoint, the one a resume takes (the step's own, or an earlier one
-    when the step's failed). Signed with the launch's stop key (megarl/run_key.py) when this process holds one."""
+    when the step's failed). Signed with the launch's stop key (megarl/isolation/run_key.py) when this process holds
+    one."""
     path = stop_marker_path(env)
     if path is None:
         return None

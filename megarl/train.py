@@ -4,9 +4,9 @@
 (the launchers in launch/ use it; a launched server role is dispatched by the CLI,
 megarl/commands/train.py). Trainer rank 0 checks everything (megarl/preflight.py),
 builds the run (megarl/builder.py) and drives the loop; the other trainer ranks
-replay its trainer and strategy calls (megarl/trainer/spmd.py).
+replay its trainer and strategy calls (megarl/loop/spmd.py).
 ``train(cfg, resume=RUN_DIR)`` continues a run from its newest valid checkpoint
-(megarl/resume.py): engines restart from the checkpoint's weights at its version,
+(megarl/checkpoint/resume.py): engines restart from the checkpoint's weights at its version,
 the trainer, strategy, replay buffer, dataset and RNG continue, and the run's logs
 are rewound to the checkpoint before new lines are appended.
 A trainer rank that waits ``trainer.collective_timeout_s`` in a collective for
@@ -16,7 +16,7 @@ complete checkpoint stands for ``logging.resume``.
 
 A stop signal (SIGTERM, SIGUSR1, SIGINT) on any trainer rank stops the run
 cleanly with exit code 75 (megarl/stop_protocol.py): in the loop every rank
-checkpoints the step reached (megarl/run_stop.py); before it (imports,
+checkpoints the step reached (megarl/loop/run_stop.py); before it (imports,
 preflight, engine start and model load, resume restore) the signal is latched
 and the run stops before its next phase, with nothing half written.
 """
@@ -34,19 +34,19 @@ from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from megarl.builder import Run, StrategyWrapper, build_run, run_follower  # noqa: E402
+from megarl.checkpoint.resume import ResumePoint, prepare_resume  # noqa: E402
 from megarl.cli import main as cli_main  # noqa: E402
 from megarl.config import MegaRLConfig  # noqa: E402
 from megarl.config.run_output import apply_umask  # noqa: E402
-from megarl.cpu_affinity import pin_process  # noqa: E402
 from megarl.errors import MegarlError  # noqa: E402
+from megarl.isolation.process_isolation import protect  # noqa: E402
+from megarl.loop.run_stop import stop_on_signals  # noqa: E402
+from megarl.loop.spmd import DrivingTrainer, receive_go, share_go  # noqa: E402
+from megarl.loop.stop_ready import announce_stop_ready  # noqa: E402
+from megarl.platform.cpu_affinity import pin_process  # noqa: E402
 from megarl.preflight import RunSetup, preflight  # noqa: E402
-from megarl.process_isolation import protect  # noqa: E402
-from megarl.resume import ResumePoint, prepare_resume  # noqa: E402
 from megarl.rollout.engine_pool import PooledEngines  # noqa: E402
-from megarl.run_stop import stop_on_signals  # noqa: E402
-from megarl.stop_ready import announce_stop_ready  # noqa: E402
 from megarl.trainer.parallel import init_ranks, lost_rank_error  # noqa: E402
-from megarl.trainer.spmd import DrivingTrainer, receive_go, share_go  # noqa: E402
 
 
 def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
@@ -66,9 +66,9 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
     with early_stop.installed():  # a stop signal from here to the loop is latched (module doc)
         rank, world = init_ranks(cfg.trainer.collective_timeout_s)  # every rank joins after its latch is installed
         if rank == 0:
-            announce_stop_ready()  # `megarl launch` passes a stop on from now (megarl/stop_ready.py)
+            announce_stop_ready()  # `megarl launch` passes a stop on from now (megarl/loop/stop_ready.py)
         if rank != 0:  # a follower: waits for rank 0's checks, then replays its trainer and strategy calls
-            # its own stop signal reaches rank 0 at the next step boundary (megarl/trainer/spmd.py)
+            # its own stop signal reaches rank 0 at the next step boundary (megarl/loop/spmd.py)
             run_dir = Path(receive_go())
             _pin_trainer(cfg)
             with _name_a_lost_rank(cfg, run_dir):
@@ -86,7 +86,7 @@ def train(cfg: MegaRLConfig, wrap_strategy: StrategyWrapper | None = None,
             share_go(world, stopped=early_stop.received)
             raise _stopped_before("the preflight", 0)
         share_go(world, run_dir=str(setup.run_dir))
-        protect(setup.run_dir)  # hidden from agent commands and sandboxed code (megarl/process_isolation.py)
+        protect(setup.run_dir)  # hidden from agent commands and sandboxed code (megarl/isolation/process_isolation.py)
         _pin_trainer(cfg)  # checked by the preflight; every process and thread the run starts from here inherits it
         point = prepare_resume(setup.run_dir, setup.resume_from) if setup.resume_from is not None else None
         with _name_a_lost_rank(cfg, setup.run_dir):
@@ -102,7 +102,7 @@ async def _train(cfg: MegaRLConfig, setup: RunSetup, resume: ResumePoint | None,
         if resume is not None:
             run.restore(resume)
             _stop_if_latched(run, "the resume restore")
-        with stop_on_signals(run.controller):  # checkpoint, then exit with code 75 (megarl/run_stop.py)
+        with stop_on_signals(run.controller):  # checkpoint, then exit with code 75 (megarl/loop/run_stop.py)
             await run.controller.train(cfg.trainer.total_steps)
         run.save_final()
     return {"steps": run.controller.step, "version": run.trainer.version}

@@ -23,7 +23,7 @@ through a message):
   pickled, so the connection is authenticated: both ends hold the same key,
   ``MEGARL_DEDICATED_AUTHKEY`` (``megarl launch`` makes a random one per run
   and hands it to both through the environment, never a command line; each
-  takes it at start and removes it, megarl/secret_env.py), and the listener
+  takes it at start and removes it, megarl/isolation/secret_env.py), and the listener
   refuses a client whose key differs before reading any message from it. The
   handshakes have deadlines and the scorer's reads time out
   (recovery/_dedicated_listener.py): the trainer sends a heartbeat when idle.
@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from megarl.errors import ConfigError, ScorerError
-from megarl.secret_env import DEDICATED_AUTHKEY_ENV, take_secret
+from megarl.isolation.secret_env import DEDICATED_AUTHKEY_ENV, take_secret
 from recovery._dedicated_listener import HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, client_handshake
 
 #: what a lost scorer's error adds: the run stops, and where it goes on from
@@ -58,7 +58,7 @@ _CLOSE = object()
 
 
 def authkey_from_env(env: Any = None) -> bytes:
-    """The shared key of the TCP link (without ``env``: this process's, taken once, megarl/secret_env.py); a
+    """The shared key of the TCP link (without ``env``: this process's, taken once, megarl/isolation/secret_env.py); a
     ConfigError saying how to set it when it is missing."""
     key = take_secret(AUTHKEY_ENV) if env is None else env.get(AUTHKEY_ENV, "")
     if not key:

@@ -23,7 +23,7 @@ oracle can see it, in fp32):
   of the first segment that routed it (the rule of other systems' partial
   rollouts, and megarl's before per-segment routes).
 
-A wrong checkpoint (with ``--restart-at``, megarl/exactness_restart.py):
+A wrong checkpoint (with ``--restart-at``, megarl/verify/exactness_restart.py):
 
 - ``restart_wrong_version``: the kept tokens of one partial answer claim the
   version before their own in the checkpoint the run resumes from.
@@ -120,7 +120,7 @@ ROUTE_CONTROLS: dict[str, Callable[[list[RouteSegment]], list[RouteSegment]]] = 
     "routes_shifted": routes_shifted, "routes_other_version": routes_other_version,
     "routes_first_prefix": routes_first_prefix}
 
-#: controls that change the checkpoint a ``--restart-at`` run resumes from (megarl/exactness_restart.py does it)
+#: controls that change the checkpoint a ``--restart-at`` run resumes from (megarl/verify/exactness_restart.py does it)
 RESTART_CONTROLS = ("restart_wrong_version",)
 
 NAMES = (*STRATEGY_CONTROLS, *ROUTE_CONTROLS, *RESTART_CONTROLS)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from megarl.models.routing_replay import live_routes, route_disagreement
 from megarl.routes import as_int16
+from megarl.trainer.routing_replay import live_routes, route_disagreement
 from megarl.types import TrainBatch
 
 KINDS = ("same_version", "current_weights")

@@ -5,7 +5,7 @@ A strategy supplies the loss anchor for each train batch: the exact
 token) or an approximate proximal anchor ``logp_prox``. The loop calls the
 hooks below at fixed points; a strategy never edits the loop.
 
-Order of calls in one step of the loop (see megarl/controller.py)::
+Order of calls in one step of the loop (see megarl/loop/controller.py)::
 
     ... engines generate; on_segment_finished(traj) per finished trajectory
     batch ready -> anchor(batch, trajs)            # before the train step
@@ -51,7 +51,7 @@ class RecoveryContext:
     #: optimizer steps per published version (trainer.publish_every)
     publish_every: int = 1
     #: False on follower trainer ranks: they replay rank 0's hooks (trainer collectives) but run no
-    #: side processes; rank 0's anchor is what every rank trains with (megarl/trainer/spmd.py)
+    #: side processes; rank 0's anchor is what every rank trains with (megarl/loop/spmd.py)
     is_driver: bool = True
 
 
@@ -92,7 +92,7 @@ class RecoveryStrategy(abc.ABC):
     #: True when ``anchor`` returns the true ``logp_old``
     exact: ClassVar[bool] = False
     #: whether hooks read ``ctx.live_trajectories()``; with several trainer ranks rank 0 then sends its
-    #: live trajectories with every hook, for followers to run the same forwards (megarl/trainer/spmd.py).
+    #: live trajectories with every hook, for followers to run the same forwards (megarl/loop/spmd.py).
     #: A strategy that never reads them sets False and saves that traffic.
     uses_live_trajectories: ClassVar[bool] = True
     #: the v_theta conventions the anchor can be formed with (``anchor_with``; the interpolation

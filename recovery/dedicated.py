@@ -58,7 +58,7 @@ the role exits non-zero. One role serves one trainer connection.
 With a multi-rank trainer only rank 0's instance (``ctx.is_driver``) starts or
 connects to the scoring process: every rank takes part in ``save_hf_checkpoint``
 (a collective, written by rank 0), and the followers train with the anchor rank 0
-computes and shares (megarl/trainer/spmd.py). One scoring process serves one run.
+computes and shares (megarl/loop/spmd.py). One scoring process serves one run.
 """
 from __future__ import annotations
 

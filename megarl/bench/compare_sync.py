@@ -4,7 +4,7 @@ disjoint cores.
 Four runs of behav from the same config and seed: async and sync with the
 trainer and the engines on every core, then both again with the trainer on
 some cores and the engines on the others (``placement.cpu_affinity``,
-megarl/cpu_affinity.py). On shared cores the ratio mixes the design with
+megarl/platform/cpu_affinity.py). On shared cores the ratio mixes the design with
 core contention (the trainer and the engines slow each other down); on
 disjoint cores each role behaves like one on devices of its own, which is
 what asynchrony is designed for. The report's ``async_vs_sync`` holds both
@@ -14,8 +14,8 @@ layout, and each ratio gets its interval (megarl/bench/interleave.py).
 """
 from __future__ import annotations
 
-from megarl.cpu_affinity import available_cores, check_cores, format_cores, parse_cores
 from megarl.errors import ConfigError
+from megarl.platform.cpu_affinity import available_cores, check_cores, format_cores, parse_cores
 
 
 def split_cores(spec: str | None, cores: set[int] | None = None) -> tuple[list[int], list[int]]:

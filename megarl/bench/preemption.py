@@ -6,7 +6,7 @@ Each run is `megarl train` in a child process of its own (`megarl launch --launc
 generation; each stop exits with 75 and the run is resumed (``logging.resume=RUN_DIR``) until its last step.
 Two variants of the same config and seed, interleaved over ``--repeats`` rounds (megarl/bench/interleave.py):
 
-* ``whole``: ``logging.keep_running_groups=true`` (megarl's default, megarl/running_groups.py): a checkpoint
+* ``whole``: ``logging.keep_running_groups=true`` (megarl's default, megarl/loop/running_groups.py): a checkpoint
   keeps the running groups' finished and partial trajectories, and the resume continues them;
 * ``prompts``: ``logging.keep_running_groups=false``: a checkpoint keeps their prompts only, and the resume
   generates them again (as systems that regenerate unfinished groups from their prompts do).

@@ -56,8 +56,8 @@ def random_batch(rows: int, max_len: int, vocab: int, seed: int = 0):
 def measure(cfg, repeats: int = DEFAULT_REPEATS) -> dict[str, Any]:
     """Build the run's trainer and time train steps without and with replay (module doc)."""
     from megarl.builder import build_trainer
-    from megarl.models.routing_replay import live_routes
     from megarl.preflight import ensure_checkpoint
+    from megarl.trainer.routing_replay import live_routes
 
     if cfg.placement.trainer_ranks > 1 or max(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep) > 1:
         raise ConfigError("the routing replay cost is measured on one trainer rank: run the bench with "

@@ -44,12 +44,12 @@ try:
 except ImportError:  # without it the peak memory is taken from getrusage (_TreeRssSampler.available)
     psutil = None
 
-from megarl.bench import interleave, plots, replay_cost, replay_engine_cost, report, round_reports
+from megarl.bench import interleave, plots, replay_cost, replay_engine_cost, report, report_render, round_reports
 from megarl.bench.compare_sync import split_cores, sync_runs
 from megarl.builder import VerifyingStrategy, load_run_config
 from megarl.config import MegaRLConfig
-from megarl.cpu_affinity import available_cores, format_cores
 from megarl.errors import MegarlError
+from megarl.platform.cpu_affinity import available_cores, format_cores
 from megarl.preflight import ensure_checkpoint
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
 from megarl.rollout.engine_pool import ConnectedEngines, EnginePool
@@ -322,7 +322,7 @@ def bench(config: str, strategies: list[str], steps: int | None, output: str, ov
     meta["loadavg_end"] = os.getloadavg()[0]
     rep = round_reports.combine_reports([report.build_report(runs, by_key[r], meta=meta)
                                       for r, runs in enumerate(rounds)])
-    markdown = report.render_markdown(rep)
+    markdown = report_render.render_markdown(rep)
     if rep["ratios"]:
         markdown += "\n## Step time ratios\n\n" + "\n".join(interleave.ratio_lines(rep)) + "\n"
     if replay is not None:

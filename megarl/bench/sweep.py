@@ -18,7 +18,7 @@ megarl/launch/cost.py).
 
 Fits (:func:`fits`): per strategy, recovery seconds against total parameters
 at each eta, and against distinct versions per batch for each model, as power
-laws ``y = c * x^b`` (megarl/bench/fit.py). Growth with eta (:func:`growth`):
+laws ``y = c * x^b`` (megarl/launch/fit.py). Growth with eta (:func:`growth`):
 a cost grows with eta when, from the smallest to the largest eta of the grid,
 it rises by at least :data:`GROWTH_RATIO` and by more than its noise floor
 (:data:`GROWTH_FLOOR`), on at least half of the models.
@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import yaml
 
-from megarl.bench import report
-from megarl.bench.fit import power_law
+from megarl.bench import report, report_render
 from megarl.errors import ConfigError
+from megarl.launch.fit import power_law
 from megarl.launch.placement import param_counts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,7 +201,7 @@ def render_sweep_markdown(rep: dict[str, Any]) -> str:
         v = ", ".join(f"{m}: {_fmt_fit(x)}" for m, x in f["recovery_vs_versions"].items())
         out.append(f"| {name} | {p} | {v} |")
     out += ["", "## Publish stall per publish against model size (median ms)", ""]
-    out += report.stall_table({f"{r['model']} eta{r['eta']} {r['strategy']}": r["stall_parts_s"] for r in rows})
+    out += report_render.stall_table({f"{r['model']} eta{r['eta']} {r['strategy']}": r["stall_parts_s"] for r in rows})
     out += ["", "`scaling.png`: recovery seconds against parameters and against distinct versions per batch, "
             "publish stall against parameters, extra bytes held against eta.", ""]
     return "\n".join(out)

@@ -5,7 +5,7 @@ OMP_NUM_THREADS."""
 from __future__ import annotations
 
 from megarl.config.schema import RolloutConfig
-from megarl.cpu_affinity import check_cores, machine_cores, parse_cores
+from megarl.platform.cpu_affinity import check_cores, machine_cores, parse_cores
 from megarl.rollout.base import engine_options
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from megarl.bench.report import print_table
+from megarl.bench.report_render import print_table
 from megarl.errors import ConfigError
 
 

@@ -32,7 +32,7 @@ def run(args) -> int:
 
 
 def read_step(step_dir: Path) -> int:
-    from megarl.checkpoint import read_manifest
+    from megarl.checkpoint.run_checkpoint import read_manifest
 
     return int(read_manifest(step_dir)["step"])
 
@@ -40,7 +40,8 @@ def read_step(step_dir: Path) -> int:
 def export_hf(checkpoint: str | Path, output: str | Path) -> Path | None:
     """Export ``checkpoint`` to ``output``; returns ``output`` on trainer rank 0 (None on the others)."""
     from megarl.builder import build_trainer, load_run_config  # Megatron: only when the command runs
-    from megarl.checkpoint import is_reshardable, verify_checkpoint
+    from megarl.checkpoint.rank_state import is_reshardable
+    from megarl.checkpoint.run_checkpoint import verify_checkpoint
     from megarl.preflight import ensure_checkpoint
     from megarl.tokenizer import RunTokenizer
     from megarl.trainer.parallel import init_ranks

@@ -26,17 +26,17 @@ import sys
 
 from megarl.config.run_output import apply_umask
 from megarl.errors import ConfigError
+from megarl.isolation.key_files import KeyFiles, key_dir_base
+from megarl.isolation.process_isolation import protect
+from megarl.isolation.secret_env import STOP_KEY_ENV, give_secret
 from megarl.launch import cluster, host_memory, memory
 from megarl.launch.cluster import short_host
 from megarl.launch.engine_key_env import ensure_run_keys
-from megarl.launch.key_files import KeyFiles, key_dir_base
 from megarl.launch.listen_check import loopback_listener_problem, master_host_problem
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.placement import load_hf_config, resolve_plan
 from megarl.launch.role_commands import LaunchSettings, render
 from megarl.launch.runner import latch_launch_stops, run_commands, stop_marker_for
-from megarl.process_isolation import protect
-from megarl.secret_env import STOP_KEY_ENV, give_secret
 
 
 def register(sub) -> None:

@@ -20,15 +20,15 @@ import socket
 import sys
 import threading
 
-from megarl import batch_invariant
 from megarl.config.loader import dump_yaml
 from megarl.errors import ConfigError
+from megarl.isolation.secret_env import take_all_secrets
 from megarl.launch.listen_check import gloo_interface_env, server_listen_address
 from megarl.launch.overlays import add_overlay_flags, command_overrides
 from megarl.launch.roles import RoleEnv, current_role
+from megarl.platform import batch_invariant
 from megarl.rollout.base import engine_options, wants_routed_experts
 from megarl.rollout.server import serve
-from megarl.secret_env import take_all_secrets
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget
 
 log = logging.getLogger("megarl.serve_role")
@@ -81,7 +81,7 @@ def _run(args) -> int:
         print(check_only(cfg))
         return 0
     role = current_role()
-    take_all_secrets()  # held in memory from here on; /proc/<pid>/environ shows none (megarl/secret_env.py)
+    take_all_secrets()  # held in memory from here on; /proc/<pid>/environ shows none (megarl/isolation/secret_env.py)
     if role.role != "trainer":
         if early_stop.received is not None:
             raise RunStopped(f"{role.role}: stopped by {early_stop.received} before it started serving")

@@ -1,7 +1,7 @@
 """`megarl trust-checkpoint RUN_DIR/checkpoints/step_N`: sign a checkpoint its run's key did not sign.
 
 A resume loads only checkpoints whose manifest is signed with the run's checkpoint key
-(megarl/run_key.py). Two kinds are not: one written by a megarl from before checkpoints were signed, and one
+(megarl/isolation/run_key.py). Two kinds are not: one written by a megarl from before checkpoints were signed, and one
 changed after it was written. This command is for the first kind, by a user who knows where the files came
 from: it checks every file against the manifest's sha256 and size (a damaged checkpoint is refused, naming the
 file), loads none of them, and signs the manifest with the run's key (made when the run has none). Whatever the
@@ -23,8 +23,8 @@ def register(sub) -> None:
 
 def trust(step_dir: str | Path) -> Path:
     """Check ``step_dir``'s files against its manifest and sign the manifest; the manifest's path."""
-    from megarl.checkpoint_files import MANIFEST, check_files, read_manifest, run_dir_of
-    from megarl.run_key import checkpoint_key, sign
+    from megarl.checkpoint.files import MANIFEST, check_files, read_manifest, run_dir_of
+    from megarl.isolation.run_key import checkpoint_key, sign
 
     step_dir = Path(step_dir)
     manifest = read_manifest(step_dir)

@@ -40,7 +40,7 @@ def register(sub) -> None:
 def run(args) -> int:
     # the loop's modules (torch, Megatron) load only when the command runs, not for `megarl --help`
     from megarl.builder import strategy_names
-    from megarl.exactness import DEFAULT_TOL, failures, verify_recovery
+    from megarl.verify.exactness import DEFAULT_TOL, failures, verify_recovery
 
     tol = DEFAULT_TOL if args.tol is None else args.tol
     if not (math.isfinite(tol) and tol >= 0):

@@ -141,7 +141,7 @@ class RolloutConfig:
     max_turns: int = 4
     """Policy turns per trajectory in the multi_turn workflow."""
     weight_sync: Literal["disk", "broadcast"] = "disk"
-    """How new weights reach the engines: safetensors on shared disk, or a broadcast group from trainer rank 0 (gloo; NCCL from a CUDA trainer to engines with their own commands and GPUs; megarl/publish.py), which also writes each version to disk for engine restarts and checkpoints."""
+    """How new weights reach the engines: safetensors on shared disk, or a broadcast group from trainer rank 0 (gloo; NCCL from a CUDA trainer to engines with their own commands and GPUs; megarl/rollout/publish.py), which also writes each version to disk for engine restarts and checkpoints."""
     bucket_mb: int = 256
     """Bucket size of the broadcast weight sync in MB (one tensor larger than that travels alone)."""
     shard_weight_sync: bool = True
@@ -161,7 +161,7 @@ class RolloutConfig:
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
     batch_invariant: bool = False
-    """Batch-invariant kernels (GPU only, vllm engines, dense models): the trainer runs megatron-core's batch_invariant_mode (needs flash_attn) and every engine vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so neither side's log-prob of a token depends on its batch; engine and trainer still run different kernels (r_d stays measured); slower on both sides; refused on CPU and for MoE models (megarl/batch_invariant.py)."""
+    """Batch-invariant kernels (GPU only, vllm engines, dense models): the trainer runs megatron-core's batch_invariant_mode (needs flash_attn) and every engine vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so neither side's log-prob of a token depends on its batch; engine and trainer still run different kernels (r_d stays measured); slower on both sides; refused on CPU and for MoE models (megarl/platform/batch_invariant.py)."""
     publish_timeout_s: float = 600.0
     """Seconds each engine has to load a published version (disk or broadcast), and to return the requests a publish aborted; an engine that has not by then is taken for wedged, restarted (it loads that version; its requests are sent again) or, when it cannot be, dropped, and the publish goes on without it (0 = no limit)."""
     generate_timeout_s: float | Literal["auto"] = "auto"
@@ -265,7 +265,7 @@ class RecoveryConfig:
 
 @dataclass
 class CpuAffinityConfig:
-    """CPU cores of the roles on this machine (megarl/cpu_affinity.py); an empty list leaves a role unpinned. Reward workers and the dedicated scorer are not pinned to cores of their own."""
+    """CPU cores of the roles on this machine (megarl/platform/cpu_affinity.py); an empty list leaves a role unpinned. Reward workers and the dedicated scorer are not pinned to cores of their own."""
 
     trainer: list[int] = field(default_factory=list)
     """Cores of the trainer process (the controller runs in it); torch uses one thread per core, e.g. [0]."""

@@ -1,4 +1,5 @@
-"""The programs that run inside an isolated command's namespaces (megarl/process_isolation.py builds the prefix).
+"""The programs that run inside an isolated command's namespaces (megarl/isolation/process_isolation.py builds the
+prefix).
 
 Each is a standalone script run as ``python -I -S <file>``: standard library only, no import of megarl, since it
 runs before (ns_setup.py) or beside (ns_init.py, forwarder.py) the untrusted command.

@@ -53,7 +53,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megarl.bench.fit import nonneg_lstsq
+from megarl.launch.fit import nonneg_lstsq
 from megarl.launch.memory import dedicated_memory, largest_tensor
 from megarl.launch.placement import param_counts
 from megarl.launch.recovery_bytes import FP32, SWAPPING, ewma_phi, snapshot_storage

@@ -11,7 +11,7 @@ where the launching environment has none, a fresh random secret
 (``secrets.token_hex``), and always a fresh stop key, which signs the stop marker
 trainer rank 0 writes for this launcher (megarl/stop_protocol.py), and a world
 key, which every trainer rank proves to join the trainer world's store
-(megarl/trainer/world_store.py). megarl/launch/key_files.py hands them to each command
+(megarl/trainer/world_store.py). megarl/isolation/key_files.py hands them to each command
 in a file of its own. torchrun across several nodes is the exception: each
 node runs its own ``megarl launch``, so the key must be exported on every
 node by hand (each launch takes it from its environment at once).
@@ -22,8 +22,7 @@ import secrets
 from typing import MutableMapping
 
 from megarl.errors import ConfigError
-from megarl.rollout.engine_key import engine_key_from_env, new_engine_key
-from megarl.secret_env import (
+from megarl.isolation.secret_env import (
     DEDICATED_AUTHKEY_ENV,
     ENGINE_KEY_ENV,
     SECRET_ENV_VARS,
@@ -31,6 +30,7 @@ from megarl.secret_env import (
     WORLD_KEY_ENV,
     take_secret,
 )
+from megarl.rollout.engine_key import engine_key_from_env, new_engine_key
 
 
 def has_own_engines(plan) -> bool:

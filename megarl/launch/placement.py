@@ -27,7 +27,8 @@ from megarl.config.input_paths import where_looked
 from megarl.errors import ConfigError
 from megarl.launch.cluster import Allocation, compress_hosts
 from megarl.launch.plan_parts import ServerPlan, TrainerPlan, with_server_addresses
-from megarl.launch.role_commands import describe_plan, render
+from megarl.launch.plan_table import describe_plan
+from megarl.launch.role_commands import render
 from megarl.rollout.router import group_ranks
 
 DEFAULT_MASTER_PORT = 29500

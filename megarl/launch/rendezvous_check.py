@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
+from megarl.trainer.mpi_bootstrap import bootstrap_env_from_mpi
 
 
 def main() -> int:

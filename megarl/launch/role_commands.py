@@ -1,4 +1,4 @@
-"""Render a :class:`~megarl.launch.placement.Plan` as per-role commands (torchrun, slurm, mpirun) and as a table.
+"""Render a :class:`~megarl.launch.placement.Plan` as per-role commands (torchrun, slurm, mpirun).
 
 Every role runs the one entry point, ``python -m megarl.train --config X
 [key=value ...]``; what differs is the launcher around it and the role's
@@ -22,7 +22,7 @@ never ends in its SIGKILL mid-checkpoint. Slurm steps ask for GPUs with
 passes on is refused by recent Slurm), and each step writes its own log.
 mpirun passes the user's environment on to remote ranks (:func:`forwarded_env`),
 never a run secret: a command that needs one gets the path of its own key
-file (``-x NAME_FILE``, megarl/launch/key_files.py).
+file (``-x NAME_FILE``, megarl/isolation/key_files.py).
 """
 from __future__ import annotations
 
@@ -32,11 +32,10 @@ import socket
 from dataclasses import dataclass, field
 
 from megarl.errors import ConfigError
-from megarl.launch.cluster import compress_hosts
+from megarl.isolation.secret_env import DEDICATED_AUTHKEY_ENV, FILE_SUFFIX
 from megarl.launch.engine_key_env import has_own_engines
 from megarl.launch.slurm_scripts import engine_tasks_script, node_rank_script
 from megarl.rollout.engine_key import ENGINE_KEY_ENV
-from megarl.secret_env import DEDICATED_AUTHKEY_ENV, FILE_SUFFIX
 from megarl.stop_protocol import STOP_MARKER_ENV
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
@@ -246,7 +245,7 @@ def _slurm_shared_engines(plan, engines, python: str, settings: LaunchSettings) 
     return RoleCommand(name, "engine", "", tuple(srun + ["bash", "-c", script]), True)
 
 
-# -- mpirun: MPI starts the ranks; megarl.launch.mpi_bootstrap turns them into a torch world ----------
+# -- mpirun: MPI starts the ranks; megarl.trainer.mpi_bootstrap turns them into a torch world ----------
 def forwarded_env(names: tuple[str, ...] = (), env=None) -> list[str]:
     """The variables mpirun passes on to remote ranks: PATH, LD_LIBRARY_PATH, those of this environment that
     start with :data:`FORWARD_PREFIXES`, and ``names`` (placement.forward_env) where set; never a run secret."""
@@ -270,7 +269,7 @@ def _mpirun_base(plan, n: int, hosts_slots: list[tuple[str, int]], settings: Lau
     if not local:
         argv += ["--host", ",".join(f"{h}:{k}" for h, k in hosts_slots), "--map-by", f"ppr:{hosts_slots[0][1]}:node"]
         argv += [a for name in forwarded_env(settings.forward_env) for a in ("-x", name)]
-        if authkey:  # the path of the command's own key file (megarl/launch/key_files.py), never the key
+        if authkey:  # the path of the command's own key file (megarl/isolation/key_files.py), never the key
             argv += ["-x", AUTHKEY_ENV + FILE_SUFFIX]
         if engine_key:
             argv += ["-x", ENGINE_KEY_ENV + FILE_SUFFIX]
@@ -311,61 +310,3 @@ def render(plan, launcher: str, *, python: str, bootstrap_check: bool = False,
         raise ConfigError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
     return {"torchrun": _torchrun, "slurm": _slurm, "mpirun": _mpirun}[launcher](
         plan, python, bootstrap_check, settings or LaunchSettings())
-
-
-# -- the human table ---------------------------------------------------------------------------------
-def _billions(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else str(n)
-
-
-def _gpu_ranges(ids) -> str:
-    ids = list(ids)
-    if not ids:
-        return "-"
-    return f"gpu {ids[0]}" if len(ids) == 1 else f"gpus {ids[0]}-{ids[-1]}"
-
-
-def describe_plan(plan) -> str:
-    m, t = plan.model, plan.trainer
-    moe = f", {m['experts']} experts top-{m['topk']}" if "experts" in m else ""
-    lines = [
-        f"model       {m['architecture']}: {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads{moe}, "
-        f"vocab {m['vocab']}; {_billions(m['params'])} params ({_billions(m['active_params'])} active)",
-        f"allocation  {plan.allocation.describe()}",
-        f"device      {plan.device}; recovery {plan.recovery}; engines {plan.backend}; weight sync {plan.weight_sync}",
-        "",
-        f"{'role':<11} {'node':<14} {'slots':<18} layout",
-    ]
-    unit = "GPUs" if plan.device == "gpu" else "ranks"
-    sp = ", sequence parallel" if t.sequence_parallel else ""
-    layout = (f"tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp} (expert dp={t.expert_dp}){sp}; "
-              f"{t.world_size} ranks, rank 0 = controller")
-    for i, h in enumerate(t.hosts):
-        slots = f"{t.ranks_per_node} {unit}" + (f" ({_gpu_ranges(t.gpu_ids)})" if t.gpu_ids else "")
-        lines.append(f"{'trainer':<11} {h:<14} {slots:<18} {layout if i == 0 else '(same world)'}")
-    for s in plan.servers:
-        at = f" on {s.address}" if s.address else ""
-        where = "spawned by the controller" if s.spawned else f"port {s.port}{at}"
-        what = "vLLM TP" if s.role == "engine" and plan.backend == "vllm" else "TP"
-        slots = _gpu_ranges(s.gpu_ids) if s.gpu_ids else "1 process"
-        lines.append(f"{s.name:<11} {s.host:<14} {slots:<18} {what}={s.tp}; {where}")
-    if plan.dedicated is None:
-        lines.append(f"{'dedicated':<11} {'-':<14} {'-':<18} none (recovery.name={plan.recovery})")
-    lines.append("")
-    one_node = "" if plan.master_port_explicit or len(t.hosts) > 1 else \
-        " (one trainer node: torchrun --standalone and mpirun pick a free local port instead)"
-    lines.append(f"rendezvous  MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}{one_node}")
-    if plan.weight_sync == "broadcast" and all(s.spawned for s in plan.servers):
-        lines.append("weights     gloo broadcast group set up by the controller with the engines it spawns")
-    elif plan.weight_sync == "broadcast":
-        backend = "NCCL" if plan.device == "gpu" else "gloo"
-        lines.append(f"weights     {backend} broadcast from trainer rank 0 at "
-                     f"{plan.master_addr}:{plan.weight_sync_port} "
-                     f"to {plan.weight_sync_world - 1} engine worker(s) (group of {plan.weight_sync_world})")
-    else:
-        lines.append("weights     safetensors under <run_dir>/weights, loaded by every engine")
-    used = plan.hosts_used
-    lines.append(f"nodes used  {len(used)}: {compress_hosts(used)}")
-    for note in plan.notes:
-        lines.append(f"note        {note}")
-    return "\n".join(lines)

@@ -10,7 +10,8 @@ MEGARL_ROLE                trainer, engine or dedicated
 MEGARL_ENGINE_ADDRS        trainer: host:port of every engine started by its own command
 MEGARL_DEDICATED_ADDR      trainer: host:port of the dedicated scorer started by its own command
 MEGARL_ENGINE_INDEX        engine: its index in rollout.n_engines
-MEGARL_DEDICATED_AUTHKEY   trainer / dedicated: the key of their TCP connection, taken at start (megarl/secret_env.py)
+MEGARL_DEDICATED_AUTHKEY   trainer / dedicated: the key of their TCP connection, taken at start
+                           (megarl/isolation/secret_env.py)
 MEGARL_SERVER_PORT         engine: the HTTP port to serve on; dedicated: the TCP port the trainer connects to
 MEGARL_SERVER_HOST         engine / dedicated: its node's address in the plan, which it serves on
 MEGARL_CONTROLLER_HOST     engine / dedicated: the node of the controller (trainer rank 0), which connects to it

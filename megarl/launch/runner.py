@@ -20,7 +20,7 @@ reports, the command exits with 75 when trainer rank 0 wrote the stop marker
 A stop during this command's own start is latched (``latch_launch_stops``): one
 before the trainer started starts nothing more and exits with 75; one while the
 trainer starts is held until trainer rank 0 says every rank catches stop
-signals (megarl/stop_ready.py), then delivered (``_Stopping``).
+signals (megarl/loop/stop_ready.py), then delivered (``_Stopping``).
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from megarl.launch.key_files import KeyFiles, child_env
+from megarl.isolation.key_files import KeyFiles, child_env
 from megarl.launch.role_commands import SHUTDOWN_MARGIN_S, RoleCommand
+from megarl.loop.stop_ready import ready_path
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, early_stop, read_stop_marker
-from megarl.stop_ready import ready_path
 
 #: the signal that carries a stop to the trainer's launcher process (module doc)
 FORWARD_SIGNAL = signal.SIGUSR1
@@ -75,7 +75,7 @@ class _Stopping:
     """The run's stop: when it began, and its delivery to the trainer processes once they can take it.
 
     A stop that comes while the trainer starts is held: SIGUSR1 would kill torchrun, or a rank, that has not
-    installed its handler yet. It is sent once trainer rank 0 wrote the ready file (megarl/stop_ready.py), to
+    installed its handler yet. It is sent once trainer rank 0 wrote the ready file (megarl/loop/stop_ready.py), to
     every trainer process started by then and to any started after; a trainer that never writes one (not
     megarl's) gets it ``stop_grace_s`` after the stop. A stop before the trainer started starts nothing more."""
 
@@ -129,7 +129,7 @@ def run_commands(commands: list, *, poll_s: float = 0.5, stop_marker: Path | Non
                  stop_grace_s: float = 90.0, key_files: KeyFiles | None = None) -> int:
     """Run RoleCommands (servers first); returns the trainer's exit code (or the first failure's), 75 for a
     clean stop (module doc). ``stop_marker``: the file the trainer's commands name in MEGARL_STOP_MARKER.
-    ``key_files``: the run's keys, written for each command just before it starts (megarl/launch/key_files.py);
+    ``key_files``: the run's keys, written for each command just before it starts (megarl/isolation/key_files.py);
     whatever no reader took is removed when this returns."""
     ordered = sorted(commands, key=lambda c: not c.server)
     procs: list[tuple[RoleCommand, subprocess.Popen]] = []

@@ -130,7 +130,7 @@ def transformer_config_from_hf(hf: dict, *, tp: int = 1, pp: int = 1, ep: int = 
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=grouped_gemm,
-            # each router gets a RouterReplay; it routes live until megarl/models/routing_replay.py sets routes
+            # each router gets a RouterReplay; it routes live until megarl/trainer/routing_replay.py sets routes
             moe_enable_routing_replay=True,
         )
     fields = dict(

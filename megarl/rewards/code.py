@@ -17,7 +17,7 @@ The sandbox is one subprocess (``python -I``) with:
 - no network and no sight of other processes or of the run's files: an empty
   network namespace, a PID namespace of its own, a read-only filesystem with
   the run directory hidden and only its directory and a private /tmp
-  writable, every capability dropped (megarl/process_isolation.py). Where this machine cannot make them the
+  writable, every capability dropped (megarl/isolation/process_isolation.py). Where this machine cannot make them the
   sandbox refuses to run (:class:`SandboxUnavailable`), unless
   ``reward.sandbox_allow_unisolated=true`` opted out (the run sets
   ``MEGARL_SANDBOX_ALLOW_UNISOLATED=1`` for its workers): then it runs with the
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.errors import ConfigError
-from megarl.process_isolation import isolation_prefix
+from megarl.isolation.process_isolation import isolation_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def allows_unisolated() -> bool:
 
 def sandbox_prefix(workdir: str) -> tuple[str, ...]:
     """The prefix every sandboxed command runs under, ``workdir`` its one writable directory beside its scratch
-    (megarl/process_isolation.py); SandboxUnavailable when there is none and the run did not opt out (then ()
+    (megarl/isolation/process_isolation.py); SandboxUnavailable when there is none and the run did not opt out (then ()
     and a warning, once)."""
     prefix = isolation_prefix(network="none", writable=(workdir,))
     if prefix:

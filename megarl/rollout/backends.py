@@ -6,15 +6,15 @@ name a backend stay light until they start one.
 """
 from __future__ import annotations
 
-from megarl.cpu_affinity import pin_process
 from megarl.errors import ConfigError
+from megarl.platform.cpu_affinity import pin_process
 from megarl.rollout.base import BACKENDS, Engine
 from megarl.rollout.vllm_engine import VLLMEngine
 
 
 async def make_engine(backend: str, checkpoint: str, *, cpu_cores: list[int] | None = None, **options) -> Engine:
     """Build an in-process engine; ``options`` go to the backend's ``create``. With ``cpu_cores`` this
-    process (and every process vLLM starts from it) is pinned to those cores first (megarl/cpu_affinity.py)."""
+    process (and every process vLLM starts from it) is pinned to those cores first (megarl/platform/cpu_affinity.py)."""
     if cpu_cores:
         pin_process(cpu_cores)
     if backend == "vllm":

@@ -28,8 +28,8 @@ import time
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
-from megarl.cpu_affinity import format_cores
 from megarl.errors import ConfigError, EngineError, InputError
+from megarl.platform.cpu_affinity import format_cores
 from megarl.types import GenerateRequest, GenerateResult
 
 BACKENDS = ("vllm", "hf")

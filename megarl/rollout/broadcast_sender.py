@@ -49,7 +49,7 @@ import torch.multiprocessing  # noqa: F401 - registers the tensor reducers that 
 
 from megarl.errors import EngineError
 
-log = logging.getLogger("megarl.publish")
+log = logging.getLogger("megarl.rollout.publish")
 
 
 class SenderProcess:

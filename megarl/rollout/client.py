@@ -22,10 +22,10 @@ from pathlib import Path
 import aiohttp
 
 from megarl import errors
-from megarl.cpu_affinity import format_cores
 from megarl.errors import EngineError
+from megarl.isolation.secret_env import pass_by_pipe, scrubbed_env
+from megarl.platform.cpu_affinity import format_cores
 from megarl.rollout.engine_key import ENGINE_KEY_ENV, auth_headers, engine_key_from_env, new_engine_key
-from megarl.secret_env import pass_by_pipe, scrubbed_env
 from megarl.types import GenerateRequest, GenerateResult
 
 
@@ -151,7 +151,8 @@ def launch_engine_process(checkpoint: str, backend: str = "vllm", port: int | No
     become ``--cpu-cores`` (placement.cpu_affinity.engines): the engine pins itself and vLLM's processes to them.
     ``env`` adds to this process's environment; a variable set to None is removed.
     The engine's key (``MEGARL_ENGINE_KEY`` of ``env`` or of this process, else a new one) goes to it through a
-    pipe (megarl/secret_env.py: never in its environment, where /proc shows it), and the returned client sends it;
+    pipe (megarl/isolation/secret_env.py: never in its environment, where /proc shows it), and the returned client
+    sends it;
     the run's other secrets do not go to it at all.
     """
     port = port or free_port(host)

@@ -40,7 +40,7 @@ import torch
 
 from megarl.models.bridge import write_hf_checkpoint
 from megarl.models.safetensors_stream import WriteStopped
-from megarl.rollout.weight_sync import unpack
+from megarl.rollout.bucket_format import unpack
 
 
 def buckets_as_tensors(buckets: list) -> dict[str, torch.Tensor]:

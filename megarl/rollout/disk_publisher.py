@@ -1,5 +1,5 @@
 """The disk publisher (``rollout.weight_sync=disk``): an HF checkpoint per version on (shared) disk, which
-every engine loads (megarl/publish.py has the publishers' protocol)."""
+every engine loads (megarl/rollout/publish.py has the publishers' protocol)."""
 from __future__ import annotations
 
 import asyncio

@@ -5,7 +5,7 @@ other request, on any endpoint, gets 401 and changes nothing (anyone who
 reaches the port could otherwise generate, abort or load weights from any
 path). The key comes from ``MEGARL_ENGINE_KEY`` (or a pipe or file it names),
 never from a command line (which other users of a host can read); each
-process takes it once and removes it from its environment (megarl/secret_env.py):
+process takes it once and removes it from its environment (megarl/isolation/secret_env.py):
 
 * engines the trainer starts itself (:func:`megarl.rollout.client.launch_engine_process`)
   get a fresh key per run, or the trainer's, through a pipe;
@@ -26,12 +26,12 @@ from typing import Any, Mapping
 from aiohttp import web
 
 from megarl.errors import ConfigError
-from megarl.secret_env import ENGINE_KEY_ENV, take_secret
+from megarl.isolation.secret_env import ENGINE_KEY_ENV, take_secret
 
 
 def engine_key_from_env(env: Mapping[str, str] | None = None) -> str:
     """The key in ``env``; "" when none is set. Without ``env``: this process's key, taken from its environment
-    (or the pipe or file it names) once and then held in memory only (megarl/secret_env.py)."""
+    (or the pipe or file it names) once and then held in memory only (megarl/isolation/secret_env.py)."""
     return take_secret(ENGINE_KEY_ENV) if env is None else env.get(ENGINE_KEY_ENV, "")
 
 

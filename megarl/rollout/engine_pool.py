@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from megarl import batch_invariant
 from megarl.config import MegaRLConfig
 from megarl.errors import ConfigError
+from megarl.platform import batch_invariant
 from megarl.rollout.base import wants_routed_experts
 from megarl.rollout.client import EngineClient, launch_engine_process, stop_engine_process
 from megarl.rollout.engine_key import ENGINE_KEY_ENV, engine_key_from_env, new_engine_key

@@ -35,7 +35,7 @@ blocks). megarl does not publish to quantized engines at all (:func:`refuse_quan
 quantized tensors and scales, megarl's trainer exports unquantized weights.
 
 The receiver widens each slice back into a zero tensor of the full shape
-(megarl/rollout/weight_sync.py :func:`~megarl.rollout.weight_sync.unpack`)
+(megarl/rollout/bucket_format.py :func:`~megarl.rollout.bucket_format.unpack`)
 and hands that to vLLM's unchanged loader, which reads exactly the slice
 it was sent: correctness rests on vLLM's loaders, and a slice rule that
 disagreed with them would load zeros, which tests/e2e/test_vllm_engine.py
@@ -150,7 +150,7 @@ def cut(t: torch.Tensor, s: Slice | None) -> torch.Tensor:
 
 def shard_rows(bucket: list[tuple[str, torch.Tensor]], rule: ShardRule, t: int) -> list[tuple[str, torch.Tensor]]:
     """Worker ``t``'s part of each tensor of one bucket; a sliced tensor carries its full shape and slice
-    (``tensor.megarl_slice``, read by :func:`~megarl.rollout.weight_sync.pack`)."""
+    (``tensor.megarl_slice``, read by :func:`~megarl.rollout.bucket_format.pack`)."""
     out = []
     for name, x in bucket:
         slices = rule(name, tuple(x.shape))

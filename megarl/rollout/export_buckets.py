@@ -22,7 +22,7 @@ buckets past it are packed in host shared memory as on CPU, and the sender
 copies each to the GPU as it sends it.
 
 The export is a collective (every trainer rank gathers each tensor over its
-TP/EP/PP groups; the followers replay it, megarl/trainer/spmd.py), and rank 0
+TP/EP/PP groups; the followers replay it, megarl/loop/spmd.py), and rank 0
 packs as it streams. If rank 0's consumer fails half-way (a device bucket
 that does not fit, a cast), the followers would wait in the next gather for
 good: :func:`consume_export` then drains the rest of the export on rank 0,
@@ -36,10 +36,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megarl.rollout.bucket_format import group_tensors, iter_buckets, pack, payload_bytes, unpack
 from megarl.rollout.engine_shards import ShardRule, shard_rows
-from megarl.rollout.weight_sync import group_tensors, iter_buckets, pack, payload_bytes, unpack
 
-log = logging.getLogger("megarl.publish")
+log = logging.getLogger("megarl.rollout.publish")
 
 
 class CollectiveExport:

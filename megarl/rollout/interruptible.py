@@ -113,7 +113,7 @@ class InterruptibleGeneration:
         returned result holds the whole turn. ``counted=False`` (evaluation)
         keeps the request out of the counters. ``carried``: the turn began
         before a restart and its first tokens are ``traj``'s last ``carried``
-        (megarl/running_groups.py): it goes on from them, as after an abort.
+        (megarl/loop/running_groups.py): it goes on from them, as after an abort.
         """
         k = len(traj.response_ids) - carried
         out_ids: list[int] = list(traj.response_ids[k:])

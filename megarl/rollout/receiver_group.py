@@ -11,7 +11,7 @@ completion and, every :data:`POLL_S` seconds, the group's rendezvous
 :class:`BroadcastLeft`, when
 
 * the publisher marked the publish aborted (its sender failed or missed a
-  step deadline: megarl/publish.py), or the rendezvous is gone with the
+  step deadline: megarl/rollout/publish.py), or the rendezvous is gone with the
   trainer;
 * no collective completed for ``timeout_s`` (the group's step deadline, the
   same one the trainer's side keeps).

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from megarl.errors import EngineError
 from megarl.rollout.engine_key import is_loopback
 
-log = logging.getLogger("megarl.publish")
+log = logging.getLogger("megarl.rollout.publish")
 #: what the rendezvous is called in its errors by default
 WEIGHT_SYNC = "weight broadcast rendezvous"
 #: the trainer world's (megarl/trainer/world_store.py)

@@ -1,5 +1,5 @@
 """How megarl starts a vLLM engine on CPU: the environment of vLLM's processes and the engine arguments that
-differ from vLLM's defaults there (megarl/rollout/vllm_engine.py applies them).
+differ from vLLM's defaults there (megarl/rollout/vllm_start.py applies them).
 
 - fp32 (set by the engine), eager mode, and ``TORCHDYNAMO_DISABLE=1`` (unless set) for vLLM's processes: the one
   thing left to compile is vLLM's logprob-rank helper, whose first call otherwise costs ~20 s of C++
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from megarl.cpu_affinity import omp_bind
+from megarl.platform.cpu_affinity import omp_bind
 
 #: tokens one scheduler step may process on a CPU engine (vLLM's default budget)
 CPU_STEP_TOKENS = 2048

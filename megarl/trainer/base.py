@@ -2,7 +2,7 @@
 
 :class:`TrainerProtocol` is the trainer as the controller, the publishers and
 the checkpointer see it: :class:`~megarl.trainer.megatron_trainer.MegatronTrainer`
-with one rank, :class:`~megarl.trainer.spmd.DrivingTrainer` (rank 0 announcing
+with one rank, :class:`~megarl.loop.spmd.DrivingTrainer` (rank 0 announcing
 every collective to the other ranks) with several. :class:`ScoringTrainer` is
 what a recovery strategy runs on its own rank's trainer (``RecoveryContext.trainer``,
 recovery/base.py): forwards and parameter swaps. MegatronTrainer is both; the

@@ -31,7 +31,8 @@ EP2 -> EP1 of the tiny MoE (tests/distributed/test_reshard.py). A bf16 run goes 
 its same-layout resume is tested (tests/distributed/test_checkpoint_multirank.py), a bf16 reshard is not.
 What must match: the dtype (a bf16 run's optimizer holds fp32 main parameters, an fp32 run's
 does not) and the kind of optimizer (distributed or not: a load across kinds is refused, as it is
-untested); the model's shape is the run checkpoint's check (megarl/checkpoint.py). The RNG state is restored
+untested); the model's shape is the run checkpoint's check (megarl/checkpoint/settings.py). The RNG state is
+restored
 per rank when the world size is the same, else every rank takes rank 0's.
 
 The save is written in this process (megarl/trainer/sharded_write.py: megatron's own writer starts
@@ -50,8 +51,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_files import load_plain
 from megarl.errors import CheckpointError
+from megarl.trainer.plain_data import load_plain
 from megarl.trainer.sharded_write import quiet_upstream, save_sharded
 from megarl.trainer.state import load_trainer_state, unshare_adam_steps
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-#: an expert index meaning "route live" (megarl/models/routing_replay.py NO_ROUTE)
+#: an expert index meaning "route live" (megarl/trainer/routing_replay.py NO_ROUTE)
 LIVE = -1
 
 

@@ -42,12 +42,13 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.batch_invariant import enable_in_trainer
 from megarl.errors import ConfigError, InputError
-from megarl.models import entropy, routing_replay
+from megarl.models import entropy
 from megarl.models.bridge import export_hf_weights, load_hf_weights, read_hf_config, save_hf_checkpoint
 from megarl.models.build import grouped_gemm, use_transformer_engine
 from megarl.models.hf_config import is_moe, transformer_config_from_hf, validate_parallel
+from megarl.platform.batch_invariant import enable_in_trainer
+from megarl.trainer import routing_replay
 from megarl.trainer.chunks import build_chunks
 from megarl.trainer.dist_state import load_reshardable, save_reshardable
 from megarl.trainer.layouts import model_inputs, row_lengths, schedule_shape
@@ -111,7 +112,7 @@ class MegatronTrainer(ParamCopies):
                                                  grouped_gemm=grouped_gemm())
         # keep returned losses as they are and sum DP gradients (module doc)
         self.config.calculate_per_token_loss = True
-        #: rollout.batch_invariant (megarl/batch_invariant.py); a dedicated scorer is built in the same mode
+        #: rollout.batch_invariant (megarl/platform/batch_invariant.py); a dedicated scorer is built in the same mode
         self.batch_invariant = bool(batch_invariant)
         if batch_invariant:  # before the model is built
             enable_in_trainer(self.config)
@@ -129,7 +130,7 @@ class MegatronTrainer(ParamCopies):
         self.model = build_chunks(self.hf_config, self.config, self.temperature, forward_only=self.forward_only,
                                   use_distributed_optimizer=use_distributed_optimizer,
                                   allow_local_spec=self.allow_local_spec)
-        #: MoE layers whose routers can replay an engine's routes (0: dense; megarl/models/routing_replay.py)
+        #: MoE layers whose routers can replay an engine's routes (0: dense; megarl/trainer/routing_replay.py)
         self.n_moe_layers = routing_replay.install(self.model)
         load_hf_weights(self.model, checkpoint_dir, self.hf_config, self.config)
         self.optimizer = None  # built on the first train_step: logprobs-only users never pay for it

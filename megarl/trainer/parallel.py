@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError, TrainingError
-from megarl.launch.mpi_bootstrap import bootstrap_env_from_mpi
+from megarl.isolation.secret_env import remove_shared_files
 from megarl.platform import prepare_megatron
 from megarl.platform.cpu import seed_model_parallel_rng
-from megarl.secret_env import remove_shared_files
+from megarl.trainer.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.trainer.world_store import authenticated_store
 
 

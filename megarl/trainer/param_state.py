@@ -28,8 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_files import load_plain
 from megarl.errors import CheckpointError
+from megarl.trainer.plain_data import load_plain
 from megarl.trainer.sharded_write import quiet_upstream, save_sharded
 
 #: marks where a parameter dict was in the pickled rest of a strategy's state

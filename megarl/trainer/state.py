@@ -6,7 +6,7 @@ optimizer's DP shard of exp_avg / exp_avg_sq / main params through megatron's
 version, the dtype, the parallel layout and the RNG states. A resume needs the
 same world size, layout and dtype; each is checked with an error that names
 the file. The run-level checkpoint (controller, buffer, strategy) is
-megarl/checkpoint.py.
+megarl/checkpoint/run_checkpoint.py.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_files import load_plain
 from megarl.errors import CheckpointError
+from megarl.trainer.plain_data import load_plain
 
 
 def save_trainer_state(trainer, out_dir: str) -> str:

@@ -3,7 +3,8 @@
 ``init_process_group(init_method="env://")`` gives the ranks torch's TCPStore at ``MASTER_ADDR:MASTER_PORT``
 (torchrun's own under torchrun), which takes any client: whoever reaches the port lists every key (the gloo
 ranks' addresses, NCCL's ids) and writes one (points a rank elsewhere). With the world key
-(``MEGARL_WORLD_KEY``, megarl/secret_env.py: `megarl launch` makes one per launch and hands it to every trainer
+(``MEGARL_WORLD_KEY``, megarl/isolation/secret_env.py: `megarl launch` makes one per launch and hands it to every
+trainer
 rank in its key file) the ranks meet in megarl's authenticated store instead (megarl/rollout/rendezvous.py: a
 client must prove the key before anything is read, and the server proves it too): rank 0 serves it on the
 address it reaches ``MASTER_ADDR`` from (``placement.weight_sync_bind`` is not involved), and torch's store
@@ -20,9 +21,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megarl.isolation.secret_env import WORLD_KEY_ENV, take_secret
 from megarl.launch.listen_check import check_world_address, route_address
 from megarl.rollout.rendezvous import WORLD_STORE, RendezvousServer, RendezvousStore
-from megarl.secret_env import WORLD_KEY_ENV, take_secret
 
 log = logging.getLogger("megarl.trainer")
 #: the key of torch's store that says where the authenticated one listens

@@ -7,7 +7,7 @@ killed and replaced. A successful call comes back as ``("ok", value)``.
 
 Workers are fresh interpreters (see ``process.py``), never forks of the
 trainer's or engine's process with its threads and CUDA state, and they
-start without the run's secrets in their environment (megarl/secret_env.py):
+start without the run's secrets in their environment (megarl/isolation/secret_env.py):
 user code runs there. What a worker
 runs is set by its ``mode`` (``process.HANDLERS``) and ``target``. Waiting
 uses ``loop.add_reader``, so it needs a Unix selector event loop (the asyncio
@@ -27,9 +27,9 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from megarl.cpu_affinity import release
 from megarl.errors import ConfigError
-from megarl.secret_env import user_code_env
+from megarl.isolation.secret_env import user_code_env
+from megarl.platform.cpu_affinity import release
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Worker:
                 f"from megarl.workers.process import main; main({fd})")
         self.proc = subprocess.Popen([sys.executable, "-c", boot], pass_fds=[fd], stdin=subprocess.DEVNULL,
                                      env=user_code_env(keep_megarl=True))
-        release(self.proc.pid)  # a pinned trainer's workers may run on any core (megarl/cpu_affinity.py)
+        release(self.proc.pid)  # a pinned trainer's workers may run on any core (megarl/platform/cpu_affinity.py)
         child_sock.close()  # so the worker's death shows here as EOF
         self.conn = Connection(parent_sock.detach())
         self.conn.send(config)

@@ -18,12 +18,12 @@ episode the same way.
 
 Secrets and isolation. The command starts with megarl's environment minus
 the run's secrets and its rendezvous, rank and job variables
-(megarl/secret_env.py ``user_code_env``: no engine, scorer, service or stop
+(megarl/isolation/secret_env.py ``user_code_env``: no engine, scorer, service or stop
 key, no ``MASTER_ADDR``), holding only its own episode key, in a PID
 namespace of its own with every capability dropped, a read-only filesystem
 with the run directory hidden and a private ``/tmp``, and (with
 ``agent.command_network=endpoint``, the default) a network in which only the
-agent endpoint answers (megarl/process_isolation.py). So it can read neither
+agent endpoint answers (megarl/isolation/process_isolation.py). So it can read neither
 the run's processes nor another episode's command (their
 ``/proc/<pid>/environ`` or memory), change no checkpoint, source file or
 package, plant no stop marker, and reach no store or port of the run. Where
@@ -57,8 +57,8 @@ from typing import Any
 from megarl.agents.client import AgentClient, AgentLimits
 from megarl.agents.http_server import SHARED, AgentHttpServer
 from megarl.errors import ConfigError
-from megarl.process_isolation import exit_status, isolation_prefix
-from megarl.secret_env import AGENT_SERVICE_KEY_ENV, take_secret, user_code_env
+from megarl.isolation.process_isolation import exit_status, isolation_prefix
+from megarl.isolation.secret_env import AGENT_SERVICE_KEY_ENV, take_secret, user_code_env
 from megarl.types import Trajectory
 from megarl.workflows.agent import AgentWorkflow
 from megarl.workflows.agent_failures import command_help, service_help

@@ -40,7 +40,7 @@ class Workflow(Protocol):
     """Rolls out ``traj`` (prompt filled in, response empty) and returns it completed.
 
     A workflow with ``resumable = True`` also takes ``resume``, a :class:`TurnPoint`: ``traj`` was restored from
-    a checkpoint mid-episode and goes on from there (megarl/running_groups.py).
+    a checkpoint mid-episode and goes on from there (megarl/loop/running_groups.py).
     """
 
     async def run(self, traj: Trajectory, generate: GenerateFn) -> Trajectory: ...

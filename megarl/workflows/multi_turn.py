@@ -20,7 +20,7 @@ from megarl.workflows.base import GenerateFn, ToolEnv, TurnPoint, append_turn
 
 
 class MultiTurnWorkflow:
-    #: continues an episode a restart cut, in its turn (``resume``: megarl/running_groups.py)
+    #: continues an episode a restart cut, in its turn (``resume``: megarl/loop/running_groups.py)
     resumable = True
 
     def __init__(self, sampling: SamplingParams, env: ToolEnv, max_turns: int = 4,
@@ -33,7 +33,7 @@ class MultiTurnWorkflow:
         self.max_response_len = max_response_len or sampling.max_new_tokens
 
     async def run(self, traj: Trajectory, generate: GenerateFn, resume: TurnPoint | None = None) -> Trajectory:
-        """``resume``: where a checkpoint cut the episode (megarl/running_groups.py): in turn ``resume.turn``,
+        """``resume``: where a checkpoint cut the episode (megarl/loop/running_groups.py): in turn ``resume.turn``,
         whose tokens so far the controller's ``generate`` goes on from, or after it ended with a call whose
         answer had not come (the environment is asked again)."""
         call = self.env.tool_call_id

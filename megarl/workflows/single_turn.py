@@ -8,7 +8,7 @@ from megarl.workflows.base import GenerateFn, TurnPoint, append_turn
 class SingleTurnWorkflow:
     """One ``generate`` call on the prompt; every response token is a policy token."""
 
-    #: continues an answer a restart cut (``resume``: megarl/running_groups.py)
+    #: continues an answer a restart cut (``resume``: megarl/loop/running_groups.py)
     resumable = True
 
     def __init__(self, sampling: SamplingParams) -> None:

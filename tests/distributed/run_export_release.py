@@ -2,7 +2,7 @@
 
 The exporter gathers each tensor's two halves over the world group, one
 all_gather per tensor, as megarl's TP/EP export does (megarl/models/bridge.py),
-and the follower consumes it as megarl/trainer/spmd.py's follower loop does.
+and the follower consumes it as megarl/loop/spmd.py's follower loop does.
 Rank 0 runs the real BroadcastPublisher.prepare in the device flow (the CPU
 standing in for the trainer's GPU, as in tests/unit/test_export_buckets.py),
 whose packing fails at the third bucket as a device bucket that does not fit
@@ -54,7 +54,7 @@ def main() -> None:
     trainer = HalvesExporter(rank)
     if rank == 0:
         import megarl.rollout.export_buckets as export_buckets
-        from megarl.publish import BroadcastPublisher
+        from megarl.rollout.publish import BroadcastPublisher
 
         real_pack, calls = export_buckets.pack, []
 

@@ -1,4 +1,4 @@
-"""The loop's multi-rank path with routing replay: rank 0 drives, rank 1 follows (megarl/trainer/spmd.py).
+"""The loop's multi-rank path with routing replay: rank 0 drives, rank 1 follows (megarl/loop/spmd.py).
 
 Used by tests/distributed/run_parallel.py (mode ``ep2_loop_replay``). Rank 0 turns the fixed batch with
 its hand-built routes into trajectories and calls a scoring strategy's ``anchor`` (the followers rebuild
@@ -70,8 +70,8 @@ def drive_or_follow(trainer, batch, loss_fn) -> dict:
     """One anchor, train step and post-step scoring through the control channel; what this rank saw."""
     import torch.distributed as dist
 
-    from megarl.trainer.follower import FollowerView, follow
-    from megarl.trainer.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
+    from megarl.loop.follower import FollowerView, follow
+    from megarl.loop.spmd import ControlChannel, DrivingStrategy, DrivingTrainer
 
     channel = ControlChannel()
     if dist.get_rank() == 0:

@@ -32,7 +32,7 @@ MODES = {
     "dp2": ("dense", 1, 1, 1, True, False),
     "ep2": ("moe", 1, 1, 2, False, False),
 }
-#: the same layouts replaying hand-built MoE routes (megarl/models/routing_replay.py)
+#: the same layouts replaying hand-built MoE routes (megarl/trainer/routing_replay.py)
 REPLAY = {"single_moe_replay": "single_moe", "ep2_replay": "ep2", "tp2_moe_replay": "tp2_moe"}
 #: the loop's rank 0 driving a follower through its control channel, replaying (tests/distributed/run_loop_replay.py)
 LOOP = {"ep2_loop_replay": "ep2"}

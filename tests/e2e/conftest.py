@@ -63,11 +63,11 @@ def assert_exact_fp32(name: str, s: dict) -> None:
 
 
 def assert_namespaced(lines: list[dict], verl: bool = True) -> None:
-    """Every metrics.jsonl key of a run has a dashboard namespace (megarl/metric_names.py), and (``verl``) every
+    """Every metrics.jsonl key of a run has a dashboard namespace (megarl/loop/metric_names.py), and (``verl``) every
     verl equivalent the docs list names a metric the run logged."""
-    from megarl.metric_names import NAMESPACES, VERL_EQUIVALENTS, dashboard_name
+    from megarl.loop.metric_names import NAMESPACES, VERL_EQUIVALENTS, dashboard_name
 
     keys = {k for r in lines for k in r if k != "step"}
     lost = sorted(k for k in keys if dashboard_name(k).split("/", 1)[0] not in NAMESPACES)
-    assert not lost, f"metrics without a namespace (add them to megarl/metric_names.py): {lost}"
+    assert not lost, f"metrics without a namespace (add them to megarl/loop/metric_names.py): {lost}"
     assert not verl or set(VERL_EQUIVALENTS) <= {dashboard_name(k) for k in keys}

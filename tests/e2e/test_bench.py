@@ -19,7 +19,7 @@ from pathlib import Path
 
 from conftest import ENGINE_VARS
 
-from megarl.cpu_affinity import format_cores
+from megarl.platform.cpu_affinity import format_cores
 
 REPO = Path(__file__).resolve().parents[2]
 MEGARL = shutil.which("megarl", path=str(Path(sys.executable).parent)) or "megarl"

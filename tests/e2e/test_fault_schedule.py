@@ -11,7 +11,7 @@ damaged one aside, checkpoints after every step and is stopped by SIGTERM
 (checkpoint, exit code 75). Attempt 3 resumes and finishes.
 
 Checked at the end (the definitions of "accepted" and "trained" are
-megarl/checkpoint.py's): metrics hold steps and versions 1..N without a gap or a
+megarl/checkpoint/run_checkpoint.py's): metrics hold steps and versions 1..N without a gap or a
 repeat; every trajectory accepted before the checkpoint an attempt resumed from
 is trained exactly once, later accepts of that attempt are generated again under
 new ids (or, running at that checkpoint, kept in it and continued under their own),
@@ -223,7 +223,7 @@ def test_a_seeded_schedule_of_faults_loses_nothing(ckpt, tmp_path):
         assert trained_lines[:step] == [r for r in journal["trained_ids.jsonl"] if r["step"] <= step]
     assert redone[0], f"attempt 1 accepted nothing after step {back_to}'s checkpoint: nothing was redone"
     # the end: every trajectory accepted up to the final checkpoint is trained once or waits in its buffer
-    from megarl.checkpoint import load_file
+    from megarl.checkpoint.run_checkpoint import load_file
 
     final = run / "checkpoints" / f"step_{TOTAL}"
     state = load_file(final / "controller.pt")["buffer"]

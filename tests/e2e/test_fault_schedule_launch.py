@@ -18,7 +18,7 @@ test knows, so that a key is recognised wherever it is found.
   checkpoint of the step reached, rank 1 stopped with rank 0;
 * attempt 2 (resumed): while it trains, no process of the run (the launch, torchrun's agent, both ranks, the
   engine and what they start) shows a key in /proc/<pid>/environ and rank 0 has deleted its key file
-  (megarl/launch/key_files.py); then SIGUSR1 to trainer rank 1 alone: the ranks agree at the step boundary, exit
+  (megarl/isolation/key_files.py); then SIGUSR1 to trainer rank 1 alone: the ranks agree at the step boundary, exit
   75 again, and the launch leaves no key directory;
 * attempt 3 (resumed): to trainer.total_steps, exit 0.
 
@@ -173,7 +173,7 @@ def assert_trained_once(journals, run) -> None:
     accepted = [i for r in jsonl(run / "accepted.jsonl") for i in r["traj_ids"]]
     # the journal names an episode by its first trajectory's id, the later ones are ID.tN
     assert len(accepted) == len(set(accepted)) and {re.sub(r"\.t\d+$", "", i) for i in trained} <= set(accepted)
-    from megarl.checkpoint import load_file
+    from megarl.checkpoint.run_checkpoint import load_file
 
     buffer = load_file(run / "checkpoints" / f"step_{TOTAL}" / "controller.pt")["buffer"]
     waiting = [t["traj_id"] for g in buffer["ready"] for t in g["trajectories"]]  # accepted, left for a next step
@@ -254,7 +254,7 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     log2 = base / "attempt2.log"
     second = start([*common, f"logging.resume={run}"], log2, env)
     wait_for(lambda: (run / "resumes.jsonl").exists() and len(jsonl(run / "metrics.jsonl")) >= k1 + 1, second, log2)
-    # while it trains, no process of the run keeps a key in its environment (megarl/launch/key_files.py)
+    # while it trains, no process of the run keeps a key in its environment (megarl/isolation/key_files.py)
     tree = commands(psutil.Process(second.pid).children(recursive=True))
     agents = [p for p, c in tree.items() if "torch.distributed.run" in c]
     assert len(agents) == 1 and sum("megarl.cli engine" in c for c in tree.values()) == 1, tree

@@ -27,8 +27,8 @@ from conftest import ROOT
 from test_multihost import KEYS, _wait, megarl_env
 from test_resume import jsonl
 
-from megarl.checkpoint_dirs import list_checkpoints
-from megarl.checkpoint_files import verify_checkpoint
+from megarl.checkpoint.dirs import list_checkpoints
+from megarl.checkpoint.files import verify_checkpoint
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable

@@ -9,7 +9,7 @@ as --signal=B:... does before the time limit; the run must checkpoint the step i
 the job (Restarts=1); started again at once (StartTime=now), the job resumes from the checkpoint and trains to
 the end with every step once and no trajectory trained twice. Each srun step writes its own log. The trainer
 runs 2 ranks and the workflow is multi-turn; the stop's checkpoint keeps the groups still running whole
-(megarl/running_groups.py) and the resumed job continues them, each episode at its turn: no trajectory is
+(megarl/loop/running_groups.py) and the resumed job continues them, each episode at its turn: no trajectory is
 generated again, and every partial one the checkpoint kept is trained under its own id.
 
 Slurm comes from scripts/install_slurm.sh (scripts/test.sh runs it); without it (or without root, which the
@@ -27,7 +27,7 @@ from conftest import ROOT
 from slurm_local import LocalSlurm, missing_tools
 from test_resume import jsonl
 
-from megarl.checkpoint import load_file
+from megarl.checkpoint.run_checkpoint import load_file
 
 TOTAL = 6
 #: the multi-turn workflow (a tool answer between policy turns): the stop cuts episodes in a turn or between two,

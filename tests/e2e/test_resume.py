@@ -1,6 +1,6 @@
 """Nothing lost: the real `megarl train` CLI killed with SIGKILL and resumed, engines killed, NaN steps, bad resumes.
 
-What is checked after kill -9 + `--resume` (see megarl/checkpoint.py for the definitions):
+What is checked after kill -9 + `--resume` (see megarl/checkpoint/run_checkpoint.py for the definitions):
 
 * metrics.jsonl holds steps 1..N with versions 1..N, contiguous (lines of steps
   after the checkpoint, which the resumed run redoes, are rewound);
@@ -120,8 +120,8 @@ def kill_engine_and_finish(proc: subprocess.Popen, run: Path, log: Path) -> int:
 
 
 def kept_running(step_dir: Path) -> tuple[list[dict], set[str]]:
-    """The running groups a checkpoint kept whole (megarl/running_groups.py) and their trajectory ids."""
-    from megarl.checkpoint import load_file
+    """The running groups a checkpoint kept whole (megarl/loop/running_groups.py) and their trajectory ids."""
+    from megarl.checkpoint.run_checkpoint import load_file
 
     running = load_file(step_dir / "controller.pt")["running_groups"]
     return running, {t["traj_id"] for g in running for t in g["trajectories"]}
@@ -210,7 +210,7 @@ def test_sigkill_and_resume_loses_nothing(ckpt, tmp_path, strategy, backend):
     # every version a live token of its next checkpoint references (the ready groups' tokens). Whether an older
     # version is still live there depends on timing (the restored groups are trained at step k + 1; the new
     # ones may hold no token yet when it publishes): carried-over versions are compared where there are any
-    from megarl.checkpoint import load_file
+    from megarl.checkpoint.run_checkpoint import load_file
     kept0, kept1 = (strategy_state(ckpts / f"step_{s}")["versions"] for s in (k, k + 1))
     assert equal(kept0[k], params(trainer_state(ckpts / f"step_{k}")))
     assert equal(kept1[k + 1], params(trainer_state(ckpts / f"step_{k + 1}")))
@@ -254,7 +254,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(diverg
     assert [(m["step"], m["version"], m["skipped"], m["skip_reason"]) for m in metrics] == [
         (1, 0, 1.0, "non-finite grad norm"), (2, 0, 1.0, "non-finite grad norm")]
     assert not (run / "weights").exists() or not list((run / "weights").glob("v*")), "nothing was published"
-    from megarl.checkpoint import verify_checkpoint
+    from megarl.checkpoint.run_checkpoint import verify_checkpoint
 
     manifest = verify_checkpoint(run / "checkpoints" / "step_2")
     assert manifest["version"] == 0 and manifest["engine_version"] == 0

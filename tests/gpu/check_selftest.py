@@ -136,9 +136,9 @@ def _plan_vs_peak(need: Need, workdir: Path) -> None:
 def _publish_memory(need: Need, workdir: Path) -> None:
     from checks_publish import PUBLISH_MODEL, SHM_TOLERANCE, unit_stand_ins
 
-    from megarl import publish
     from megarl.launch.placement import param_counts
     from megarl.models.tiny import load_model_yaml
+    from megarl.rollout import publish
 
     missing = _has_params(publish.BroadcastPublisher.__init__, "trainer", "router", "weights_dir", "backend",
                           "timeout_s")
@@ -152,7 +152,7 @@ def _publish_memory(need: Need, workdir: Path) -> None:
     need("BroadcastPublisher's shared-bucket pool has no bytes_allocated / free_bytes()",
          isinstance(getattr(pool, "bytes_allocated", None), int) and callable(getattr(pool, "free_bytes", None)))
     pub.close()
-    need("megarl.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
+    need("megarl.rollout.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
     try:
         stand_in, shmem = unit_stand_ins()
     except Exception as e:  # noqa: BLE001 - reported as the problem it is
@@ -173,11 +173,11 @@ def _cuda_ipc(need: Need, workdir: Path) -> None:
     import torch.multiprocessing
     from checks_publish import corrupted, digest, ipc_buckets, ipc_tensors
 
-    from megarl.rollout import weight_sync
+    from megarl.rollout import bucket_format
 
-    for fn, names in ((weight_sync.pack, ("bucket", "device", "share")), (weight_sync.unpack, ("meta", "payload")),
-                      (weight_sync.group_tensors, ("named_tensors", "bucket_bytes"))):
-        need(f"weight_sync.{fn.__name__} lacks {_has_params(fn, *names)}", not _has_params(fn, *names))
+    for fn, names in ((bucket_format.pack, ("bucket", "device", "share")), (bucket_format.unpack, ("meta", "payload")),
+                      (bucket_format.group_tensors, ("named_tensors", "bucket_bytes"))):
+        need(f"bucket_format.{fn.__name__} lacks {_has_params(fn, *names)}", not _has_params(fn, *names))
     need("torch.cuda.ipc_collect missing", callable(getattr(torch.cuda, "ipc_collect", None)))
     need("torch.multiprocessing.get_context missing", callable(getattr(torch.multiprocessing, "get_context", None)))
     named = ipc_tensors(torch.device("cpu"))
@@ -186,10 +186,10 @@ def _cuda_ipc(need: Need, workdir: Path) -> None:
     need(f"cuda_ipc's buckets {sizes}: fewer than 2, or one under its 1 MiB tolerance",
          len(buckets) >= 2 and min(sizes) > MIB)
     expected = {name: digest(t) for name, t in named}
-    back = {name: digest(t) for rows, _, payload in buckets for name, t in weight_sync.unpack(rows, payload)}
+    back = {name: digest(t) for rows, _, payload in buckets for name, t in bucket_format.unpack(rows, payload)}
     need("packed and unpacked tensors do not digest alike", back == expected)
     bad_name, bad_rows, bad = corrupted(buckets)
-    changed = sorted(n for n, t in weight_sync.unpack(bad_rows, bad) if digest(t) != expected[n])
+    changed = sorted(n for n, t in bucket_format.unpack(bad_rows, bad) if digest(t) != expected[n])
     need(f"cuda_ipc's corrupted byte changes the digests of {changed}, not of {bad_name} alone", changed == [bad_name]
          and len(bad_rows) > 1)
 
@@ -254,8 +254,7 @@ def _sender_kill(need: Need, workdir: Path) -> None:
 
     from checks_sender import StallingGroupStandIn, group_info
 
-    from megarl import publish
-    from megarl.rollout import broadcast_sender
+    from megarl.rollout import broadcast_sender, publish
     from megarl.rollout.weight_sync import WeightBroadcaster
 
     sender = broadcast_sender.SenderProcess
@@ -264,7 +263,7 @@ def _sender_kill(need: Need, workdir: Path) -> None:
     need(f"SenderProcess.send lacks {_has_params(sender.send, 'group_info', 'buckets', 'timeout_s')}",
          not _has_params(sender.send, "group_info", "buckets", "timeout_s"))
     need("SenderProcess.kill missing", callable(getattr(sender, "kill", None)))
-    need("megarl.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
+    need("megarl.rollout.publish.release_ipc_blocks missing", callable(getattr(publish, "release_ipc_blocks", None)))
     kwargs = list(_inspect.signature(WeightBroadcaster.__init__).parameters)
     stand_in = [n for n, p in _inspect.signature(StallingGroupStandIn.__init__).parameters.items()
                 if p.kind == p.KEYWORD_ONLY]

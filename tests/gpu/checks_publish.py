@@ -67,7 +67,7 @@ def publish_three(publisher_cls, trainer, workdir: Path, tag: str, cuda: bool) -
     bytes free)`` (megarl/rollout/bucket_pool.py: kept for the next publish); and after ``close`` (``closed``)."""
     import torch
 
-    from megarl.publish import release_ipc_blocks
+    from megarl.rollout.publish import release_ipc_blocks
 
     stand_in, shmem = unit_stand_ins()
     router = stand_in(1, 1)
@@ -111,7 +111,7 @@ def check_publish_memory(workdir: Path) -> str:
     require_cuda()
     import torch
 
-    from megarl.publish import BroadcastPublisher
+    from megarl.rollout.publish import BroadcastPublisher
 
     cuda = torch.cuda.is_available()
     unit_stand_ins()  # SKIP before anything is built when they do not import
@@ -192,7 +192,7 @@ def digest(t) -> str:
 
 def ipc_child(inbox, outbox) -> None:
     """cuda_ipc's consumer, a spawned process: each bucket's per-tensor digests back, then lets go of it."""
-    from megarl.rollout.weight_sync import unpack
+    from megarl.rollout.bucket_format import unpack
 
     while True:
         item = inbox.get()
@@ -213,9 +213,9 @@ def ipc_tensors(device) -> list:
 
 
 def ipc_buckets(named: list, device) -> list:
-    """The project's own packing (megarl/rollout/weight_sync.py) of ``named``: ``(meta rows, meta bytes, payload)``
+    """The project's own packing (megarl/rollout/bucket_format.py) of ``named``: ``(meta rows, meta bytes, payload)``
     per bucket; on CPU in shared memory."""
-    from megarl.rollout.weight_sync import group_tensors, pack
+    from megarl.rollout.bucket_format import group_tensors, pack
 
     return [pack(group, device, share=device.type == "cpu") for group in group_tensors(named, IPC_BUCKET_BYTES)]
 

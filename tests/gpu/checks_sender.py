@@ -2,7 +2,7 @@
 
 The trainer hands megarl/rollout/broadcast_sender.py's SenderProcess device buckets one at a time; the sender's
 group here stalls at bucket STALL_AT, past the step deadline, and the sender is killed holding what it held then.
-After the trainer lets go of its buckets (megarl.publish.release_ipc_blocks, empty_cache) its GPU memory must be
+After the trainer lets go of its buckets (megarl.rollout.publish.release_ipc_blocks, empty_cache) its GPU memory must be
 back at its baseline: torch keeps a block the trainer shared by CUDA IPC alive for as long as the trainer lives
 once its consumer died holding it, which a sender given views of the trainer's buckets would leak. On CUDA the
 same kill with the trainer's bucket handed straight to the killed process (the flow the sender had before) is
@@ -92,7 +92,7 @@ def leak_of_the_old_flow() -> int:
     import torch
     import torch.multiprocessing as tmp
 
-    from megarl.publish import release_ipc_blocks
+    from megarl.rollout.publish import release_ipc_blocks
 
     ctx = tmp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -117,7 +117,7 @@ def check_sender_kill(workdir: Path) -> str:
 
     import torch
 
-    from megarl.publish import release_ipc_blocks
+    from megarl.rollout.publish import release_ipc_blocks
 
     if not torch.cuda.is_available():  # GPU_CHECK_ALLOW_CPU=1: the same flow with shared-memory buckets
         from checks_publish import unit_stand_ins

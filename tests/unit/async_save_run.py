@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from recovery_scorer import make_traj
 
-from megarl.checkpoint import Checkpointer
+from megarl.checkpoint.run_checkpoint import Checkpointer
 from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.trainer.sharded_write import ShardedWrite
 from megarl.types import TrainBatch

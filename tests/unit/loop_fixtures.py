@@ -99,10 +99,10 @@ def make_controller(seed, steps_state=None, eta=2, checkpointer=None, overrides=
     tests' single turn by default (it cannot continue an answer a restart cut)."""
     from test_staleness_gate import Rewards, SingleTurn
 
-    from megarl.buffer import PublishedVersion, ReplayBuffer
     from megarl.builder import load_run_config
-    from megarl.controller import Controller
     from megarl.data import PromptDataset
+    from megarl.loop.buffer import PublishedVersion, ReplayBuffer
+    from megarl.loop.controller import Controller
     from recovery.base import RecoveryContext
     from recovery.behav import Behav
 

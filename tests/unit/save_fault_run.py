@@ -35,7 +35,8 @@ from pathlib import Path
 from async_save_run import Copies
 from loop_fixtures import make_controller
 
-from megarl.checkpoint import Checkpointer, SingleRankStates
+from megarl.checkpoint.rank_state import SingleRankStates
+from megarl.checkpoint.run_checkpoint import Checkpointer
 from megarl.errors import MegarlError
 from megarl.stop_protocol import stop_budget
 from megarl.trainer.megatron_trainer import MegatronTrainer

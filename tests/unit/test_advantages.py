@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from megarl.advantages import compute_advantages
 from megarl.errors import ConfigError
+from megarl.losses.advantages import compute_advantages
 
 
 def approx(xs):

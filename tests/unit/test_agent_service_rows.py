@@ -20,10 +20,10 @@ from test_staleness_gate import (
 
 from megarl.agents.client import AgentLimits
 from megarl.agents.service_rows import ServiceRows
-from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.builder import load_run_config
 from megarl.config.schema import DataConfig
-from megarl.controller import Controller
+from megarl.loop.buffer import PublishedVersion, ReplayBuffer
+from megarl.loop.controller import Controller
 from megarl.workflows.agent_http import AgentHttpWorkflow
 from recovery.base import RecoveryContext
 from recovery.behav import Behav

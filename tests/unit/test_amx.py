@@ -36,6 +36,7 @@ def test_a_bf16_vllm_cpu_engine_asks_for_amx_in_its_processes(ckpt, monkeypatch,
     from vllm.v1.engine.async_llm import AsyncLLM
 
     import megarl.rollout.vllm_engine as vllm_engine
+    import megarl.rollout.vllm_start as vllm_start
 
     seen = {}
     requested = []
@@ -47,7 +48,7 @@ def test_a_bf16_vllm_cpu_engine_asks_for_amx_in_its_processes(ckpt, monkeypatch,
 
     monkeypatch.delenv(REQUEST_ENV, raising=False)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(fake_start))
-    monkeypatch.setattr(vllm_engine, "request_amx", lambda: requested.append(1) or False, raising=False)
+    monkeypatch.setattr(vllm_start, "request_amx", lambda: requested.append(1) or False, raising=False)
     with pytest.raises(Exception, match="_Stop"):
         asyncio.run(vllm_engine.VLLMEngine.create(ckpt, dtype=dtype))
     assert seen["env"] == expected, seen

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from recovery_scorer import tiny_checkpoint
 
-from megarl.checkpoint import find_latest_checkpoint, remove_temp_dirs, verify_checkpoint
+from megarl.checkpoint.run_checkpoint import find_latest_checkpoint, remove_temp_dirs, verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
 

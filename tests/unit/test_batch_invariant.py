@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl import batch_invariant
 from megarl.builder import load_run_config
 from megarl.errors import ConfigError
+from megarl.platform import batch_invariant
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"

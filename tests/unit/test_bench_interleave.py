@@ -196,7 +196,7 @@ def test_repeats_that_cannot_apply_get_one_error_naming_the_flag():
 
 def test_compare_sync_alternates_async_and_sync_per_core_layout_and_reports_each_ratio_with_its_interval(
         tmp_path, monkeypatch):
-    from megarl.bench import report
+    from megarl.bench import report_render
     from megarl.bench import run as bench_run
 
     calls: list[str] = []
@@ -221,4 +221,4 @@ def test_compare_sync_alternates_async_and_sync_per_core_layout_and_reports_each
     assert t["passed"] is False and t["resolved"] is True  # 1.6 against a target of 2, the interval below it
     md = (tmp_path / "report.md").read_text()
     assert f"ratio {interleave.throughput_text(avs, 'throughput_ratio')}" in md and "over 3 repeats" in md
-    assert report.target_lines(rep)[4].startswith("FAIL  async / sync throughput (tokens/s): 1.6")
+    assert report_render.target_lines(rep)[4].startswith("FAIL  async / sync throughput (tokens/s): 1.6")

@@ -8,9 +8,9 @@ import pytest
 
 from megarl.bench import quality, quality_runs, quality_stats, report, sweep, variants
 from megarl.bench.compare_sync import split_cores, sync_runs
-from megarl.bench.fit import nonneg_lstsq, power_law
 from megarl.bench.run import _prepare_run_dir
 from megarl.errors import ConfigError, MegarlError
+from megarl.launch.fit import nonneg_lstsq, power_law
 
 
 def approx(x):

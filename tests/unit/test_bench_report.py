@@ -5,6 +5,7 @@ import math
 import pytest
 
 from megarl.bench import report as R
+from megarl.bench import report_render
 
 # Three steps as the controller + bench wrapper log them. va / vp: verifier seconds
 # inside anchor / publish, which the report subtracts.
@@ -156,14 +157,14 @@ def test_targets_pass_fail_and_skip():
 
 def test_markdown_lists_targets_with_measured_values():
     rep = R.build_report({"ewma": _run(STEPS), "recompute": _run(STEPS)}, None, meta={"config": "c.yaml", "steps": 3})
-    md = R.render_markdown(rep)
+    md = report_render.render_markdown(rep)
     assert "| ewma | 1.0700 | 0.2000 | 22.4 | 9.8 | 100 | 3 | 0.0 | 2.00e-06 |" in md
     assert "PASS  ewma step time / recompute step time: 1.000 (target <= 1.05)" in md
     assert "SKIP  async / sync throughput (tokens/s): not measured (target >= 2)" in md
     assert not math.isnan(rep["strategies"]["ewma"]["critical_path_overhead_frac"])
     assert "Config `c.yaml`, 3 steps per run, eta=?, one run each, one after another." in md
     rep["meta"].update(overrides=["trainer.batch_size=16"], cpu_count=2, loadavg_start=1.5, loadavg_end=2.25)
-    md = R.render_markdown(rep)
+    md = report_render.render_markdown(rep)
     assert "Config `c.yaml` with `trainer.batch_size=16`, 3 steps" in md
     assert "Machine: 2 CPUs, load average 1.50 at the start and 2.25 at the end" in md
 
@@ -188,7 +189,7 @@ def test_publish_stall_parts_per_publish():
     assert s["stall"] == approx((0.049 + 0.070) / 2)
     assert list(s) == [*R.STALL_PARTS, "stall"]
     assert R.publish_stall([{"step": 1}]) is None
-    table = R.stall_table({"behav": s, "idle": None})
+    table = report_render.stall_table({"behav": s, "idle": None})
     assert table[2] == "| behav | 15.0 | 5.0 | 0.0 | 0.0 | 25.0 | 2.0 | 1.0 | 7.0 | 3.0 | 59.5 |"
     assert table[3] == "| idle | no publish |"
 
@@ -204,9 +205,9 @@ def test_dedicated_lag_replaces_its_critical_path_share_on_two_cores():
     assert two["strategies"]["dedicated"]["critical_path_overhead_frac"] is None
     assert two["strategies"]["dedicated"]["scorer_lag_s_max"] == 0.5
     assert two["targets"][2]["passed"] is None  # the 5% target is not judged on a share that measures contention
-    md = R.render_markdown(two)
+    md = report_render.render_markdown(two)
     assert "On 2 CPUs the dedicated scorer has no core of its own" in md
     assert "| dedicated | 3 | 0.375 | 0.500 |" in md
     four = R.build_report({"dedicated": _run(lagged)}, None, meta={"cpu_count": 4, **load})
     assert four["strategies"]["dedicated"]["critical_path_overhead_frac"] == approx((0.37 + 0.11) / (1.29 + 0.85))
-    assert "has no core of its own" not in R.render_markdown(four)
+    assert "has no core of its own" not in report_render.render_markdown(four)

@@ -192,7 +192,7 @@ def test_bf16_export_and_reload(ckpts, tmp_path):
     # the broadcast publisher's disk copy (what a restarted engine loads) is the same checkpoint
     import asyncio
 
-    from megarl.publish import BroadcastPublisher
+    from megarl.rollout.publish import BroadcastPublisher
 
     async def publish_copy():
         publisher = BroadcastPublisher(trainer, None, tmp_path / "weights")

@@ -25,12 +25,12 @@ def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_p
     an engine's log file)."""
     from broadcast_faults import KILL_ENV, WatchdogBroadcaster
 
-    import megarl.publish
+    import megarl.rollout.publish
     import megarl.rollout.weight_sync as weight_sync
     from megarl.models.tiny import write_tiny_checkpoint
-    from megarl.publish import BroadcastPublisher
     from megarl.rollout.client import launch_engine_process
     from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.publish import BroadcastPublisher
     from megarl.rollout.supervisor import EngineSupervisor
 
     model = REPO / "configs/models/tiny_qwen3.yaml"
@@ -54,7 +54,7 @@ def test_survivor_leaves_a_publish_the_sender_lost_and_loads_the_disk_copy(tmp_p
         lost = launch(0)
         survivor = await HFEngine.create(str(base))
         monkeypatch.setenv(KILL_ENV, f"{lost[0].pid}:{tmp_path / 'killed'}")
-        monkeypatch.setattr(megarl.publish, "WeightBroadcaster", WatchdogBroadcaster)
+        monkeypatch.setattr(megarl.rollout.publish, "WeightBroadcaster", WatchdogBroadcaster)
         sup = EngineSupervisor([lost, (None, survivor)], launch=launch, weights=(str(base), 0))
         await sup.start()
         weights_dir = tmp_path / "weights"

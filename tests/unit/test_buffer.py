@@ -1,5 +1,5 @@
 """Batch selection of the replay buffer: earliest deadline first, never at the cost of a later deadline."""
-from megarl.buffer import Group, ReplayBuffer
+from megarl.loop.buffer import Group, ReplayBuffer
 from megarl.types import Trajectory
 
 

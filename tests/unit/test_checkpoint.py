@@ -18,11 +18,11 @@ import pytest
 from conftest import ROOT
 from loop_fixtures import make_controller
 
-from megarl.checkpoint import (
+from megarl.checkpoint.rewind import rewind_run_logs
+from megarl.checkpoint.run_checkpoint import (
     find_latest_checkpoint,
     list_checkpoints,
     remove_temp_dirs,
-    rewind_run_logs,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -78,7 +78,7 @@ def test_failed_fill_leaves_nothing(tmp_path):
 
 def test_crash_mid_write_leaves_no_step_dir(tmp_path):
     # a real crash: the writing process dies (os._exit) half-way through its files
-    code = (f"import os; from pathlib import Path; from megarl.checkpoint import write_checkpoint\n"
+    code = (f"import os; from pathlib import Path; from megarl.checkpoint.run_checkpoint import write_checkpoint\n"
             f"def fill(tmp):\n"
             f"    (tmp / 'controller.pt').write_bytes(b'x' * 1000)\n"
             f"    os._exit(9)\n"
@@ -303,7 +303,7 @@ def test_resume_from_the_end_of_a_synchronous_run():
 def test_resume_past_a_damaged_checkpoint_sets_it_aside_so_pruning_keeps_the_new_ones(tmp_path):
     import torch
 
-    from megarl.resume import prepare_resume
+    from megarl.checkpoint.resume import prepare_resume
 
     def fill(tmp):
         torch.save({"version": 0}, tmp / "controller.pt")
@@ -343,7 +343,7 @@ class FullDisk:
 
 
 def disk_checkpointer(tmp_path, fail):
-    from megarl.checkpoint import Checkpointer
+    from megarl.checkpoint.run_checkpoint import Checkpointer
 
     weights = tmp_path / "weights"
     for v in range(1, 20):  # what the publisher would have written for each version
@@ -378,7 +378,7 @@ def test_a_failed_background_write_keeps_the_run_and_the_previous_checkpoint(tmp
     c, trainer, _, _ = make_controller(0, checkpointer=ck,
                                        overrides=["logging.save_every=2", "logging.async_save=true"])
     asyncio.run(asyncio.wait_for(c.train(8), 60))
-    assert c.step == 8 and trainer.version == 8 and c._save_failures == 0
+    assert c.step == 8 and trainer.version == 8 and c.checkpoints.save_failures == 0
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6", "step_8"]
     assert all((p / "trainer" / "rank0.pt").read_bytes() == b"whole" for _, p in list_checkpoints(root))

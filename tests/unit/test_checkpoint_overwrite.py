@@ -14,9 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.checkpoint import find_latest_checkpoint, list_checkpoints, verify_checkpoint, write_checkpoint
-from megarl.resume import prepare_resume
-from megarl.run_key import checkpoint_key, sign
+from megarl.checkpoint.resume import prepare_resume
+from megarl.checkpoint.run_checkpoint import (
+    find_latest_checkpoint,
+    list_checkpoints,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from megarl.isolation.run_key import checkpoint_key, sign
 
 
 def filler(tag: str):
@@ -95,7 +100,7 @@ def test_a_kill_at_any_rename_of_an_overwrite_leaves_a_valid_copy_of_the_step(tm
 
 def test_the_states_between_the_renames_are_recognised(tmp_path):
     """Each state an overwrite passes through, made by hand: the resume finds the copy it should."""
-    from megarl.checkpoint_dirs import OVERWRITE_PREFIXES
+    from megarl.checkpoint.dirs import OVERWRITE_PREFIXES
 
     new, old = OVERWRITE_PREFIXES["new"], OVERWRITE_PREFIXES["old"]
     for case, names, want in (("new beside the step", {"step_6": "old", f"{new}step_6-a": "new"}, "new"),
@@ -117,7 +122,7 @@ def test_the_states_between_the_renames_are_recognised(tmp_path):
 
 
 def test_a_damaged_in_between_copy_is_not_taken(tmp_path):
-    from megarl.checkpoint_dirs import OVERWRITE_PREFIXES
+    from megarl.checkpoint.dirs import OVERWRITE_PREFIXES
 
     run = tmp_path / "run"
     root = run_with_step_6(run)

@@ -79,7 +79,7 @@ def test_after_a_timed_out_collective_the_followers_stop_is_not_sent(tmp_path):
     from types import SimpleNamespace
 
     from megarl.builder import Run
-    from megarl.trainer.spmd import DrivingTrainer
+    from megarl.loop.spmd import DrivingTrainer
 
     class Channel:
         def __init__(self):
@@ -104,7 +104,7 @@ def test_a_save_that_timed_out_on_a_lost_rank_is_not_a_failed_save_to_retry():
     not a save failure, the run stops at once. A disk error still is one."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megarl.checkpoint_writer import is_save_failure
+    from megarl.checkpoint.writer import is_save_failure
 
     sent = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 30000ms for send operation to "
                         "complete")

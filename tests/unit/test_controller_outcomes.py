@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from test_staleness_gate import SimulatedEngineForGateTests, SingleTurn, StepCounterTrainerForGateTests
 
-from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.builder import load_run_config
-from megarl.controller import Controller
 from megarl.errors import AgentError, InputError, RewardError, TrainingError
+from megarl.loop.buffer import PublishedVersion, ReplayBuffer
+from megarl.loop.controller import Controller
 from recovery.base import RecoveryContext
 from recovery.behav import Behav
 
@@ -230,7 +230,7 @@ class HeldEvaluation:
 
 def test_an_evaluation_longer_than_eval_every_is_never_overlapped_and_the_skipped_ones_are_counted():
     from megarl.data import Prompt
-    from megarl.evaluation import Evaluator
+    from megarl.loop.evaluation import Evaluator
 
     held = HeldEvaluation()
     evaluator = Evaluator([Prompt("e0", [1, 5, 2], None, {"prompt": "hi"})], held, ScriptedRewards(lambda t: 1.0),
@@ -254,13 +254,13 @@ def test_the_failure_share_is_checked_over_the_last_batch_of_reward_calls_not_on
     # a step that happened to see one reward call, a failed one, stopped a run whose rewards failed 1 time in 4
     # ("1 of 1 reward calls failed at step 4"): the share is checked over the last B calls
     c, records = loop([])
-    c._step_counters = dict(c.counters)
+    c.bookkeeping.step_counters = dict(c.counters)
     c.counters["n_reward_calls"] += 1
     c.counters["n_reward_failed"] += 1  # this step's window: 1 of 1 failed
     for cause in [None] * 7 + ["reward"]:
         c.failures.add(cause, "trajectory g9-0: raise: ValueError: failed")
-    assert c._failure_error() is None
+    assert c.bookkeeping.failure_error(c.step) is None
     for _ in range(5):  # the last 8: 2 passed, 6 failed: more than max_fail_frac=0.5
         c.failures.add("reward", "trajectory g9-0: raise: ValueError: failed")
-    err = c._failure_error()
+    err = c.bookkeeping.failure_error(c.step)
     assert err is not None and str(err).startswith("6 of 8 reward calls failed at step 4")

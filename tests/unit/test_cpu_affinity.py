@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megarl.builder import load_run_config
-from megarl.cpu_affinity import check_affinity, check_cores, format_cores, omp_bind, parse_cores
 from megarl.errors import ConfigError
+from megarl.platform.cpu_affinity import check_affinity, check_cores, format_cores, omp_bind, parse_cores
 from megarl.preflight import validate
 from megarl.rollout.base import engine_options
 
@@ -51,7 +51,7 @@ def test_config_section_and_preflight_check():
 
 
 def test_pinning_to_a_core_the_machine_lacks_is_a_config_error():
-    from megarl.cpu_affinity import machine_cores, pin_process
+    from megarl.platform.cpu_affinity import machine_cores, pin_process
 
     far = max(machine_cores()) + 1000
     with pytest.raises(ConfigError, match=rf"cannot run on core\(s\) {far}: .*; this process may use"):
@@ -74,7 +74,7 @@ _CHILD = r"""
 import json, os, subprocess, sys, threading, time
 from pathlib import Path
 import torch
-from megarl import cpu_affinity
+from megarl.platform import cpu_affinity
 before = threading.Thread(target=time.sleep, args=(3,)); before.start()   # a thread started before pinning
 cpu_affinity.pin_process([int(sys.argv[1])])
 threads = {t.name: sorted(os.sched_getaffinity(int(t.name))) for t in Path("/proc/self/task").iterdir()}

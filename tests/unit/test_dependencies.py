@@ -90,4 +90,111 @@ MAX_MODULE_LINES = 400
 def test_no_module_outgrows_one_job():
     long = {str(p.relative_to(ROOT)): n for pkg in ("megarl", "recovery") for p in _sources(pkg)
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert long == {}, f"split these modules by job (at most {MAX_MODULE_LINES} lines each): {long}"
+    assert long == {}, (f"split these modules by responsibility, one job a module, not by moving lines between "
+                       f"neighbours (at most {MAX_MODULE_LINES} lines each): {long}")
+
+
+# -- the direction of imports between megarl's parts ---------------------------------------------------------------
+#: megarl's parts (a package of megarl, or a module at its top) from the bottom up. A part imports only parts of
+#: lower layers, apart from the few imports of UPWARD; docs/design.md's map of the code draws the same table.
+LAYERS = [
+    ("errors", "routes"),
+    ("types", "platform", "isolation", "cli"),
+    ("stop_protocol", "failure_causes"),
+    ("losses", "tokenizer"),
+    ("config",),
+    ("data",),
+    ("models",),
+    ("workers",),
+    ("rewards",),
+    ("tasks",),
+    ("agents",),
+    ("workflows",),
+    ("rollout",),
+    ("trainer",),
+    ("checkpoint",),
+    ("loop",),
+    ("launch",),
+    ("preflight",),
+    ("builder",),
+    ("train",),
+    ("verify", "bench"),
+    ("advise",),
+    ("commands",),
+]
+#: the imports that run back up (importer -> imported module), each with why it stays
+UPWARD = {
+    ("megarl.launch.cost_table", "megarl.builder"): "the strategies' config classes, read inside a function",
+    ("megarl.models.bridge", "megarl.trainer.parallel"): "the rank that converts, from the trainer's world",
+    ("megarl.rollout.publish", "megarl.launch.roles"): "which role this process plays in a launched job",
+    ("megarl.trainer.world_store", "megarl.launch.listen_check"): "the address check every launched role runs",
+    ("megarl.workers.process", "megarl.rewards"): "a reward worker process resolves reward.fn itself",
+}
+MAX_UPWARD = 5
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def upward_imports(root: Path, layers: list[tuple[str, ...]]) -> tuple[set[tuple[str, str]], set[str]]:
+    """(importer, imported) pairs of megarl modules under ``root`` whose part sits in a higher layer than the
+    importer's (or in the same layer, another part), and the parts no layer names."""
+    level = {part: i for i, parts in enumerate(layers) for part in parts}
+    up, unplaced = set(), set()
+    for path in sorted((root / "megarl").rglob("*.py")):
+        importer = _module_under(root, path)
+        src = _part(importer)
+        if src == "megarl":
+            continue
+        unplaced |= {src} - set(level)
+        for name in _imported(path):
+            if not name.startswith("megarl.") or _part(name) == src:
+                continue
+            dst = _part(name)
+            target = name if _is_module(root, name) else name.rpartition(".")[0]
+            if dst not in level:
+                unplaced.add(dst)
+            elif src in level and level[dst] >= level[src]:
+                up.add((importer, target))
+    return up, unplaced
+
+
+def _module_under(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(root: Path, name: str) -> bool:
+    base = root.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def test_imports_run_down_the_layers():
+    up, unplaced = upward_imports(ROOT, LAYERS)
+    assert unplaced == set(), f"place these parts of megarl in LAYERS (and in docs/design.md's map): {unplaced}"
+    assert up <= set(UPWARD), f"imports that run back up, not in UPWARD: {sorted(up - set(UPWARD))}"
+    assert set(UPWARD) <= up, f"UPWARD lists imports that no longer exist: {sorted(set(UPWARD) - up)}"
+    assert len(UPWARD) <= MAX_UPWARD
+
+
+def test_the_layer_check_sees_a_wrong_import(tmp_path):
+    # a trainer module that reaches up into the loop, and one inside a function, are both found
+    for rel, text in {"megarl/__init__.py": "", "megarl/trainer/__init__.py": "", "megarl/loop/__init__.py": "",
+                      "megarl/loop/controller.py": "X = 1\n",
+                      "megarl/trainer/step.py": "from megarl.loop.controller import X\n",
+                      "megarl/trainer/late.py": "def f():\n    import megarl.loop.controller\n",
+                      "megarl/trainer/ok.py": "from megarl.trainer.step import X\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    up, unplaced = upward_imports(tmp_path, [("loop",), ("trainer",)])
+    assert up == set() and unplaced == set()
+    up, unplaced = upward_imports(tmp_path, [("trainer",), ("loop",)])
+    assert up == {("megarl.trainer.step", "megarl.loop.controller"), ("megarl.trainer.late", "megarl.loop.controller")}
+    assert upward_imports(tmp_path, [("loop",)])[1] == {"trainer"}
+
+
+def test_the_top_level_keeps_entry_points_and_what_everything_shares():
+    top = sorted(p.stem for p in (ROOT / "megarl").glob("*.py") if p.stem != "__init__")
+    assert top == ["builder", "cli", "data", "errors", "failure_causes", "preflight", "routes", "stop_protocol",
+                   "tokenizer", "train", "types"]

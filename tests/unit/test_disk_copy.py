@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +17,10 @@ from test_publish import REPO, CheckpointExporter
 from test_supervisor import make, req
 
 import megarl.models.bridge
-from megarl.checkpoint_schedule import CheckpointSchedule
+from megarl.checkpoint.schedule import CheckpointSchedule
 from megarl.errors import EngineError
-from megarl.publish import BroadcastPublisher
 from megarl.rollout.disk_copy import DiskCopy
+from megarl.rollout.publish import BroadcastPublisher
 from megarl.rollout.supervisor import EngineLost
 
 
@@ -76,7 +77,6 @@ def test_the_disk_copy_is_written_beside_the_publish_not_inside_it(tmp_path, mon
             with pytest.raises(EngineLost):
                 await sup.generate(req())
             await _until(lambda: launched)
-            sched = CheckpointSchedule()
             seen = []
 
             class Checkpointer:
@@ -88,8 +88,8 @@ def test_the_disk_copy_is_written_beside_the_publish_not_inside_it(tmp_path, mon
                 async def save(self, controller, background=False):
                     seen.append((weights_dir / "v1" / "config.json").is_file())
 
-            sched.checkpointer, sched.publisher, sched.step, sched._save_failures = Checkpointer(), pub, 1, 0
-            saving = asyncio.create_task(sched._checkpoint())
+            sched = CheckpointSchedule(Checkpointer(), pub, SimpleNamespace(async_save=False, max_save_failures=3))
+            saving = asyncio.create_task(sched.checkpoint(None, 1))
             await asyncio.sleep(0.3)
             assert launched[0].updates == [] and not saving.done() and seen == []
             release.set()

@@ -18,8 +18,8 @@ from test_publish import CheckpointExporter
 
 from megarl.launch.placement import param_counts
 from megarl.models.tiny import write_tiny_checkpoint
-from megarl.publish import BroadcastPublisher
 from megarl.rollout.engine_shards import hf_tensor_shapes, sent_elements, vllm_tp_rule
+from megarl.rollout.publish import BroadcastPublisher
 from megarl.rollout.weight_sync import join_weight_group, receive_named_tensors
 
 REPO = Path(__file__).resolve().parents[2]

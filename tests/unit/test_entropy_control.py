@@ -35,13 +35,13 @@ def test_the_loop_adapts_the_coefficient_logs_it_and_checkpoints_it():
     assert all(trainer.wanted)  # the entropy is computed even while the coefficient is 0
     assert [r["entropy_coef"] for r in records] == trainer.coefs
     # the 5th step was skipped (no optimizer step): its entropy of 0.9 would have moved the value to 0
-    assert records[-1]["skipped"] and c._loss_state() == {"loss": {"entropy_coef": 0.01}}
+    assert records[-1]["skipped"] and c.bookkeeping.loss_state() == {"loss": {"entropy_coef": 0.01}}
     # the loop's checkpoint holds it, and a resumed loop goes on with the value it had
     resumed = loss_fn_factory(cfg)
-    c.loss_fn_factory = resumed
-    c._load_loss_state({"loss": {"entropy_coef": 0.015}})
+    c.bookkeeping.loss_fn_factory = resumed
+    c.bookkeeping.load_loss_state({"loss": {"entropy_coef": 0.015}})
     assert resumed.entropy_control.coef == 0.015
-    c._load_loss_state({})  # a checkpoint from before the control existed: unchanged
+    c.bookkeeping.load_loss_state({})  # a checkpoint from before the control existed: unchanged
     assert resumed.entropy_control.coef == 0.015
 
 

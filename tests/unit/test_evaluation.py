@@ -6,7 +6,7 @@ import pytest
 from conftest import DEMO, chat_prompt, digits
 
 from megarl.data import Prompt
-from megarl.evaluation import Evaluator, pass_at_k
+from megarl.loop.evaluation import Evaluator, pass_at_k
 from megarl.rewards.scorer import TrajectoryScorer
 from megarl.rewards.service import RewardService
 from megarl.types import GenerateResult, SamplingParams
@@ -123,7 +123,7 @@ def test_a_failing_sample_stops_its_siblings_and_the_other_groups():
 
 def test_an_agent_writing_into_a_part_of_its_episode_generates_into_that_part_in_evaluation():
     # an agent's client calls generate(context, sampling, into=row) (as in training); evaluation must accept it
-    from megarl.evaluation import EvaluationSchedule
+    from megarl.loop.evaluation import EvaluationSchedule
     from megarl.types import Trajectory
 
     class Generation:
@@ -134,10 +134,10 @@ def test_an_agent_writing_into_a_part_of_its_episode_generates_into_that_part_in
             self.calls.append((traj.traj_id, counted))
             return traj.traj_id
 
-    schedule = EvaluationSchedule()
-    schedule.generation = Generation()
+    schedule = EvaluationSchedule(None, None, None, generation=Generation(), publish=None, trainer=None,
+                                  published=None)
     episode, part = Trajectory(traj_id="e", group_id="g", prompt_ids=[1]), Trajectory(traj_id="e.t2", group_id="g",
                                                                                         prompt_ids=[1])
-    generate = schedule._generate_for_eval(episode)
+    generate = schedule.generate_for_eval(episode)
     assert generate([1], SamplingParams()) == "e" and generate([1], SamplingParams(), into=part) == "e.t2"
     assert schedule.generation.calls == [("e", False), ("e.t2", False)]

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from test_publish import REPO, CheckpointExporter
 
-from megarl.publish import BroadcastPublisher
+from megarl.rollout.bucket_format import iter_buckets, plan_buckets, unpack
 from megarl.rollout.export_buckets import pack_export
-from megarl.rollout.weight_sync import iter_buckets, plan_buckets, unpack
+from megarl.rollout.publish import BroadcastPublisher
 
 #: 160 B, 16 B, 200 B, 12 B
 SPECS = [("embed", [10, 4], "float32"), ("norm", [4], "float32"), ("big", [100], "bfloat16"), ("b", [3], "float32")]

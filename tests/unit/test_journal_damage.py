@@ -1,15 +1,16 @@
 """A resume reads a damaged journal line as damaged: skipped, counted and named in one warning, never a crash.
 
 Before, a line of ``metrics.jsonl`` with a byte that is not UTF-8 failed every resume with UnicodeDecodeError, a
-line ``[1, 2]`` with AttributeError and ``{"step": null}`` with TypeError (megarl/checkpoint.py rewind_run_logs).
+line ``[1, 2]`` with AttributeError and ``{"step": null}`` with TypeError (megarl/checkpoint/rewind.py
+rewind_run_logs).
 """
 import json
 import logging
 
 import torch
 
-from megarl.checkpoint import write_checkpoint
-from megarl.resume import prepare_resume
+from megarl.checkpoint.resume import prepare_resume
+from megarl.checkpoint.run_checkpoint import write_checkpoint
 
 GOOD = [json.dumps({"step": s, "loss": 0.5}).encode() for s in range(1, 7)]
 DAMAGED = [b'{"step": 3, "note": "\xff"}', b"[1, 2]", b'{"step": null}', b'{"step": "2"}', b'{"st']
@@ -29,7 +30,7 @@ def test_a_resume_skips_counts_and_names_damaged_journal_lines(tmp_path, caplog)
     (run / "accepted.jsonl").write_bytes(b"\n".join([json.dumps({"accepted_total": 8 * k}).encode()
                                                      for k in range(1, 9)] + [b"[8]"]) + b"\n")
     (run / "resumes.jsonl").write_bytes(b'{"attempt": 1, "x": "\xfe"}\n')
-    with caplog.at_level(logging.WARNING, logger="megarl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="megarl.checkpoint.run_checkpoint"):
         point = prepare_resume(run, step_dir)
         again = prepare_resume(run, step_dir)  # the damaged lines are gone from the journal: no second warning
     assert (point.attempt, again.attempt) == (2, 3)

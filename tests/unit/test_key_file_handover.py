@@ -1,4 +1,4 @@
-"""`megarl launch` hands each command its keys in a file of its own (megarl/launch/key_files.py).
+"""`megarl launch` hands each command its keys in a file of its own (megarl/isolation/key_files.py).
 
 The checks look at what the reading process itself gets and what is left on
 disk and in /proc/<pid>/environ, never at the hand-over's own bookkeeping:
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from megarl.errors import ConfigError
+from megarl.isolation.key_files import KeyFiles, child_env
+from megarl.isolation.secret_env import SECRET_ENV_VARS, take_secret
 from megarl.launch.engine_key_env import ensure_run_keys
-from megarl.launch.key_files import KeyFiles, child_env
 from megarl.launch.role_commands import RoleCommand
 from megarl.launch.runner import run_commands
-from megarl.secret_env import SECRET_ENV_VARS, take_secret
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"MEGARL_ENGINE_KEY": "engine-key-31d7c0", "MEGARL_DEDICATED_AUTHKEY": "scorer-key-a81f22",
@@ -32,7 +32,7 @@ KEYS = {"MEGARL_ENGINE_KEY": "engine-key-31d7c0", "MEGARL_DEDICATED_AUTHKEY": "s
 #: a process that takes its secrets as every `megarl train` role does, then says what it got and what /proc shows
 TAKE = r"""
     import json, os, re
-    from megarl.secret_env import SECRET_ENV_VARS, take_all_secrets, take_secret
+    from megarl.isolation.secret_env import SECRET_ENV_VARS, take_all_secrets, take_secret
     take_all_secrets()
     raw = open("/proc/self/environ", "rb").read()
     print(json.dumps({"got": {n: take_secret(n) for n in SECRET_ENV_VARS},
@@ -113,7 +113,7 @@ def test_launch_holds_the_keys_in_memory_not_in_its_environment(monkeypatch, tmp
 
 
 def test_the_runner_hands_each_command_its_file_and_leaves_none(tmp_path):
-    reader = ("from megarl.secret_env import take_all_secrets, take_secret; take_all_secrets(); "
+    reader = ("from megarl.isolation.secret_env import take_all_secrets, take_secret; take_all_secrets(); "
               "import sys; sys.exit(0 if take_secret('MEGARL_ENGINE_KEY') == 'engine-key-31d7c0' else 9)")
     ok = RoleCommand("trainer", "trainer", "", (sys.executable, "-c", reader), False)
     assert run_commands([ok], poll_s=0.05, key_files=KeyFiles(KEYS, tmp_path)) == 0

@@ -1,4 +1,5 @@
-"""`megarl launch` holds a stop that comes while the trainer starts (megarl/launch/runner.py, megarl/stop_ready.py).
+"""`megarl launch` holds a stop that comes while the trainer starts (megarl/launch/runner.py,
+megarl/loop/stop_ready.py).
 
 The trainer here is a stand-in with the one property that matters to the launcher: SIGUSR1 kills it until it has
 installed its handler, 1.5 s after it started, and it says so the way trainer rank 0 does (the ready file). The
@@ -17,7 +18,7 @@ SLOW_START = ("import pathlib, signal, sys, time\n"
               "def stop(*_):\n    from megarl.stop_protocol import write_stop_marker\n"
               "    write_stop_marker('SIGUSR1', 0, False); sys.exit(1)\n"
               "signal.signal(signal.SIGUSR1, stop)\n"
-              "from megarl.stop_ready import announce_stop_ready\nannounce_stop_ready()\n"
+              "from megarl.loop.stop_ready import announce_stop_ready\nannounce_stop_ready()\n"
               "time.sleep(60)\n")
 
 

@@ -1,7 +1,7 @@
 """Dashboard namespaces by hand (tests/e2e/test_train.py checks every key of a real run has one)."""
 import pytest
 
-from megarl.metric_names import dashboard_name
+from megarl.loop.metric_names import dashboard_name
 
 
 @pytest.mark.parametrize("key, name", [

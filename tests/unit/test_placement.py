@@ -8,11 +8,11 @@ from megarl.errors import ConfigError
 from megarl.launch import cluster
 from megarl.launch.cluster import Allocation, compress_hosts, expand_nodelist, simulated
 from megarl.launch.engine_key_env import ensure_run_keys
-from megarl.launch.mpi_bootstrap import _from_env_only, bootstrap_env_from_mpi, under_mpi
 from megarl.launch.overlays import flatten
 from megarl.launch.placement import load_hf_config, param_counts, resolve_plan
 from megarl.launch.role_commands import render
 from megarl.launch.roles import current_role
+from megarl.trainer.mpi_bootstrap import _from_env_only, bootstrap_env_from_mpi, under_mpi
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG_30B = ROOT / "configs" / "qwen3_30b_a3b_h100.yaml"

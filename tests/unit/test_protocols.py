@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from recovery_scorer import HFScorerForTests, tiny_checkpoint
 
+from megarl.loop.spmd import ControlChannel, DrivingTrainer
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.client import EngineClient
 from megarl.rollout.router import EngineRouter
@@ -13,7 +14,6 @@ from megarl.rollout.supervisor import EngineSupervisor
 from megarl.trainer.base import ScoringTrainer, TrainerProtocol
 from megarl.trainer.megatron_trainer import MegatronTrainer
 from megarl.trainer.parallel import init_distributed
-from megarl.trainer.spmd import ControlChannel, DrivingTrainer
 
 
 @pytest.fixture(scope="module")

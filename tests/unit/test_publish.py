@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from megarl.builder import load_run_config
-from megarl.publish import BroadcastPublisher, DiskPublisher, make_publisher
+from megarl.rollout.publish import BroadcastPublisher, DiskPublisher, make_publisher
 from megarl.types import GenerateRequest, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_engine_lost_mid_publish_under_nccl_semantics_leaves_the_trainer_alive(t
     """
     from broadcast_faults import KILL_ENV, WatchdogBroadcaster
 
-    import megarl.publish
+    import megarl.rollout.publish
     from megarl.models.tiny import write_tiny_checkpoint
     from megarl.rollout.client import launch_engine_process
     from megarl.rollout.supervisor import EngineSupervisor
@@ -81,7 +81,7 @@ def test_engine_lost_mid_publish_under_nccl_semantics_leaves_the_trainer_alive(t
 
     engines = [launch(0), launch(1)]
     monkeypatch.setenv(KILL_ENV, f"{engines[0][0].pid}:{tmp_path / 'killed'}")
-    monkeypatch.setattr(megarl.publish, "WeightBroadcaster", WatchdogBroadcaster)
+    monkeypatch.setattr(megarl.rollout.publish, "WeightBroadcaster", WatchdogBroadcaster)
 
     async def main():
         sup = EngineSupervisor(engines, launch=launch, weights=(str(base), 0))
@@ -146,7 +146,7 @@ def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path, monkeypa
     import torch
     from safetensors.torch import load_file
 
-    import megarl.publish
+    import megarl.rollout.publish
     from megarl.models.bridge import write_hf_checkpoint
     from megarl.models.tiny import write_tiny_checkpoint
     from megarl.rollout.disk_copy import DiskCopy
@@ -155,7 +155,7 @@ def test_publishers_cast_to_the_engines_dtype_once_on_the_way(tmp_path, monkeypa
         time.sleep(0.3)
         return write_hf_checkpoint(*args, **kw)
 
-    monkeypatch.setattr(megarl.publish, "DiskCopy", lambda: DiskCopy(write=slow_write))
+    monkeypatch.setattr(megarl.rollout.publish, "DiskCopy", lambda: DiskCopy(write=slow_write))
 
     ckpt = write_tiny_checkpoint(REPO / "configs/models/tiny_qwen3.yaml", tmp_path / "ckpt", seed=0)
     fp32 = load_file(str(ckpt / "model.safetensors"))
@@ -200,8 +200,8 @@ def test_broadcast_prepare_packs_into_shared_buckets_without_a_second_copy(tmp_p
     and empties the exported list as it packs, so host memory never holds the model twice."""
     import torch
 
+    from megarl.rollout.bucket_format import rows_bytes
     from megarl.rollout.export_buckets import pack_shared as _pack_shared
-    from megarl.rollout.weight_sync import rows_bytes
 
     tensors = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, 5)), ("c", torch.zeros(2, 2))]
     buckets = _pack_shared(tensors, bucket_bytes=64)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_engine_shards import TwoWorkerEnginesStandIn
 
-from megarl.publish import BroadcastPublisher
 from megarl.rollout.engine_shards import hf_tensor_shapes
+from megarl.rollout.publish import BroadcastPublisher
 
 HF = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 4096,
       "num_hidden_layers": 1, "intermediate_size": 4096, "tie_word_embeddings": True, "dtype": "float32",

@@ -40,8 +40,8 @@ def batch_routes(batch) -> torch.Tensor:
 def loss_and_grads(ckpt: str, recompute: str, replay: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     from test_parity_hf import make_batch
 
-    from megarl.models.routing_replay import routers
     from megarl.trainer.megatron_trainer import MegatronTrainer
+    from megarl.trainer.routing_replay import routers
 
     trainer = MegatronTrainer(ckpt, micro_batch_tokens=48, recompute=recompute)
     batch = make_batch(0)

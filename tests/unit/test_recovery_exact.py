@@ -221,7 +221,7 @@ def verified(strategy, trainer, loop, tol=1e-5):
 
 
 def test_verify_report_measures_exactness(ckpt, trainer):
-    from megarl.exactness import failures
+    from megarl.verify.exactness import failures
     from recovery._negative_controls import NextVersion
 
     loop = LoopState()

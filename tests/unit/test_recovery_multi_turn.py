@@ -62,7 +62,7 @@ def multi_turn_spliced_rows(batch) -> int:
 async def loop_parts(ckpt, run_dir, cfg) -> SimpleNamespace:
     """The loop's trainer, tokenizer, in-process HF engine and its router, buffer, published version and
     recovery context, for config ``cfg`` (tests/unit/test_restart_exactness.py builds its loop with them too)."""
-    from megarl.buffer import PublishedVersion, ReplayBuffer
+    from megarl.loop.buffer import PublishedVersion, ReplayBuffer
     from megarl.rollout.hf_engine import HFEngine
     from megarl.rollout.router import EngineRouter
     from recovery.base import RecoveryContext
@@ -78,11 +78,11 @@ async def loop_parts(ckpt, run_dir, cfg) -> SimpleNamespace:
 
 
 async def run_loop(name: str, ckpt, run_dir):
-    from megarl.advantages import advantage_fn
     from megarl.builder import load_run_config
-    from megarl.controller import Controller
     from megarl.data import PromptDataset
-    from megarl.publish import DiskPublisher
+    from megarl.loop.controller import Controller
+    from megarl.losses.advantages import advantage_fn
+    from megarl.rollout.publish import DiskPublisher
     from megarl.workflows import build_workflow
     from recovery.dedicated import Dedicated, DedicatedConfig
     from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig

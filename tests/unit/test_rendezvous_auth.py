@@ -124,7 +124,7 @@ def test_every_interface_only_when_asked(tmp_path, monkeypatch):
     import socket
 
     from megarl.builder import load_run_config
-    from megarl.publish import make_publisher
+    from megarl.rollout.publish import make_publisher
     from megarl.rollout.rendezvous import RendezvousServer, new_secret
 
     for key in ("MEGARL_WEIGHT_SYNC_ADDR", "MEGARL_ENGINE_ADDRS"):
@@ -152,7 +152,7 @@ def test_a_failed_rendezvous_says_whether_it_was_unreachable_or_refused_the_secr
 
     server = RendezvousServer("127.0.0.1", 0, new_secret(), label=WORLD)
     try:
-        with caplog.at_level("WARNING", logger="megarl.publish"):
+        with caplog.at_level("WARNING", logger="megarl.rollout.publish"):
             for _ in range(2):
                 with pytest.raises(EngineError) as refused:
                     RendezvousStore("127.0.0.1", server.port, new_secret(), timeout_s=5, label=WORLD)

@@ -2,7 +2,7 @@
 
 The loop of tests/unit/test_recovery_multi_turn.py (the real Controller, MultiTurnWorkflow, HF engine in this
 process, disk publisher, interrupt_sync inside recovery.verifier.VerifyingStrategy) is stopped after a few
-steps: the stop aborts the engine's requests and checkpoints the running groups whole (megarl/running_groups.py).
+steps: the stop aborts the engine's requests and checkpoints the running groups whole (megarl/loop/running_groups.py).
 Everything is then built again from that checkpoint (plain data, as it would come from disk): the trainer's
 parameters and version, the strategy's state, the loop's state, an engine loaded with the weights it served.
 The resumed run continues the partial trajectories under new versions, so trained rows hold tokens sampled
@@ -23,7 +23,7 @@ from conftest import ROOT
 from recovery_scorer import tiny_checkpoint
 from test_recovery_multi_turn import Rewards, loop_parts
 
-from megarl.run_stop import RunStopped
+from megarl.loop.run_stop import RunStopped
 
 #: the stop comes at the first step from STOP_AT on (at most LAST_STOP) where an answer is under way
 STOP_AT, LAST_STOP, STEPS = 5, 7, 10
@@ -55,11 +55,11 @@ class KeepState:
 async def attempt(ckpt, run_dir, *, resume=None, oracle=None):
     """One attempt of the loop: fresh, stopped after STOP_AT..LAST_STOP steps; or resumed from ``resume`` to
     STEPS."""
-    from megarl.advantages import advantage_fn
     from megarl.builder import load_run_config
-    from megarl.controller import Controller
     from megarl.data import PromptDataset
-    from megarl.publish import DiskPublisher
+    from megarl.loop.controller import Controller
+    from megarl.losses.advantages import advantage_fn
+    from megarl.rollout.publish import DiskPublisher
     from megarl.workflows import build_workflow
     from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
     from recovery.verifier import VerifyingStrategy

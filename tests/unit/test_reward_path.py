@@ -1,7 +1,7 @@
 """The reward path of `megarl train`: trajectory ids -> the run's tokenizer -> reward service -> reward.
 
 The controller scores every finished trajectory with ``TrajectoryScorer.score``
-(megarl/controller.py); these tests drive that same object with a real HF
+(megarl/loop/controller.py); these tests drive that same object with a real HF
 tokenizer and real reward workers.
 """
 import asyncio

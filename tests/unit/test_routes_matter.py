@@ -16,9 +16,9 @@ from recovery_scorer import LoopState, tiny_checkpoint
 from route_echo import RouteEchoScorer, candidates, expected_routes
 from test_route_level_scoring import LAYERS, K, drive
 
-from megarl.exactness import failures
 from megarl.routes import newest_routes
 from megarl.types import NO_VERSION, AnchorResult, TrainBatch, Trajectory
+from megarl.verify.exactness import failures
 from recovery import _route_checks
 from recovery._negative_controls import routes_shifted
 from recovery._routes_matter import empty, judge, policy_routes_wrong, summary

@@ -1,4 +1,4 @@
-"""Routing replay (megarl/models/routing_replay.py) on the real megatron-core MoE stack, against HF.
+"""Routing replay (megarl/trainer/routing_replay.py) on the real megatron-core MoE stack, against HF.
 
 The reference is the HF Qwen3-MoE model (which megarl's trainer matches to ~2e-7
 with live routing) with each layer's router forced to the given top-k: a
@@ -216,7 +216,7 @@ def test_the_dedicated_scorer_replays_the_routes_of_each_segment(moe):
 
 
 def test_route_disagreement_on_hand_numbers():
-    from megarl.models.routing_replay import route_disagreement
+    from megarl.trainer.routing_replay import route_disagreement
 
     # one row, three positions, two layers, top-2; the last position is unknown to the engine
     engine = torch.tensor([[[[0, 1], [2, 3]], [[1, 0], [2, 3]], [[-1, -1], [-1, -1]]]])
@@ -228,7 +228,7 @@ def test_route_disagreement_on_hand_numbers():
 
 
 def test_live_routes_are_the_routers_own_choices(moe):
-    from megarl.models.routing_replay import live_routes
+    from megarl.trainer.routing_replay import live_routes
 
     trainer, hf = moe
     batch = batch_of(None)

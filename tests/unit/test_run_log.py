@@ -3,7 +3,7 @@ import json
 
 from wandb_offline import history
 
-from megarl.run_log import RunLogger
+from megarl.loop.run_log import RunLogger
 
 
 def test_steps_evaluations_and_journals(tmp_path):
@@ -64,7 +64,7 @@ def test_the_reader_sees_what_wandb_wrote(tmp_path, monkeypatch):
 
 def test_progress_bar_counts_steps(tmp_path):
     # records carry the step just done (1-based): 3 of 3 after the last, not 4 of 3
-    from megarl.run_log import RunLogger
+    from megarl.loop.run_log import RunLogger
 
     logger = RunLogger(tmp_path, total_steps=3, tensorboard=False, progress="rich")
     for step in (1, 2, 3):

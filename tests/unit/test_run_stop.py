@@ -9,10 +9,10 @@ import asyncio
 import pytest
 from loop_fixtures import make_controller
 
-import megarl.run_stop as run_stop
+import megarl.loop.run_stop as run_stop
 from megarl.builder import load_run_config
 from megarl.errors import InputError, TrainingError
-from megarl.run_stop import EXIT_STOPPED, RunStopped
+from megarl.loop.run_stop import EXIT_STOPPED, RunStopped
 
 
 def trained_ids(trainer, upto=None):

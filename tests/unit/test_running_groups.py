@@ -1,4 +1,4 @@
-"""Running groups in a checkpoint (megarl/running_groups.py), with hand-made groups on the real controller.
+"""Running groups in a checkpoint (megarl/loop/running_groups.py), with hand-made groups on the real controller.
 
 A group cut mid-run is kept whole: finished trajectories (scored or not) and partial ones with their tokens,
 versions, logp_behav, logp_old and the workflow's turn. On resume megarl's own workflows continue each partial
@@ -13,9 +13,9 @@ import asyncio
 import pytest
 from loop_fixtures import make_controller
 
-from megarl.buffer import Group
 from megarl.data import Prompt
 from megarl.errors import EngineError
+from megarl.loop.buffer import Group
 from megarl.types import NO_VERSION, GenerateResult, SamplingParams, Trajectory
 from megarl.workflows.base import TurnPoint
 from megarl.workflows.multi_turn import MultiTurnWorkflow
@@ -93,8 +93,8 @@ def hand_made_state(workflow, trajs, turns):
     c.version = 1
     group = Group("g0", 0, trajs)
     c.buffer.admit(group)
-    c._items["g0"] = Prompt("p0", list(PROMPT), answer="x", row={"prompt": "p"})
-    c._turns.update(turns)
+    c.running.items["g0"] = Prompt("p0", list(PROMPT), answer="x", row={"prompt": "p"})
+    c.running.turns.update(turns)
     c.group_counter = 1
     state = c.state_dict()
     state["trainer_version"] = 1
@@ -103,13 +103,13 @@ def hand_made_state(workflow, trajs, turns):
 
 def resumed(state, workflow, router):
     c, *_ = make_controller(1, state, workflow=workflow)
-    c.router = c.generation.router = router
+    c.router = c.generation.router = c.running.router = router
     return c
 
 
 def run_restored(c):
-    group = c._restored[0]
-    asyncio.run(c._run_group(group, c._items[group.group_id]))
+    group = c.running.restored[0]
+    asyncio.run(c.running.run_group(group, c.running.items[group.group_id]))
     return {t.traj_id: t for g in c.buffer.ready for t in g.trajectories}
 
 
@@ -150,7 +150,7 @@ def test_a_multi_turn_group_cut_mid_run_continues_at_each_trajectorys_turn_and_l
     assert {k: c.counters[k] - state["counters"][k] for k in
             ("n_continued_after_resume", "n_regenerated_after_resume", "n_tokens_regenerated_after_resume")} == \
         {"n_continued_after_resume": 4, "n_regenerated_after_resume": 0, "n_tokens_regenerated_after_resume": 0}
-    assert c._turns == {}, "turn points are dropped once their workflow returned"
+    assert c.running.turns == {}, "turn points are dropped once their workflow returned"
 
 
 def test_the_cut_keeps_what_came_back_and_a_stop_collects_what_is_in_flight():
@@ -159,20 +159,20 @@ def test_the_cut_keeps_what_came_back_and_a_stop_collects_what_is_in_flight():
     are sent as prompt and never sampled again. A stop first aborts the request and keeps its partial tokens."""
     wf = SingleTurnWorkflow(SamplingParams(max_new_tokens=12, stop_token_ids=[STOP]))
     c, *_ = make_controller(0, workflow=wf)
-    c.router = c.generation.router = ScriptedRouterFake({"g0-0": [([3, 3], "abort"), None]}, version=0,
-                                                        aborted=[5])
+    c.router = c.generation.router = c.running.router = ScriptedRouterFake(
+        {"g0-0": [([3, 3], "abort"), None]}, version=0, aborted=[5])
     t = traj(0)
     group = Group("g0", 0, [t])
     c.buffer.admit(group)
-    c._items["g0"] = Prompt("p0", list(PROMPT))
+    c.running.items["g0"] = Prompt("p0", list(PROMPT))
     states = {}
 
     async def cut():
-        task = asyncio.create_task(c._run_workflow(t))
+        task = asyncio.create_task(c.running.run_workflow(t))
         while len(c.router.requests.get("g0-0", [])) < 2:  # the second request is in flight
             await asyncio.sleep(0)
         states["periodic"] = c.state_dict()
-        await c._quiesce_for_stop()
+        await c.running.quiesce_for_stop()
         states["stop"] = c.state_dict()
         task.cancel()
 
@@ -197,22 +197,22 @@ def test_a_cut_while_a_failed_group_stops_its_siblings_keeps_every_token_with_it
     wf, budget = ((SingleTurnWorkflow(SamplingParams(max_new_tokens=12, stop_token_ids=[STOP])), 12)
                   if name == "single_turn" else (multi_turn(EnvFake()), 20))
     c, *_ = make_controller(0, workflow=wf)
-    c.router = c.generation.router = ScriptedRouterFake(
+    c.router = c.generation.router = c.running.router = ScriptedRouterFake(
         {"g0-0": [([3, 3], "abort"), EngineError("request refused")], "g0-1": [([4], "abort"), None]}, version=0)
     group = Group("g0", 0, [traj(0), traj(1)])
     c.buffer.admit(group)
-    c._items["g0"] = item = Prompt("p0", list(PROMPT))
+    c.running.items["g0"] = item = Prompt("p0", list(PROMPT))
     cuts = []
 
     async def run_and_cut_every_iteration():
-        task = asyncio.create_task(c._run_group(group, item))
+        task = asyncio.create_task(c.running.run_group(group, item))
         while not task.done():
-            if "g0" in c._items:
+            if "g0" in c.running.items:
                 cuts.append(c.state_dict())
             await asyncio.sleep(0)
 
     asyncio.run(run_and_cut_every_iteration())
-    assert c.counters["n_dropped"] == 2 and "g0" not in c.buffer.running_groups and c._turns == {}
+    assert c.counters["n_dropped"] == 2 and "g0" not in c.buffer.running_groups and c.running.turns == {}
     last = cuts[-1]["running_groups"][0]  # the group had failed; its siblings were stopped
     assert [t["response_ids"] for t in last["trajectories"]] == [[3, 3], [4]]
     for cut in cuts:
@@ -235,7 +235,7 @@ def test_an_episode_that_cannot_continue_is_generated_again_under_a_new_id_and_c
     state = hand_made_state(None, trajs, {"g0-0": TurnPoint(0, 0, True)})  # the gate tests' single turn
     router = ScriptedRouterFake({"r1.g0-0": [([6, STOP], "stop")], "r1.g0-2": [([6, 6, STOP], "stop")]}, version=1)
     c = resumed(state, None, router)
-    assert [t.traj_id for t in c._restored[0].trajectories] == ["r1.g0-0", "g0-1", "r1.g0-2"]
+    assert [t.traj_id for t in c.running.restored[0].trajectories] == ["r1.g0-0", "g0-1", "r1.g0-2"]
     assert {k: c.counters[k] - state["counters"][k] for k in
             ("n_continued_after_resume", "n_regenerated_after_resume", "n_tokens_regenerated_after_resume")} == \
         {"n_continued_after_resume": 1, "n_regenerated_after_resume": 2, "n_tokens_regenerated_after_resume": 3}
@@ -245,7 +245,7 @@ def test_an_episode_that_cannot_continue_is_generated_again_under_a_new_id_and_c
     # with no finished trajectory there is nothing to keep: the group starts again from its prompt, as a new one
     state = hand_made_state(None, [traj(0, [3, 3], [0, 0]), traj(1)], {})
     c = resumed(state, None, ScriptedRouterFake({}, version=1))
-    assert c._restored == [] and [p.prompt_id for p in c._regenerate] == ["p0"] and c.buffer.running == 0
+    assert c.running.restored == [] and [p.prompt_id for p in c.running.regenerate] == ["p0"] and c.buffer.running == 0
     assert c.counters["n_regenerated_after_resume"] - state["counters"]["n_regenerated_after_resume"] == 2
 
 
@@ -254,7 +254,7 @@ def test_a_checkpoint_of_an_older_megarl_regenerates_running_groups_from_their_p
     state["running_prompts"] = [p for p in [Prompt("p0", list(PROMPT)).to_dict()]]
     del state["running_groups"]
     c = resumed(state, None, ScriptedRouterFake({}, version=1))
-    assert c._restored == [] and [p.prompt_id for p in c._regenerate] == ["p0"] and c.buffer.running == 0
+    assert c.running.restored == [] and [p.prompt_id for p in c.running.regenerate] == ["p0"] and c.buffer.running == 0
 
 
 def test_with_keep_running_groups_false_a_checkpoint_keeps_prompts_and_the_resume_counts_what_it_threw_away():
@@ -263,12 +263,12 @@ def test_with_keep_running_groups_false_a_checkpoint_keeps_prompts_and_the_resum
     wf = SingleTurnWorkflow(SamplingParams(max_new_tokens=12, stop_token_ids=[STOP]))
     c, *_ = make_controller(0, workflow=wf, overrides=["logging.keep_running_groups=false"])
     c.buffer.admit(Group("g0", 0, [traj(0, [3, 3, 3], [0, 0, 1]), traj(1, [4, STOP], [0, 0], finished=True)]))
-    c._items["g0"] = Prompt("p0", list(PROMPT))
+    c.running.items["g0"] = Prompt("p0", list(PROMPT))
     state = {**c.state_dict(), "trainer_version": 0}
     assert state["running_groups"] == [] and [p["prompt_id"] for p in state["running_prompts"]] == ["p0"]
     assert state["thrown_away"] == {"trajectories": 2, "tokens": 5}
     r = resumed(state, wf, ScriptedRouterFake({}, version=1))
-    assert r._restored == [] and [p.prompt_id for p in r._regenerate] == ["p0"]
+    assert r.running.restored == [] and [p.prompt_id for p in r.running.regenerate] == ["p0"]
     assert {k: r.counters[k] - state["counters"][k] for k in ("n_regenerated_after_resume",
                                                             "n_tokens_regenerated_after_resume")} == \
         {"n_regenerated_after_resume": 2, "n_tokens_regenerated_after_resume": 5}
@@ -279,9 +279,9 @@ def test_what_a_stop_counts_after_the_last_step_record_reaches_the_resumed_runs_
     tokens) are in the checkpoint and the resumed run's first step record reports them, not lost between two."""
     c, *_ = make_controller(0)
     c.counters["n_engine_generated_tokens"] = 10
-    c._step_counters = dict(c.counters)  # the last step record
+    c.bookkeeping.step_counters = dict(c.counters)  # the last step record
     c.counters["n_engine_generated_tokens"] += 3  # the stop's aborted requests
     state = {**c.state_dict(), "trainer_version": 0}
     r = resumed(state, None, ScriptedRouterFake({}, version=1))
-    step = {k: r.counters[k] - r._step_counters[k] for k in r.counters}
+    step = {k: r.counters[k] - r.bookkeeping.step_counters[k] for k in r.counters}
     assert step["n_engine_generated_tokens"] == 3

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from recovery_scorer import tiny_checkpoint
 
-from megarl.checkpoint import list_checkpoints, verify_checkpoint
+from megarl.checkpoint.run_checkpoint import list_checkpoints, verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,4 +1,4 @@
-"""The run's secrets stay with their owners (megarl/secret_env.py, megarl/process_isolation.py).
+"""The run's secrets stay with their owners (megarl/isolation/secret_env.py, megarl/isolation/process_isolation.py).
 
 Children that run user code (agent commands, tool and reward workers) start
 without any key of the run, a process that took a key no longer shows it in
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from megarl import process_isolation
 from megarl.config.agent import AgentConfig
 from megarl.errors import ConfigError
-from megarl.secret_env import SECRET_ENV_VARS, pass_by_pipe, scrubbed_env
+from megarl.isolation import process_isolation
+from megarl.isolation.secret_env import SECRET_ENV_VARS, pass_by_pipe, scrubbed_env
 from megarl.workers.pool import WorkerPool
 from megarl.workflows import agent_http
 from megarl.workflows.agent_http import CommandLimits, run_command
@@ -50,7 +50,7 @@ def test_a_taken_key_leaves_proc_environ_and_the_environment():
     C environ array then no longer points to the exec-time block); without taking it, it does (the control)."""
     check = """
         import os, sys
-        from megarl.secret_env import take_secret
+        from megarl.isolation.secret_env import take_secret
         if sys.argv[1] == "rebuilt":  # code that rebuilds the environment (mock.patch.dict does) before the take
             saved = dict(os.environ)
             os.environ.clear()
@@ -73,7 +73,7 @@ def test_a_key_comes_by_pipe_or_by_a_private_file(tmp_path):
     try:
         p = _python("""
             import os
-            from megarl.secret_env import take_secret
+            from megarl.isolation.secret_env import take_secret
             print(take_secret("MEGARL_ENGINE_KEY"), [k for k in os.environ if k.startswith("MEGARL_ENGINE_KEY")],
                   b"piped-key-91" in open("/proc/self/environ", "rb").read())
         """, env, pass_fds=(fd,))
@@ -83,7 +83,7 @@ def test_a_key_comes_by_pipe_or_by_a_private_file(tmp_path):
     secret = tmp_path / "key"
     secret.write_text("filed-key-55\n")
     secret.chmod(0o644)
-    code = 'from megarl.secret_env import take_secret; print(take_secret("MEGARL_DEDICATED_AUTHKEY"))'
+    code = 'from megarl.isolation.secret_env import take_secret; print(take_secret("MEGARL_DEDICATED_AUTHKEY"))'
     p = _python(code, {**env, "MEGARL_DEDICATED_AUTHKEY_FILE": str(secret)})
     assert "must be mode 0600" in p.stderr and "chmod 600" in p.stderr and secret.exists()
     secret.chmod(0o600)

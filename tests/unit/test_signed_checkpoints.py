@@ -1,5 +1,5 @@
 """A checkpoint changed after the run wrote it is refused by name, and no checkpoint file can run code
-(megarl/run_key.py, megarl/checkpoint_files.py); a stop marker the run's trainer did not sign is not trusted
+(megarl/isolation/run_key.py, megarl/checkpoint/files.py); a stop marker the run's trainer did not sign is not trusted
 (megarl/stop_protocol.py).
 
 The attack is the one code with write access to the run directory can make: replace ``controller.pt`` with a
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl import secret_env
-from megarl.checkpoint import find_latest_checkpoint, load_file, verify_checkpoint, write_checkpoint
+from megarl.checkpoint.run_checkpoint import find_latest_checkpoint, load_file, verify_checkpoint, write_checkpoint
 from megarl.errors import CheckpointError
-from megarl.run_key import checkpoint_key, key_path
+from megarl.isolation import secret_env
+from megarl.isolation.run_key import checkpoint_key, key_path
 from megarl.stop_protocol import read_stop_marker, write_stop_marker
 
 

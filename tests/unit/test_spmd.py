@@ -1,4 +1,4 @@
-"""Rank 0's side of several trainer ranks (megarl/trainer/spmd.py), in a gloo world of one.
+"""Rank 0's side of several trainer ranks (megarl/loop/spmd.py), in a gloo world of one.
 
 The control channel is the real one (a broadcast to no follower here) that also
 keeps what it sent; tests/distributed/test_loop_multirank.py runs real followers.
@@ -8,8 +8,8 @@ import math
 import pytest
 from recovery_scorer import HFScorerForTests, LoopState, extend, tiny_checkpoint
 
+from megarl.loop.spmd import ControlChannel, DrivingStrategy, frozen_copy
 from megarl.trainer.parallel import init_distributed
-from megarl.trainer.spmd import ControlChannel, DrivingStrategy, frozen_copy
 from megarl.types import Trajectory
 from recovery.interrupt_sync import InterruptSync, InterruptSyncConfig
 from recovery.snapshot import Snapshot, SnapshotConfig
@@ -100,7 +100,7 @@ def test_followers_export_without_host_copies():
     the tensors where they are (on a GPU trainer: no device -> host copy of the whole model per rank)."""
     import torch
 
-    from megarl.trainer.follower import FollowerView, follow
+    from megarl.loop.follower import FollowerView, follow
 
     calls = []
 
@@ -122,7 +122,7 @@ def test_followers_export_without_host_copies():
 def test_a_follower_builds_its_loss_with_the_entropy_coefficient_rank_0_sent():
     """A train_step event carries the entropy coefficient rank 0's loss used; None (a loss without one) calls
     the factory as (batch, anchor) alone, so a factory of that older form keeps working."""
-    from megarl.trainer.follower import FollowerView, follow
+    from megarl.loop.follower import FollowerView, follow
 
     built, trained = [], []
 

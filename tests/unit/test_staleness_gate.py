@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.buffer import PublishedVersion, ReplayBuffer
 from megarl.builder import load_run_config
-from megarl.controller import Controller
+from megarl.loop.buffer import PublishedVersion, ReplayBuffer
+from megarl.loop.controller import Controller
 from megarl.types import GenerateResult
 from recovery.base import RecoveryContext
 from recovery.behav import Behav

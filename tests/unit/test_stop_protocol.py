@@ -66,7 +66,7 @@ def test_a_server_that_stopped_on_the_signal_is_a_stop_not_a_failure(tmp_path):
             "def stop(*_):\n    from megarl.stop_protocol import write_stop_marker\n    time.sleep(1)\n"
             f"    pathlib.Path({str(done)!r}).touch(); write_stop_marker('SIGUSR1', 2, True); sys.exit(1)\n"
             f"signal.signal(signal.SIGUSR1, stop)\npathlib.Path({str(ready)!r}).touch()\n"
-            "from megarl.stop_ready import announce_stop_ready\nannounce_stop_ready()\n"  # as trainer rank 0 does
+            "from megarl.loop.stop_ready import announce_stop_ready\nannounce_stop_ready()\n"  # as trainer rank 0 does
             "time.sleep(60)\n")
     trainer = RoleCommand("trainer", "trainer", "", ("env", f"{STOP_MARKER_ENV}={marker}", sys.executable, "-c", slow),
                           False)
@@ -80,9 +80,9 @@ def test_a_server_that_stopped_on_the_signal_is_a_stop_not_a_failure(tmp_path):
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
+    from megarl.loop.follower import follow
+    from megarl.loop.spmd import ControlChannel, DrivingTrainer
     from megarl.stop_protocol import RunStopped
-    from megarl.trainer.follower import follow
-    from megarl.trainer.spmd import ControlChannel, DrivingTrainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     channel = ControlChannel()
@@ -98,7 +98,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     else:
         with early_stop.installed():
             assert channel.recv() == ("stop_poll",)
-            from megarl.trainer import spmd
+            from megarl.loop import spmd
             spmd._stop_votes(channel, early_stop.received)
             dist.barrier(group=channel.group)
             os.kill(os.getpid(), signal.SIGUSR1)  # caught by the latch: the follower stops at the next poll

@@ -193,7 +193,7 @@ def test_publish_while_an_engine_is_down_and_dropping_after_failed_restarts():
 
 
 def test_broadcast_goes_to_the_live_engines_with_ranks_in_order():
-    """The publisher's group is made for the engines live under the publish lock (megarl/publish.py)."""
+    """The publisher's group is made for the engines live under the publish lock (megarl/rollout/publish.py)."""
     async def main():
         sup, engines, _, _ = make(n=3, max_restarts=0)
         engines[0].die()

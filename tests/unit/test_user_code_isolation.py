@@ -1,4 +1,4 @@
-"""Code the policy writes cannot touch the run (megarl/process_isolation.py, megarl/isolation/).
+"""Code the policy writes cannot touch the run (megarl/isolation/process_isolation.py, megarl/isolation/).
 
 tests/unit/attacker.py makes each attempt for real, as an agent command and as sandboxed code: plant a file in
 the source tree, the Python environment and a checkpoint; read the run's checkpoint key and a file of the run's
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from megarl import process_isolation
+from megarl.isolation import process_isolation
+from megarl.isolation.run_key import checkpoint_key, key_path
 from megarl.rewards.code import run_python
-from megarl.run_key import checkpoint_key, key_path
 from megarl.workflows import agent_http
 from megarl.workflows.agent_http import CommandLimits, run_command
 

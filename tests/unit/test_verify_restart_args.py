@@ -2,8 +2,8 @@
 import pytest
 
 from megarl.errors import ConfigError
-from megarl.exactness import verify_recovery
-from megarl.exactness_restart import STOP_WINDOW, partial_answers
+from megarl.verify.exactness import verify_recovery
+from megarl.verify.exactness_restart import STOP_WINDOW, partial_answers
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -21,10 +21,10 @@ from typing import Any
 from megarl.builder import DEFAULT_TOL, VerifyingStrategy, load_run_config
 from megarl.builder import negative_controls as controls
 from megarl.errors import ConfigError
-from megarl.exactness_restart import STOP_WINDOW, StopMidAnswer, attempt, run_across_restart
 from megarl.rollout.base import truncates_sampling
 from megarl.rollout.engine_pool import EnginePool
 from megarl.train import train
+from megarl.verify.exactness_restart import STOP_WINDOW, StopMidAnswer, attempt, run_across_restart
 
 __all__ = ["DEFAULT_TOL", "failures", "verify_recovery"]
 
@@ -127,7 +127,7 @@ def verify_recovery(config_path: str, strategies: list[str], steps: int, output:
 
     ``negative_control``: make one thing wrong on purpose (recovery/_negative_controls.py); the checks must
     then fail. ``restart_at`` > 0: each run is stopped from that step on and resumed from its checkpoint
-    (megarl/exactness_restart.py). The runs share one set of engines, reset to the base checkpoint before each
+    (megarl/verify/exactness_restart.py). The runs share one set of engines, reset to the base checkpoint before each
     (megarl/rollout/engine_pool.py); their logs are in ``engines/`` beside ``output``."""
     if negative_control and negative_control not in controls.NAMES:
         raise ConfigError(f"--negative-control {negative_control!r} is not one of {', '.join(controls.NAMES)}")

@@ -1,14 +1,14 @@
-"""A follower trainer rank's loop: it replays rank 0's control events (megarl/trainer/spmd.py) on its own trainer
+"""A follower trainer rank's loop: it replays rank 0's control events (megarl/loop/spmd.py) on its own trainer
 and strategy until rank 0 says stop."""
 from __future__ import annotations
 
 import logging
 
-from megarl.checkpoint import load_rank_state, prepare_rank_state, save_rank_state
-from megarl.checkpoint_writer import BackgroundWrite
+from megarl.checkpoint.rank_state import load_rank_state, prepare_rank_state, save_rank_state
+from megarl.checkpoint.writer import BackgroundWrite
 from megarl.errors import CheckpointError
+from megarl.loop.spmd import ControlChannel, _run_on_all, _stop_votes
 from megarl.stop_protocol import RunStopped, early_stop
-from megarl.trainer.spmd import ControlChannel, _run_on_all, _stop_votes
 from megarl.types import AnchorResult, TrainBatch, Trajectory
 
 log = logging.getLogger("megarl.spmd")

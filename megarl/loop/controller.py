@@ -24,9 +24,9 @@ this loop.
 
 Nothing lost: every ``logging.save_every`` steps or ``logging.save_every_s``
 seconds, at the end, on SIGTERM/SIGINT and before an error stops the loop
-(megarl/run_stop.py) the ``checkpointer`` (megarl/checkpoint.py) writes the
+(megarl/loop/run_stop.py) the ``checkpointer`` (megarl/checkpoint/run_checkpoint.py) writes the
 loop's :meth:`state_dict` with the trainer's and strategy's; :meth:`load_state_dict` continues from it
-(running groups kept whole and continued, megarl/running_groups.py). A request whose engine
+(running groups kept whole and continued, megarl/loop/running_groups.py). A request whose engine
 died (``EngineLost``, megarl/rollout/supervisor.py) is sent again, prompt +
 partial, once an engine is up. A step the trainer skipped (non-finite loss or
 gradient norm) is logged with its reason and not published, and its batch
@@ -34,33 +34,44 @@ stops counting against the staleness gate (``ReplayBuffer.release``); after
 ``trainer.max_consecutive_skips`` in a row the run checkpoints and stops. So
 does a trainer that waited ``trainer.stall_timeout_s`` for a batch while no
 trajectory was accepted, naming the gate's numbers.
+
+The controller keeps the step, the engines' version, the counters and the
+window of failed episodes, and draws the loop above; its parts are
+collaborators it builds and calls, each given what it reads: ``running``
+(RunningGroups, megarl/loop/running_groups.py: each admitted group from its
+episodes to the buffer, the groups' prompts, turn points and tasks, and the
+running groups in a checkpoint), ``bookkeeping`` (StepBookkeeping,
+megarl/loop/step_record.py: the train step, the step record and its counters'
+boundary, samples, the stall message), ``stops`` (RunStops,
+megarl/loop/run_stop.py: the wait for a batch, stop requests, the save clock),
+``checkpoints`` (CheckpointSchedule, megarl/checkpoint/schedule.py: a save, and
+the periodic ones failed in a row) and ``evaluations`` (EvaluationSchedule,
+megarl/loop/evaluation.py: when to evaluate, the evaluations running).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Any, Callable
 
-from megarl.buffer import Group, PublishedVersion, ReplayBuffer
-from megarl.checkpoint_schedule import CheckpointSchedule
+from megarl.checkpoint.schedule import CheckpointSchedule
 from megarl.data import prompt_stream
-from megarl.evaluation import EvaluationSchedule
-from megarl.failure_causes import AGENT, AGENT_REWARD, REWARD, FailureWindow, generation_failure
-from megarl.group_tasks import gather_or_cancel
+from megarl.failure_causes import FailureWindow
+from megarl.loop.buffer import Group, PublishedVersion, ReplayBuffer
+from megarl.loop.evaluation import EvaluationSchedule
+from megarl.loop.run_stop import RunStops
+from megarl.loop.running_groups import RESUME_COUNTERS, RunningGroups, fresh_trajectory
+from megarl.loop.step_record import StepBookkeeping
 from megarl.rollout.base import RouterProtocol
 from megarl.rollout.interruptible import InterruptibleGeneration
-from megarl.run_stop import RunStops
-from megarl.running_groups import RESUME_COUNTERS, RunningGroups, fresh_trajectory
-from megarl.step_record import StepBookkeeping
 from megarl.trainer.base import TrainerProtocol
 from megarl.types import TrainBatch, Trajectory, training_rows
 
-log = logging.getLogger("megarl.controller")
+log = logging.getLogger("megarl.loop.controller")
 
 
-class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunStops, RunningGroups):
+class Controller:
     """Runs rollouts and training concurrently until ``total_steps`` optimizer steps are done.
 
     Collaborators are passed in, already built: ``trainer`` (TrainerProtocol:
@@ -75,7 +86,7 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
     ``on_step(record)`` for logging. Optional: ``checkpointer`` (``await
     checkpointer.save(controller)``), ``journal`` (``journal.write(name,
     record)``: accepted and trained trajectory ids per group and step, and
-    samples decoded with ``tokenizer``) and ``evaluator`` (megarl/evaluation.py,
+    samples decoded with ``tokenizer``) and ``evaluator`` (megarl/loop/evaluation.py,
     results to ``on_eval``).
     """
 
@@ -88,27 +99,17 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.cfg = cfg
         self.trainer = trainer
         self.router = router
-        self.rewards = rewards
-        self.evaluator = evaluator
-        self.on_eval = on_eval
-        self.tokenizer = tokenizer
-        self._evals: set[asyncio.Task] = set()
         self.dataset = dataset
         self.workflow = workflow
         self.strategy = strategy
         self.publisher = publisher
-        self.loss_fn_factory = loss_fn_factory
-        self.advantages = advantages
         self.on_step = on_step
-        self.checkpointer = checkpointer
-        self.journal = journal
         self.B = cfg.trainer.batch_size
         self.n = cfg.rollout.group_size
         self.eta = cfg.rollout.eta
         self.buffer = buffer
         self.published = published
         self.step = 0
-        self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         # the generation adds the counters it keeps (megarl/rollout/interruptible.py COUNTERS)
         self.counters = {"n_reward_calls": 0, "n_reward_failed": 0, "n_dropped": 0, "n_filtered": 0,
@@ -117,22 +118,28 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.generation.may_hold = self._may_hold
         #: why each of the last B episode outcomes failed, if it did (what reward.max_fail_frac is checked on)
         self.failures = FailureWindow(self.B)
-        self._fatal: Exception | None = None  # stops the rollout loop (and with it the run) when set
-        self._failed_groups_in_a_row = 0
-        self._prev_workflow_stats: dict[str, int] = {}
-        self._step_counters = dict(self.counters)
         self.gen_stall_s = 0.0
         #: groups admitted so far; trajectory ids are {id_prefix}g{k}-{j}. A resumed attempt gets its own
         #: prefix, so groups a killed attempt admitted after its last checkpoint never share an id with new ones
         self.group_counter = 0
         self.id_prefix = ""
-        self._items: dict[str, Any] = {}  # group id -> its prompt, while the group runs
-        self._regenerate: list[Any] = []  # prompts a checkpoint took before their groups were admitted
-        self._restored: list[Group] = []  # running groups a checkpoint kept, until train() starts them
-        self._turns: dict = {}  # traj id -> its workflow's TurnPoint (megarl/running_groups.py)
         self._resumed = False
         self._consecutive_skips = 0
-        self._save_failures = 0  # periodic checkpoints failed in a row (megarl/checkpoint_schedule.py)
+        # the collaborators (module doc); the bookkeeping's counter boundary starts from the generation's counters
+        self.bookkeeping = StepBookkeeping(
+            cfg, trainer=trainer, strategy=strategy, loss_fn_factory=loss_fn_factory, router=router,
+            workflow=workflow, buffer=buffer, journal=journal, tokenizer=tokenizer, counters=self.counters,
+            failures=self.failures, published=published)
+        self.running = RunningGroups(
+            cfg, buffer=buffer, workflow=workflow, generation=self.generation, router=router, strategy=strategy,
+            rewards=rewards, advantages=advantages, journal=journal, counters=self.counters, failures=self.failures,
+            step=lambda: self.step, failure_error=self.bookkeeping.failure_error)
+        self.checkpoints = CheckpointSchedule(checkpointer, publisher, cfg.logging)
+        self.stops = RunStops(cfg, trainer=trainer, buffer=buffer, published=published, checkpointer=checkpointer,
+                              checkpoint=self._checkpoint, quiesce=self.running.quiesce_for_stop,
+                              train_on=self.bookkeeping.train_on, stall_message=self.bookkeeping.stall_message)
+        self.evaluations = EvaluationSchedule(cfg.eval, evaluator, on_eval, generation=self.generation,
+                                              publish=self.publish, trainer=trainer, published=published)
 
     @property
     def version(self) -> int:
@@ -143,115 +150,50 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
     def version(self, value: int) -> None:
         self.published.value = value
 
+    @property
+    def stop_requested(self) -> bool:
+        return self.stops.stop_requested
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary (or at once while waiting for a batch); call it on the event loop."""
+        self.stops.request_stop(reason)
+
     def _may_hold(self, traj: Trajectory) -> bool:
         """rollout.splice_at_tokens holds odd groups that can wait for the next publish: of the current version
         (no batch deadline waits on them) or due two versions later at the earliest; the even ones keep batches
-        forming while they are held (megarl/buffer.py). A trajectory already spliced is not held again."""
+        forming while they are held (megarl/loop/buffer.py). A trajectory already spliced is not held again."""
         group = self.buffer.running_groups.get(traj.group_id)
         return (group is not None and group.seq % 2 == 1 and set(traj.versions) <= {self.version}
                 and (group.start_version == self.version or group.start_version + self.eta >= self.version + 2))
-
-    async def _run_group(self, group: Group, item) -> None:
-        async def one(traj: Trajectory) -> Trajectory:
-            if traj.finished and traj.reward is not None:  # scored before a checkpoint: it waits for its siblings
-                return traj
-            if not traj.finished:  # (a finished one a checkpoint kept waits for its score)
-                await self._run_workflow(traj)  # an agent's episode may write into parts of its own
-                traj.finish_reason = traj.finish_reason or "stop"
-                for row in traj.rows():  # a workflow sets finish_reason per turn; only its return ends it
-                    row.finished = True
-                    self.strategy.on_segment_finished(row)
-            failure = traj.meta.get("agent_error")  # an agent that failed got reward 0 from its workflow
-            cause = AGENT if failure is not None else None
-            if traj.reward is None:  # an agent may return the episode's reward itself
-                out = await self.rewards.score(traj)
-                traj.reward, failure = out.reward, (out.reason or "failed") if out.failed else None
-                cause = REWARD if out.failed else None
-            elif failure is None and not math.isfinite(traj.reward):  # would poison its group's advantages
-                failure, cause, traj.reward = f"the agent returned the reward {traj.reward}", AGENT_REWARD, 0.0
-            traj.reward_failed = failure is not None  # a failed episode is a failed reward (reward.on_failure)
-            # one outcome per episode (scored, or given by its agent), counted with its failure at once, so that a
-            # step's share of failed calls never counts calls whose failures are not in yet; a failed agent counts
-            # against reward.max_fail_frac like a failed reward
-            self.counters["n_reward_calls"] += 1
-            self.counters["n_reward_failed"] += failure is not None
-            self.failures.add(cause, f"trajectory {traj.traj_id}: {failure}")
-            return traj
-
-        try:
-            trajs = await gather_or_cancel(*(one(t) for t in group.trajectories))  # a failure stops the siblings
-        except Exception as e:
-            log.exception("group %s failed; its samples are dropped", group.group_id)
-            self.counters["n_dropped"] += len(group.trajectories)
-            self._items.pop(group.group_id, None)
-            self._drop_turns(group)
-            self._failed_groups_in_a_row += 1
-            if self._failed_groups_in_a_row >= max(2, self.B // self.n) and self._fatal is None:
-                # a batch's worth of groups failed and nothing else finished: the next ones would too
-                self._fatal = generation_failure(self._failed_groups_in_a_row, e, self.cfg.rollout.workflow)
-            await self.buffer.accept(group, [])
-            return
-        self._failed_groups_in_a_row = 0
-        failed = [t for t in trajs if t.reward_failed]
-        kept = trajs
-        if failed and self.cfg.reward.on_failure == "drop":
-            kept = [t for t in trajs if not t.reward_failed]
-            self.counters["n_dropped"] += len(failed)
-        if kept and self.cfg.rollout.filter_groups and len(kept) == len(trajs) and self._all_equal(kept):
-            # zero advantage everywhere: no learning signal. Leaving the gate's count lets another group in
-            self.counters["n_filtered"] += len(kept)
-            kept = []
-        if kept:
-            try:
-                self.advantages(kept)
-            except Exception:  # e.g. non-finite rewards: the group must still leave the gate's count
-                log.exception("advantages of group %s failed; its samples are dropped", group.group_id)
-                self.counters["n_dropped"] += len(kept)
-                kept = []
-        for t in kept:  # an episode's parts share its reward and advantage
-            for part in t.parts:
-                part.reward, part.advantage = t.reward, t.advantage
-        self._items.pop(group.group_id, None)
-        if self._fatal is None:  # with on_failure=drop nothing reaches a step: check here too, per B calls
-            self._fatal = self._failure_error()
-        accepted_total = await self.buffer.accept(group, kept)
-        if kept and self.journal is not None:
-            self.journal.write("accepted", {"step": self.step, "accepted_total": accepted_total,
-                                            "group_id": group.group_id, "traj_ids": [t.traj_id for t in kept]})
-
-    @staticmethod
-    def _all_equal(trajs: list[Trajectory]) -> bool:
-        rewards = [t.reward for t in trajs]
-        return max(rewards) - min(rewards) <= 1e-9
 
     async def _rollout_loop(self) -> None:
         next_prompt = prompt_stream(self.dataset)
         while not self._stopping:
             if self.router.failure is not None:  # every engine is gone for good
                 raise self.router.failure
-            if self._fatal is not None:
-                raise self._fatal
+            if self.running.fatal is not None:
+                raise self.running.fatal
             if not await self.buffer.wait_admissible(self.n, lambda: self.version, ready=self.generation.is_open,
-                                                     stop=lambda: self._stopping or self._fatal is not None):
-                if self._fatal is not None:
-                    raise self._fatal
+                                                     stop=lambda: self._stopping or self.running.fatal is not None):
+                if self.running.fatal is not None:
+                    raise self.running.fatal
                 return
-            if self._fatal is not None:
-                raise self._fatal
-            if self._regenerate:
-                item = self._regenerate.pop(0)
+            if self.running.fatal is not None:
+                raise self.running.fatal
+            if self.running.regenerate:
+                item = self.running.regenerate.pop(0)
             else:
                 item = await next_prompt()
                 if not self.generation.is_open() or self._stopping:  # it waited for a row: a publish may have begun
-                    self._regenerate.insert(0, item)
+                    self.running.regenerate.insert(0, item)
                     continue
             gid = f"{self.id_prefix}g{self.group_counter}"
             group = Group(gid, self.version, [fresh_trajectory(f"{gid}-{j}", gid, item, self.strategy.exact)
                                               for j in range(self.n)])
             self.buffer.admit(group)
-            self._items[gid] = item
+            self.running.items[gid] = item
             self.group_counter += 1
-            self._spawn(group, item)
+            self.running.spawn(group, item)
 
     # -- publishing ----------------------------------------------------------------
     async def publish(self, new_version: int) -> dict[str, float]:
@@ -296,17 +238,17 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
               and self.step < total_steps):
             # the checkpointed run ended before publishing its last step; the gate needs that version
             await self.publish(self.trainer.version)
-        self._start_restored()  # running groups a checkpoint kept go on first
+        self.running.start_restored()  # running groups a checkpoint kept go on first
         roll = asyncio.create_task(self._rollout_loop())
         t_start = time.perf_counter()
         max_skips = self.cfg.trainer.max_consecutive_skips
         try:
             while self.step < total_steps:
                 t0 = time.perf_counter()
-                episodes = await self._next_batch(roll)  # what the gate counts
+                episodes = await self.stops.next_batch(roll, self.step)  # what the gate counts
                 t_got = time.perf_counter()
                 trajs = training_rows(episodes)  # an agent's episode may hold several rows
-                record = await self._train_batch(trajs, episodes)
+                record = await self.stops.train_batch(trajs, episodes)
                 t_trained = time.perf_counter()
                 skipped = bool(record.get("skipped"))
                 if skipped:  # no optimizer step happened: nothing for the hooks, nothing to publish
@@ -326,56 +268,51 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
                     pub = await self.publish(self.trainer.version)
                 self.step += 1
                 record.update(pub)
-                record.update(self._step_record(trajs, t0, t_got, t_trained, t_start))
-                failure_error = self._failure_error()
+                record.update(self.bookkeeping.step_record(trajs, t0, t_got, t_trained, t_start, step=self.step,
+                                                           gen_stall_s=self.gen_stall_s))
+                failure_error = self.bookkeeping.failure_error(self.step)
                 self.on_step(record)
-                self._log_samples(trajs)
-                self._journal_trained(trajs, skipped)
+                self.bookkeeping.log_samples(trajs, self.step)
+                self.bookkeeping.journal_trained(trajs, skipped, self.step)
                 await self.buffer.notify()
                 if max_skips > 0 and self._consecutive_skips >= max_skips:
                     await self._checkpoint()
-                    raise self._skips_error(record["skip_reason"], max_skips)
+                    raise self.bookkeeping.skips_error(record["skip_reason"], max_skips,
+                                                       consecutive=self._consecutive_skips, step=self.step)
                 if failure_error is not None:
                     await self._checkpoint()
                     raise failure_error
-                await self._after_step()  # a stop request, or a checkpoint due (megarl/run_stop.py)
-                self._maybe_evaluate(total_steps)
+                await self.stops.after_step(self.step)  # a stop request, or a checkpoint due (megarl/loop/run_stop.py)
+                self.evaluations.maybe_evaluate(self.step, total_steps)
             await self._checkpoint()
-            await self._final_evaluation()
+            await self.evaluations.final_evaluation(self.step)
         finally:
             self._stopping = True
-            for task in list(self._evals):
-                task.cancel()
-            await asyncio.gather(*self._evals, return_exceptions=True)
+            await self.evaluations.cancel()
             await self.buffer.notify()
             self.generation.open()
             await self.router.abort_all()
             roll.cancel()  # it may wait for a prompt (rows an agent service posts)
             await asyncio.gather(roll, return_exceptions=True)
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.running.cancel()
 
     # -- checkpoints -------------------------------------------------------------------
+    async def _checkpoint(self, periodic: bool = False) -> None:
+        """Checkpoint the step reached (megarl/checkpoint/schedule.py; ``periodic``: one that may fail)."""
+        await self.checkpoints.checkpoint(self, self.step, periodic)
+
     def state_dict(self) -> dict[str, Any]:
         """The loop's part of a checkpoint; call it on the event loop (a consistent cut).
 
         The buffer's accepted-but-untrained trajectories keep their per-token
         versions, logp_behav and any recovered logp_old; groups still running
-        are kept whole, partial trajectories included (megarl/running_groups.py).
+        are kept whole, partial trajectories included (megarl/loop/running_groups.py).
         """
         return {"step": self.step, "version": self.version, "group_counter": self.group_counter,
-                "counters": dict(self.counters), "step_counters": dict(self._step_counters),
+                "counters": dict(self.counters), "step_counters": dict(self.bookkeeping.step_counters),
                 "gen_stall_s": self.gen_stall_s,
                 "buffer": self.buffer.state_dict(), "dataset": self.dataset.state_dict(),
-                **self._running_state(), **self._loss_state()}
-
-    def _loss_state(self) -> dict[str, Any]:  # an adaptive entropy coefficient (megarl/losses/entropy_control.py)
-        return {"loss": self._entropy_control.state_dict()} if self._entropy_control is not None else {}
-
-    def _load_loss_state(self, state: dict[str, Any]) -> None:
-        if self._entropy_control is not None and "loss" in state:
-            self._entropy_control.load_state_dict(state["loss"])
+                **self.running.state_dict(), **self.bookkeeping.loss_state()}
 
     def load_state_dict(self, state: dict[str, Any], id_prefix: str = "") -> None:
         """Continue from :meth:`state_dict`: before :meth:`train`, after the trainer and strategy are restored.
@@ -387,11 +324,11 @@ class Controller(StepBookkeeping, EvaluationSchedule, CheckpointSchedule, RunSto
         self.group_counter = int(state["group_counter"])
         self.counters.update(state["counters"])
         # counted after the last step record (a stop's aborted requests): the next record reports them
-        self._step_counters = {**self.counters, **state.get("step_counters", {})}
+        self.bookkeeping.step_counters = {**self.counters, **state.get("step_counters", {})}
         self.gen_stall_s = float(state.get("gen_stall_s", 0.0))
         self.buffer.load_state_dict(state["buffer"])
         self.dataset.load_state_dict(state["dataset"])
         self.id_prefix = id_prefix
-        self._restore_running(state)  # after the buffer: its gate counts them as running again
-        self._load_loss_state(state)
+        self.running.restore(state, id_prefix)  # after the buffer: its gate counts them as running again
+        self.bookkeeping.load_loss_state(state)
         self._resumed = True

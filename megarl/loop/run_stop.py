@@ -11,7 +11,7 @@
   again": launch/slurm.sbatch requeues the job on it). A repeated signal changes
   nothing. The stop's checkpoint (the wait for a write in flight and for the
   engines' disk copy included) is bounded by the stop budget
-  (``logging.stop_grace_s``, megarl/stop_checkpoint.py): one that fails or cannot
+  (``logging.stop_grace_s``, megarl/loop/stop_checkpoint.py): one that fails or cannot
   finish in time is reported in one line, and when an earlier complete checkpoint
   stands the run still exits 75 with a marker naming it; with none it fails
   (a CheckpointError saying so), since a requeue would have nothing to resume.
@@ -25,10 +25,14 @@ An error after a step's optimizer step and before the loop counts the step (a
 recovery hook, the publish) leaves the newest checkpoint as it was: the
 trainer's and the strategy's state no longer match the loop's there.
 
-:class:`RunStops` is a part of :class:`megarl.controller.Controller` kept in a
-file of its own; it reads the controller's ``cfg``, ``step``, ``trainer``,
-``buffer``, ``version``, ``checkpointer``, ``_checkpoint`` (megarl/checkpoint_schedule.py)
-and the stall message of ``_stall_message``.
+:class:`RunStops` is a collaborator of :class:`megarl.loop.controller.Controller`
+(its ``stops``), given the run's ``cfg``, ``trainer``, ``buffer``, the engines'
+``published`` version and the ``checkpointer`` (where its checkpoints are), and
+what it calls: ``checkpoint`` (the controller's, at the step reached:
+megarl/checkpoint/schedule.py), ``quiesce`` (a stop's collection of partial tokens,
+megarl/loop/running_groups.py), ``train_on`` and ``stall_message``
+(megarl/loop/step_record.py); the step comes with each call. It owns the stop
+request and the save clock.
 """
 from __future__ import annotations
 
@@ -37,16 +41,19 @@ import contextlib
 import logging
 import signal
 from time import monotonic as _now  # a test drives the save clock
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
-from megarl.checkpoint_writer import is_save_failure
+from megarl.checkpoint.writer import is_save_failure
 from megarl.errors import CheckpointError, TrainingError
-from megarl.stop_checkpoint import exit_by_budget_end, newest_checkpoint, stop_checkpoint
+from megarl.loop.spmd import DrivingTrainer
+from megarl.loop.stop_checkpoint import exit_by_budget_end, newest_checkpoint, stop_checkpoint
 from megarl.stop_protocol import EXIT_STOPPED, STOP_SIGNALS, RunStopped, early_stop, stop_budget, write_stop_marker
-from megarl.trainer.spmd import DrivingTrainer
 from megarl.types import Trajectory
 
-log = logging.getLogger("megarl.run_stop")
+if TYPE_CHECKING:  # the loop whose stop signals ask it to stop; controller.py imports this module
+    from megarl.loop.controller import Controller
+
+log = logging.getLogger("megarl.loop.run_stop")
 
 __all__ = ["EXIT_STOPPED", "RunStopped", "RunStops", "stop_on_signals"]
 
@@ -54,9 +61,22 @@ __all__ = ["EXIT_STOPPED", "RunStopped", "RunStops", "stop_on_signals"]
 class RunStops:
     """The controller's stop requests and checkpoint schedule (module doc)."""
 
-    _stop_reason: str | None = None
-    _stop_event: asyncio.Event | None = None
-    _save_clock: float | None = None  # monotonic time of the last checkpoint (or of the loop's start)
+    def __init__(self, cfg, *, trainer, buffer, published, checkpointer,
+                 checkpoint: Callable[..., Awaitable[None]], quiesce: Callable[[], Awaitable[None]],
+                 train_on: Callable[[list[Trajectory]], dict[str, Any]],
+                 stall_message: Callable[[float, int], str]) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.buffer = buffer
+        self.published = published
+        self.checkpointer = checkpointer
+        self.checkpoint = checkpoint  # checkpoint(periodic=False): of the step the loop reached
+        self.quiesce = quiesce
+        self.train_on = train_on
+        self.stall_message = stall_message
+        self._stop_reason: str | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._save_clock: float | None = None  # monotonic time of the last checkpoint (or of the loop's start)
 
     @property
     def stop_requested(self) -> bool:
@@ -73,47 +93,47 @@ class RunStops:
             self._stop_event = asyncio.Event()
         return self._stop_event
 
-    async def _stop_now(self) -> None:
+    async def stop_now(self, step: int) -> None:
         """Checkpoint the step reached (every rank), write the stop marker and raise :class:`RunStopped`; within
         the stop budget (module doc)."""
         stop_budget.start()  # a follower's signal, or one seen by the latch before the loop
         if isinstance(self.trainer, DrivingTrainer):
             self.trainer.stopped_by = self._stop_reason  # the followers exit with 75 too
         reason = self._stop_reason or "stop"
-        await self._quiesce_for_stop()  # every request's partial tokens into the checkpoint (running_groups.py)
-        done = await stop_checkpoint(self._checkpoint(), self.step)
+        await self.quiesce()  # every request's partial tokens into the checkpoint (running_groups.py)
+        done = await stop_checkpoint(self.checkpoint(), step)
         # RUN_DIR/checkpoints; a checkpointer without one cannot say whether an earlier checkpoint stands
         root = getattr(self.checkpointer, "root", None)
         stands = newest_checkpoint(root)
         if done.failure is None:
-            write_stop_marker(reason, self.step, True, checkpoint=stands)
-            raise RunStopped(f"stopped by {reason} at step {self.step}, checkpointed; continue with "
+            write_stop_marker(reason, step, True, checkpoint=stands)
+            raise RunStopped(f"stopped by {reason} at step {step}, checkpointed; continue with "
                              f"`megarl train --resume RUN_DIR` (the same config)")
         if stands is None and root is not None:
             if done.cut_short:
                 exit_by_budget_end(1)
             raise CheckpointError(
-                f"stopped by {reason} at step {self.step}, but its checkpoint {done.failure} and the run has no "
+                f"stopped by {reason} at step {step}, but its checkpoint {done.failure} and the run has no "
                 f"earlier checkpoint: nothing to resume from. Free disk space (or fix the error named), then start "
                 f"the run again; give a slow checkpoint more time with logging.stop_grace_s")
-        write_stop_marker(reason, self.step, False, checkpoint=stands)
+        write_stop_marker(reason, step, False, checkpoint=stands)
         if done.cut_short:
             exit_by_budget_end(EXIT_STOPPED)
-        raise RunStopped(f"stopped by {reason} at step {self.step}, not checkpointed (its checkpoint "
+        raise RunStopped(f"stopped by {reason} at step {step}, not checkpointed (its checkpoint "
                          f"{done.failure}); the newest complete checkpoint stands ({stands}): continue from it with "
                          f"`megarl train --resume RUN_DIR` (the same config)")
 
-    async def _checkpoint_before_error(self, error: BaseException) -> None:
+    async def checkpoint_before_error(self, error: BaseException) -> None:
         """Checkpoint before ``error`` ends the run; a failing save is logged and ``error`` still raised."""
         try:
-            await self._checkpoint()
+            await self.checkpoint()
         except BaseException as e:  # e.g. a strategy whose scorer died cannot save its state: the newest one stands
             if not is_save_failure(e):
                 raise
             log.warning("the checkpoint before stopping on %s failed (%s: %s); the run's newest checkpoint "
                         "is where --resume goes on", type(error).__name__, type(e).__name__, e)
 
-    async def _next_batch(self, roll: asyncio.Task) -> list[Trajectory]:
+    async def next_batch(self, roll: asyncio.Task, step: int) -> list[Trajectory]:
         """The next batch; if the rollout loop dies instead, checkpoint and raise its error (no waiting forever
         for data). A stop request abandons the wait.
 
@@ -122,7 +142,7 @@ class RunStops:
         """
         if self._save_clock is None:
             self._save_clock = _now()
-        get = asyncio.ensure_future(self.buffer.get_batch(self.trainer.version, self.version))
+        get = asyncio.ensure_future(self.buffer.get_batch(self.trainer.version, self.published.value))
         stop = asyncio.ensure_future(self._stop_flag().wait())
         timeout = self.cfg.trainer.stall_timeout_s
         accepted = self.buffer.accepted_total
@@ -136,33 +156,33 @@ class RunStops:
                     accepted = self.buffer.accepted_total
                     continue
                 get.cancel()
-                await self._checkpoint()
-                raise TrainingError(self._stall_message(timeout))
+                await self.checkpoint()
+                raise TrainingError(self.stall_message(timeout, step))
         finally:
             stop.cancel()
         if get.done():
             return get.result()
         get.cancel()
         if self.stop_requested:
-            await self._stop_now()
+            await self.stop_now(step)
         error = roll.exception() or RuntimeError("the rollout loop stopped")
-        await self._checkpoint_before_error(error)
+        await self.checkpoint_before_error(error)
         raise error
 
-    async def _train_batch(self, trajs: list[Trajectory], episodes: list[Trajectory]) -> dict:
+    async def train_batch(self, trajs: list[Trajectory], episodes: list[Trajectory]) -> dict:
         """The train step on ``trajs`` (the training rows of ``episodes``) in a worker thread (the event loop
         keeps feeding the engines); when it fails before its optimizer step, checkpoint the step reached before
         raising."""
         version = self.trainer.version
         try:
-            return await asyncio.to_thread(self._train_on, trajs)
+            return await asyncio.to_thread(self.train_on, trajs)
         except Exception as e:
             if self.trainer.version == version:  # no optimizer step: the states still match the loop's step
                 self.buffer.release(len(episodes))  # the gate counts episodes, not rows
-                await self._checkpoint_before_error(e)
+                await self.checkpoint_before_error(e)
             raise
 
-    async def _after_step(self) -> None:
+    async def after_step(self, step: int) -> None:
         """At a step boundary: stop when asked to (here or on any rank), else checkpoint when the step or
         time schedule says so."""
         if not self.stop_requested and isinstance(self.trainer, DrivingTrainer):
@@ -170,17 +190,17 @@ class RunStops:
             if reason is not None:
                 self.request_stop(reason)
         if self.stop_requested:
-            await self._stop_now()
+            await self.stop_now(step)
         every, every_s = self.cfg.logging.save_every, self.cfg.logging.save_every_s
         now = _now()
-        if ((every > 0 and self.step % every == 0)
+        if ((every > 0 and step % every == 0)
                 or (every_s > 0 and self._save_clock is not None and now - self._save_clock >= every_s)):
-            await self._checkpoint(periodic=True)  # a failed one is retried (megarl/checkpoint_schedule.py)
+            await self.checkpoint(periodic=True)  # a failed one is retried (megarl/checkpoint/schedule.py)
             self._save_clock = _now()
 
 
 @contextlib.contextmanager
-def stop_on_signals(controller: RunStops) -> Iterator[None]:
+def stop_on_signals(controller: Controller) -> Iterator[None]:
     """While the loop runs, a stop signal asks ``controller`` to stop (module doc); enter on the event loop.
 
     A signal the early latch already holds (megarl/stop_protocol.py) is a stop asked for at once; on exit the

@@ -10,7 +10,7 @@ read, megarl/bench); TensorBoard and Weights & Biases get them under a namespace
 - ``timing/``: seconds (every key ending in ``_s``);
 - ``recovery/``: the old-logit anchor and the train-inference correction (the anchor's distance from
   logp_behav, r_d, the behaviour weight's mask and down-weighting, the strategy's own counters, MoE routes);
-- ``eval/``: held-out evaluation (megarl/evaluation.py).
+- ``eval/``: held-out evaluation (megarl/loop/evaluation.py).
 
 :data:`VERL_EQUIVALENTS` lists verl's names for the same quantities (its ``actor/``, ``critic/score``,
 ``response_length/`` and ``timing_s/`` groups), which docs/guide.md prints as a table.

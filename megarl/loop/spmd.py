@@ -24,7 +24,7 @@ follower replays it on its own trainer and strategy, in the same order:
   consistently;
 * ``train_step``, ``save_hf_checkpoint`` and ``export_hf_weights``
   (``DrivingTrainer``; followers consume the export's gathers and drop the tensors);
-* stops (megarl/run_stop.py): at every step boundary rank 0 asks every rank
+* stops (megarl/loop/run_stop.py): at every step boundary rank 0 asks every rank
   whether it caught a stop signal (``stop_poll``, an all-gather of each rank's
   latch, megarl/stop_protocol.py), so a signal that reached only a follower stops
   the run too; the final ``stop`` event says whether the run stopped on a signal,
@@ -32,12 +32,12 @@ follower replays it on its own trainer and strategy, in the same order:
 * checkpoints: ``save_state`` / ``load_state`` (``DrivingTrainer.save_rank_states`` /
   ``load_rank_states``). Rank 0 announces the checkpoint directory, then every
   rank takes part in the collective save (load) of the trainer's and the
-  strategy's sharded state (megarl/checkpoint.py); an all-gather of each rank's outcome ends the event,
+  strategy's sharded state (megarl/checkpoint/rank_state.py); an all-gather of each rank's outcome ends the event,
   so rank 0 publishes the checkpoint only after every shard is on disk, and a
   follower's failure is raised on rank 0 too. A background checkpoint
   (``save_state_async``) prepares the same way, then every rank writes its part
   on a thread and the outcomes meet on the checkpoint group
-  (megarl/checkpoint_writer.py); a follower joins its write before the next
+  (megarl/checkpoint/writer.py); a follower joins its write before the next
   checkpoint event and before it stops.
 
 With one rank none of this is used: the loop talks to the trainer directly.
@@ -52,8 +52,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint import load_rank_state, prepare_rank_state, save_rank_state
-from megarl.checkpoint_writer import describe_failure, is_save_failure
+from megarl.checkpoint.rank_state import load_rank_state, prepare_rank_state, save_rank_state
+from megarl.checkpoint.writer import describe_failure, is_save_failure
 from megarl.errors import CheckpointError, MegarlError
 from megarl.stop_protocol import RunStopped
 from megarl.trainer.parallel import collective_timeout
@@ -228,7 +228,7 @@ class DrivingTrainer:
     def __init__(self, trainer, channel: ControlChannel) -> None:
         self.trainer = trainer
         self.channel = channel
-        #: the stop signal the run stopped on (set by megarl/run_stop.py); sent with the final ``stop``
+        #: the stop signal the run stopped on (set by megarl/loop/run_stop.py); sent with the final ``stop``
         self.stopped_by: str | None = None
         #: a collective with the followers timed out (a trainer node lost): the final ``stop`` is not sent, it
         #: would wait out trainer.collective_timeout_s once more (set by megarl/builder.py, Run.__aexit__)
@@ -269,7 +269,7 @@ class DrivingTrainer:
             _run_on_all(self.channel, lambda: save_rank_state(step_dir, self.trainer, strategy_state))
 
     def prepare_rank_states(self, step_dir: str, strategy_state: dict):
-        """Every rank prepares its part of a background checkpoint (megarl/checkpoint_writer.py) and starts writing
+        """Every rank prepares its part of a background checkpoint (megarl/checkpoint/writer.py) and starts writing
         it; returns rank 0's write, to run on a BackgroundWrite (its outcome exchange meets the followers')."""
         writes = []
         with self.channel.lock:

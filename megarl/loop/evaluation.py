@@ -8,7 +8,7 @@ resumes them with the new weights, and ``eval/version_min``/``version_max``
 say which versions produced the tokens), but they never pass the staleness
 gate, never enter the replay buffer and are never seen by a recovery strategy.
 A sample that raises fails the evaluation (logged; training goes on) and
-cancels every other sample of it at once (megarl/group_tasks.py).
+cancels every other sample of it at once (megarl/loop/group_tasks.py).
 
 Metrics (per evaluation, logged under ``eval/``): ``reward_mean`` over all
 samples (the reward an agent gave its episode, else the scorer's; a failed
@@ -27,10 +27,10 @@ import time
 from typing import Any, Awaitable, Callable
 
 from megarl.data import Prompt
-from megarl.group_tasks import gather_or_cancel
+from megarl.loop.group_tasks import gather_or_cancel
 from megarl.types import Trajectory
 
-log = logging.getLogger("megarl.controller")
+log = logging.getLogger("megarl.loop.controller")
 
 GenerateFor = Callable[[Trajectory], Callable[..., Awaitable[Any]]]
 
@@ -101,19 +101,31 @@ class Evaluator:
 
 class EvaluationSchedule:
     """When the controller evaluates (every ``eval.every`` steps, never blocking training, one at a time: one
-    due while another runs is skipped and counted in ``eval/n_skipped``; and once at the end): a part of
-    :class:`megarl.controller.Controller` kept with evaluation; it reads the controller's ``cfg``,
-    ``evaluator``, ``on_eval``, ``_evals``, ``generation``, ``publish``, ``step``, ``version`` and
-    ``trainer``."""
+    due while another runs is skipped and counted in ``eval/n_skipped``; and once at the end): a collaborator of
+    :class:`megarl.loop.controller.Controller` (its ``evaluations``) kept with evaluation. It is given the config's
+    ``eval`` section, the ``evaluator`` and ``on_eval``, the ``generation`` its samples go through, ``publish``
+    (the final weights), the ``trainer`` and the engines' ``published`` version, and the step at each call; it
+    owns the evaluations still running (``tasks``)."""
 
-    def _generate_for_eval(self, traj: Trajectory):
+    def __init__(self, eval_cfg, evaluator: Evaluator | None, on_eval: Callable[[dict], None] | None, *,
+                 generation, publish: Callable[[int], Awaitable[Any]], trainer, published) -> None:
+        self.eval_cfg = eval_cfg
+        self.evaluator = evaluator
+        self.on_eval = on_eval
+        self.generation = generation
+        self.publish = publish
+        self.trainer = trainer
+        self.published = published
+        self.tasks: set[asyncio.Task] = set()
+
+    def generate_for_eval(self, traj: Trajectory):
         # as in training, an agent's client may write a completion into a part of its episode (into=row)
         return lambda ctx, sp, into=None: self.generation.generate(into or traj, ctx, sp, counted=False)
 
-    async def _evaluate(self, step: int) -> None:
-        version = self.version
+    async def evaluate(self, step: int) -> None:
+        version = self.published.value
         try:
-            metrics = await self.evaluator.run(self._generate_for_eval)
+            metrics = await self.evaluator.run(self.generate_for_eval)
         except asyncio.CancelledError:
             raise
         except Exception:  # an evaluation must never take training down with it
@@ -125,24 +137,30 @@ class EvaluationSchedule:
         if self.on_eval is not None:
             self.on_eval(record)
 
-    def _maybe_evaluate(self, total_steps: int) -> None:
-        every = self.cfg.eval.every
-        if self.evaluator is None or every <= 0 or self.step % every or self.step >= total_steps:
+    def maybe_evaluate(self, step: int, total_steps: int) -> None:
+        every = self.eval_cfg.every
+        if self.evaluator is None or every <= 0 or step % every or step >= total_steps:
             return
-        if self._evals:  # the last one takes longer than eval.every steps: one at a time, never a pile-up
+        if self.tasks:  # the last one takes longer than eval.every steps: one at a time, never a pile-up
             self.evaluator.n_skipped += 1
             log.warning("step %d: evaluation skipped, the one before is still running (%d skipped; raise eval.every)",
-                        self.step, self.evaluator.n_skipped)
+                        step, self.evaluator.n_skipped)
             return
-        task = asyncio.create_task(self._evaluate(self.step))
-        self._evals.add(task)
-        task.add_done_callback(self._evals.discard)
+        task = asyncio.create_task(self.evaluate(step))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-    async def _final_evaluation(self) -> None:
+    async def final_evaluation(self, step: int) -> None:
         """Wait for evaluations still running, then evaluate the final weights once."""
         if self.evaluator is None:
             return
-        await asyncio.gather(*list(self._evals))
-        if self.trainer.version > self.version:  # the last step is not published for training: publish it now
+        await asyncio.gather(*list(self.tasks))
+        if self.trainer.version > self.published.value:  # the last step is not published for training: publish it now
             await self.publish(self.trainer.version)
-        await self._evaluate(self.step)
+        await self.evaluate(step)
+
+    async def cancel(self) -> None:
+        """Cancel the evaluations still running and wait for them (the loop's end)."""
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Literal
 
 Network = Literal["host", "endpoint", "none"]
-_HERE = Path(__file__).resolve().parent / "isolation"
+_HERE = Path(__file__).resolve().parent  # megarl/isolation: the programs inside the namespaces
 #: drops every capability (bounding, inheritable, ambient) and forbids regaining any (no setuid, no file caps)
 _DROP_CAPS = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--")
 _PY = (sys.executable, "-I", "-S")

@@ -1,11 +1,12 @@
 """What one step of the loop leaves behind: the train step on a batch and its metrics, the step record,
 decoded samples, the check of failed episodes and the stall message.
 
-:class:`StepBookkeeping` is a part of :class:`megarl.controller.Controller` kept in a file of its own; it
-reads the controller's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``,
-``buffer``, ``journal``, ``tokenizer``, ``counters`` (with the step boundary ``_step_counters``),
-``failures``, ``_prev_workflow_stats``, ``_consecutive_skips``, ``step``, ``version``, ``B``,
-``eta`` and ``gen_stall_s``.
+:class:`StepBookkeeping` is a collaborator of :class:`megarl.loop.controller.Controller` (its ``bookkeeping``),
+given the run's ``cfg``, ``trainer``, ``strategy``, ``loss_fn_factory``, ``router``, ``workflow``, ``buffer``,
+``journal`` and ``tokenizer``, the loop's ``counters`` and ``failures`` (the window of episode outcomes) and the
+engines' ``published`` version; the step, and what the controller keeps of it (``gen_stall_s``, the steps skipped
+in a row), come with each call. It owns the step boundary of the counters (``step_counters``, in the loop's
+checkpoint) and of the workflow's stats.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 from typing import Any
 
 from megarl.errors import TrainingError
+from megarl.failure_causes import FailureWindow
+from megarl.loop.buffer import PublishedVersion
 from megarl.losses.mismatch import behav_weight_stats, discrepancy
 from megarl.routes import stored_bytes
 from megarl.types import TrainBatch, Trajectory, training_rows
@@ -21,12 +24,38 @@ from megarl.types import TrainBatch, Trajectory, training_rows
 class StepBookkeeping:
     """The controller's per-step accounting (module doc)."""
 
+    def __init__(self, cfg, *, trainer, strategy, loss_fn_factory, router, workflow, buffer, journal, tokenizer,
+                 counters: dict[str, int], failures: FailureWindow, published: PublishedVersion) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.strategy = strategy
+        self.loss_fn_factory = loss_fn_factory
+        self.router = router
+        self.workflow = workflow
+        self.buffer = buffer
+        self.journal = journal
+        self.tokenizer = tokenizer
+        self.counters = counters
+        self.failures = failures
+        self.published = published
+        self.B = cfg.trainer.batch_size
+        self.eta = cfg.rollout.eta
+        self.step_counters = dict(counters)  # the counters at the last step record; a step reports what they gained
+        self._prev_workflow_stats: dict[str, int] = {}
+
     @property
-    def _entropy_control(self):
+    def entropy_control(self):
         """The loss's entropy coefficient (megarl/losses/entropy_control.py); None for a loss without one."""
         return getattr(self.loss_fn_factory, "entropy_control", None)
 
-    def _train_on(self, trajs: list[Trajectory]) -> dict[str, Any]:
+    def loss_state(self) -> dict[str, Any]:  # an adaptive entropy coefficient, in the loop's checkpoint
+        return {"loss": self.entropy_control.state_dict()} if self.entropy_control is not None else {}
+
+    def load_loss_state(self, state: dict[str, Any]) -> None:
+        if self.entropy_control is not None and "loss" in state:
+            self.entropy_control.load_state_dict(state["loss"])
+
+    def train_on(self, trajs: list[Trajectory]) -> dict[str, Any]:
         batch = TrainBatch.from_trajectories(trajs, version=self.trainer.version)
         t0 = time.perf_counter()
         anchor = self.strategy.anchor(batch, trajs)
@@ -37,7 +66,7 @@ class StepBookkeeping:
         metrics = self.trainer.train_step(batch, loss_fn)
         t_step = time.perf_counter()
         metrics = dict(metrics)
-        control = self._entropy_control
+        control = self.entropy_control
         if control is not None and control.active:  # the coefficient this step used, then the next step's
             metrics["entropy_coef"] = float(loss_fn.entropy_coef)
             if not metrics.get("skipped"):
@@ -71,12 +100,12 @@ class StepBookkeeping:
             out.update(discrepancy(old, batch.logp_behav, batch.loss_mask))
         return out
 
-    def _failure_error(self) -> TrainingError | None:
+    def failure_error(self, step: int) -> TrainingError | None:
         """The error to stop with when more than reward.max_fail_frac of the last B episodes failed, naming what
         failed (an agent, the reward function) and the fix (megarl/failure_causes.py)."""
-        return self.failures.error(self.step, self.cfg, self.workflow)
+        return self.failures.error(step, self.cfg, self.workflow)
 
-    def _log_samples(self, trajs: list[Trajectory]) -> None:
+    def log_samples(self, trajs: list[Trajectory], step: int) -> None:
         """``logging.log_samples`` trajectories of the step as decoded text, to ``samples.jsonl``."""
         n = self.cfg.logging.log_samples
         if n <= 0 or self.journal is None or self.tokenizer is None:
@@ -84,17 +113,17 @@ class StepBookkeeping:
         tok = self.tokenizer
         for t in trajs[:n]:
             self.journal.write("samples", {
-                "step": self.step, "traj_id": t.traj_id, "prompt": tok.decode_prompt(t.prompt_ids),
+                "step": step, "traj_id": t.traj_id, "prompt": tok.decode_prompt(t.prompt_ids),
                 "response": tok.decode_response(t.response_ids), "reward": t.reward,
                 "answer": t.meta.get("answer"), "finish_reason": t.finish_reason,
                 # [version, number of tokens] per segment, in order: which weights wrote which part
                 "versions": [[g.version, g.end - g.start] for g in t.segments()]})
 
-    def _journal_trained(self, trajs: list[Trajectory], skipped: bool) -> None:
+    def journal_trained(self, trajs: list[Trajectory], skipped: bool, step: int) -> None:
         """The step's rows to ``trained_ids.jsonl``: what resume and the no-loss checks read."""
         if self.journal is None:
             return
-        self.journal.write("trained_ids", {"step": self.step, "version": self.trainer.version,
+        self.journal.write("trained_ids", {"step": step, "version": self.trainer.version,
                                            "skipped": skipped, "traj_ids": [t.traj_id for t in trajs],
                                            # the rows' lengths as the trainer packs them (bench --packing)
                                            "n_tokens": [len(t.prompt_ids) + len(t.response_ids) for t in trajs]})
@@ -106,13 +135,13 @@ class StepBookkeeping:
         self._prev_workflow_stats = now
         return step
 
-    def _step_record(self, trajs, t0, t_got, t_trained, t_start) -> dict[str, Any]:
+    def step_record(self, trajs, t0, t_got, t_trained, t_start, *, step: int, gen_stall_s: float) -> dict[str, Any]:
         rewards = [t.reward for t in trajs if t.reward is not None]
-        step_counts = {k: self.counters[k] - self._step_counters[k] for k in self.counters}
-        self._step_counters = dict(self.counters)
+        step_counts = {k: self.counters[k] - self.step_counters[k] for k in self.counters}
+        self.step_counters = dict(self.counters)
         resp_lens = [t.n_policy_tokens for t in trajs]
         return {
-            "step": self.step,
+            "step": step,
             "version": self.trainer.version,
             "reward_mean": sum(rewards) / max(len(rewards), 1),
             "n_spliced": sum(t.is_spliced for t in trajs),
@@ -123,7 +152,7 @@ class StepBookkeeping:
             "step_s": time.perf_counter() - t0,
             "trainer_busy_s": t_trained - t_got,
             "wall_s": time.perf_counter() - t_start,
-            "gen_stall_total_s": self.gen_stall_s,
+            "gen_stall_total_s": gen_stall_s,
             **step_counts,
             **self._workflow_step_stats(),
             **self.router.stats(),
@@ -131,16 +160,17 @@ class StepBookkeeping:
             **_route_bytes(trajs),
         }
 
-    def _skips_error(self, last_reason: str, max_skips: int) -> TrainingError:
+    def skips_error(self, last_reason: str, max_skips: int, *, consecutive: int, step: int) -> TrainingError:
         return TrainingError(
-            f"{self._consecutive_skips} consecutive steps skipped (last: {last_reason}, step {self.step}, version "
+            f"{consecutive} consecutive steps skipped (last: {last_reason}, step {step}, version "
             f"{self.trainer.version}); stopping (trainer.max_consecutive_skips={max_skips}). A checkpoint of this "
             f"step is in the run directory: lower trainer.lr or check the rewards, then resume with --resume")
 
-    def _stall_message(self, timeout: float) -> str:
-        g = self.buffer.gate_state(self.version)
-        filtered = self.counters["n_filtered"] - self._step_counters["n_filtered"]
-        dropped = self.counters["n_dropped"] - self._step_counters["n_dropped"]
+    def stall_message(self, timeout: float, step: int) -> str:
+        version = self.published.value
+        g = self.buffer.gate_state(version)
+        filtered = self.counters["n_filtered"] - self.step_counters["n_filtered"]
+        dropped = self.counters["n_dropped"] - self.step_counters["n_dropped"]
         if filtered or dropped:  # groups finish but none is kept: neither engines nor rewards are stuck
             cause = (f"Since the last step {filtered} samples were filtered (rollout.filter_groups: all rewards of "
                      f"their group equal, e.g. a constant reward) and {dropped} dropped (failed generation, "
@@ -150,9 +180,9 @@ class StepBookkeeping:
             cause = ("A full gate with nothing running means no batch can ever form (check rollout.eta and "
                      "trainer.publish_every); otherwise the engines or the rewards are stuck (for very long "
                      "generations raise trainer.stall_timeout_s)")
-        return (f"no batch for step {self.step}: the trainer waited {timeout:.1f} s (trainer.stall_timeout_s) and no "
+        return (f"no batch for step {step}: the trainer waited {timeout:.1f} s (trainer.stall_timeout_s) and no "
                 f"trajectory was accepted meanwhile. Staleness gate: accepted {g['accepted']} + running "
-                f"{g['running']} of capacity {g['capacity']} = (rollout.eta {self.eta} + version {self.version} + 1) "
+                f"{g['running']} of capacity {g['capacity']} = (rollout.eta {self.eta} + version {version} + 1) "
                 f"x trainer.batch_size {self.B} (released by skipped steps {g['released']}); ready {g['ready']} of "
                 f"{self.B}; trainer version {self.trainer.version}; filtered {self.counters['n_filtered']}, dropped "
                 f"{self.counters['n_dropped']} in all. {cause}. A checkpoint of this step is in the run directory; "

@@ -5,8 +5,8 @@ piped or logged run) a plain one-line step summary is printed instead, at the
 first step, at most every ``logging.summary_every_s`` seconds and at the last.
 
 TensorBoard and W&B name each metric by its namespace (``actor/``, ``rollout/``,
-``timing/``, ``recovery/``, ``eval/``: megarl/metric_names.py); metrics.jsonl
-keeps the flat keys. Evaluation results (megarl/evaluation.py) go to metrics.jsonl as lines of
+``timing/``, ``recovery/``, ``eval/``: megarl/loop/metric_names.py); metrics.jsonl
+keeps the flat keys. Evaluation results (megarl/loop/evaluation.py) go to metrics.jsonl as lines of
 their own (``step`` plus ``eval/...`` keys) and to TensorBoard and W&B under
 ``eval/``. An evaluation runs in the background and reports at the step it
 started, after later steps were logged; W&B drops a row logged with a ``step=``
@@ -19,7 +19,7 @@ Journals (``write(name, record)``, one JSON line each, flushed): ``accepted.json
 (per accepted group: ``step``, ``accepted_total`` after it, ``group_id``,
 ``traj_ids``) and ``trained_ids.jsonl`` (per step: ``step``, ``version``,
 ``skipped``, ``traj_ids``). With them a run shows that no accepted trajectory was
-lost or trained twice, across resumes too (megarl/checkpoint.py).
+lost or trained twice, across resumes too (megarl/checkpoint/run_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tqdm import tqdm
 
 from megarl.errors import ConfigError
-from megarl.metric_names import dashboard_name
+from megarl.loop.metric_names import dashboard_name
 
 
 def _jsonable(v: Any) -> Any:
@@ -133,7 +133,7 @@ class RunLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         step = int(record.get("step", 0))
-        # the dashboards get namespaced names (megarl/metric_names.py); metrics.jsonl keeps the flat keys
+        # the dashboards get namespaced names (megarl/loop/metric_names.py); metrics.jsonl keeps the flat keys
         scalars = {dashboard_name(k): v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:

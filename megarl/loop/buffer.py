@@ -202,7 +202,7 @@ class ReplayBuffer:
 
         Running groups are not part of it: nothing of them was accepted; the
         controller keeps them and admits them again on resume (``running`` restarts
-        at 0; megarl/running_groups.py).
+        at 0; megarl/loop/running_groups.py).
         """
         return {"accepted_total": self.accepted_total, "released_total": self.released_total, "seq": self._seq,
                 "ready": [{"group_id": g.group_id, "start_version": g.start_version, "seq": g.seq,

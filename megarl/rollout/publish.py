@@ -43,6 +43,7 @@ import torch
 from megarl.errors import EngineError
 from megarl.launch.roles import current_role
 from megarl.rollout.broadcast_sender import SenderProcess
+from megarl.rollout.bucket_format import rows_bytes
 from megarl.rollout.bucket_pool import DISK, SENDER, SharedBucketPool
 from megarl.rollout.disk_copy import DiskCopy
 from megarl.rollout.disk_publisher import DiskPublisher, remove_other_versions
@@ -56,16 +57,16 @@ from megarl.rollout.export_buckets import (
     shard_buckets,
     stream_engine_weights,
 )
-from megarl.rollout.weight_sync import WeightBroadcaster, rows_bytes
+from megarl.rollout.weight_sync import WeightBroadcaster
 
-log = logging.getLogger("megarl.publish")
+log = logging.getLogger("megarl.rollout.publish")
 
 
 class BroadcastPublisher:
     """Weights to engines through a trainer -> engines process group (rank 0 = this trainer rank).
 
     ``prepare`` exports ``trainer.export_hf_weights()`` (a collective with
-    several trainer ranks; they replay it, megarl/trainer/spmd.py) into a list
+    several trainer ranks; they replay it, megarl/loop/spmd.py) into a list
     on this rank, packs it into the send buckets and starts writing the disk
     copy from them in the background (megarl/rollout/disk_copy.py). Holding the
     export costs one full copy of the model in host memory during a publish,

@@ -36,10 +36,10 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from megarl.checkpoint_files import MANIFEST, build_manifest, files_under, fsync_dir, fsync_file, verify_checkpoint
+from megarl.checkpoint.files import MANIFEST, build_manifest, files_under, fsync_dir, fsync_file, verify_checkpoint
 from megarl.errors import CheckpointError
 
-log = logging.getLogger("megarl.checkpoint")
+log = logging.getLogger("megarl.checkpoint.run_checkpoint")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DAMAGED_DIR = re.compile(r"^damaged_step_(\d+)(?:-[0-9a-f]+)?$")

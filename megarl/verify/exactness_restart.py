@@ -1,9 +1,9 @@
 """`megarl verify-recovery --restart-at K`: the exactness check across a stop and a resume.
 
 Each strategy's run is stopped mid-run by the stop a scheduler sends (SIGTERM to
-this process, megarl/run_stop.py) at the first step boundary from K on where a
+this process, megarl/loop/run_stop.py) at the first step boundary from K on where a
 running group holds an answer under way; the checkpoint keeps the running groups
-whole (megarl/running_groups.py). The run is then resumed from its run directory
+whole (megarl/loop/running_groups.py). The run is then resumed from its run directory
 as ``megarl train --resume`` does: a new trainer, strategy and loop loaded from
 the checkpoint on disk, the engines reset and loaded with the weights they
 served. The partial answers go on under the resumed version, so trained rows
@@ -33,12 +33,13 @@ from typing import Callable
 import torch
 
 from megarl.builder import DelegatingStrategy, VerifyingStrategy
-from megarl.checkpoint_dirs import find_latest_checkpoint
-from megarl.checkpoint_files import MANIFEST, build_manifest, load_plain, read_manifest
+from megarl.checkpoint.dirs import find_latest_checkpoint
+from megarl.checkpoint.files import MANIFEST, build_manifest, read_manifest
 from megarl.errors import ConfigError
-from megarl.run_key import MAC_FIELD
-from megarl.stop_checkpoint import cancel_exit
+from megarl.isolation.run_key import MAC_FIELD
+from megarl.loop.stop_checkpoint import cancel_exit
 from megarl.stop_protocol import RunStopped, early_stop, stop_budget
+from megarl.trainer.plain_data import load_plain
 from megarl.types import NO_VERSION
 
 #: the stop comes at most this many steps after --restart-at when no answer is under way before

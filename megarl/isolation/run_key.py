@@ -10,10 +10,10 @@ run signs them with HMAC-SHA256 under a key that no user code can read:
   0600 in a directory of mode 0700, owned by the user that runs the trainer),
   made by the run's first checkpoint and read again by every resume, also by a
   requeued job; agent commands and sandboxed code never see the run directory
-  (megarl/process_isolation.py), other users cannot read it. Copy it with the
+  (megarl/isolation/process_isolation.py), other users cannot read it. Copy it with the
   checkpoints to resume or export them elsewhere;
 * the **stop key** (``MEGARL_STOP_KEY``) is fresh per `megarl launch` and held
-  in memory only (megarl/secret_env.py): the launcher and trainer rank 0.
+  in memory only (megarl/isolation/secret_env.py): the launcher and trainer rank 0.
 
 :func:`sign` and :func:`signed_by` take a JSON object and its ``mac`` field:
 the MAC covers the object's canonical JSON (sorted keys, no spaces) without
@@ -29,7 +29,7 @@ import secrets
 from pathlib import Path
 
 from megarl.errors import CheckpointError
-from megarl.secret_env import not_private
+from megarl.isolation.secret_env import not_private
 
 KEY_DIR = ".megarl-run"
 CHECKPOINT_KEY = "checkpoint.key"

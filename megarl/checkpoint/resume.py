@@ -1,4 +1,5 @@
-"""Continuing a run from its newest valid checkpoint (``megarl train --resume RUN_DIR``; megarl/checkpoint.py).
+"""Continuing a run from its newest valid checkpoint (``megarl train --resume RUN_DIR``;
+megarl/checkpoint/run_checkpoint.py).
 
 Two steps around building the run. :func:`prepare_resume`, before: the run
 directory is rewound to the checkpoint (log lines of later work dropped, the
@@ -17,17 +18,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.checkpoint import (
+from megarl.checkpoint.rewind import rewind_run_logs
+from megarl.checkpoint.run_checkpoint import (
     link_or_copy_tree,
     load_file,
     read_manifest,
     remove_temp_dirs,
     restore_rng,
-    rewind_run_logs,
     set_aside_newer,
 )
 
-log = logging.getLogger("megarl.resume")
+log = logging.getLogger("megarl.checkpoint.resume")
 
 
 @dataclass

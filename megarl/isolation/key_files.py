@@ -8,7 +8,7 @@ secret goes into an environment: `megarl launch` holds the keys in memory
 writes the keys that command's role needs into files of mode 0600 in a
 directory of mode 0700 of its own, and names each file in ``<NAME>_FILE`` (a
 path, not a secret). The one reader deletes its file as it reads it
-(megarl/secret_env.py): trainer rank 0 for the trainer command (its followers
+(megarl/isolation/secret_env.py): trainer rank 0 for the trainer command (its followers
 read none), the engine or scorer for a server command. The directory lies in
 the run directory (else under runs/), which multi-node runs already share, so
 a rank on another node finds the file; it is removed with whatever is left
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from megarl.secret_env import (
+from megarl.isolation.secret_env import (
     DEDICATED_AUTHKEY_ENV,
     ENGINE_KEY_ENV,
     FILE_SUFFIX,

@@ -1,12 +1,12 @@
 """A rank's part of a checkpoint written in the background (``logging.async_save``).
 
 An asynchronous checkpoint is taken in two parts. At the step boundary every trainer rank *prepares* its
-part (megarl/checkpoint.py ``prepare_rank_state``: the collective layout work and a host copy of its
+part (megarl/checkpoint/rank_state.py ``prepare_rank_state``: the collective layout work and a host copy of its
 shards; rank 0 also writes ``controller.pt`` and links the engines' weights into the temp directory), and
 the loop goes on. Then each rank *writes* its part on a :class:`BackgroundWrite` thread, over
 megarl/trainer/sharded_write.py's checkpoint group; the ranks exchange their outcomes on the same group,
 and only when every rank's part is on disk does rank 0 write the manifest and rename the temp directory
-into ``step_{n}`` (megarl/checkpoint_dirs.py ``publish_temp_dir``). A kill at any moment before that
+into ``step_{n}`` (megarl/checkpoint/dirs.py ``publish_temp_dir``). A kill at any moment before that
 rename leaves a ``.tmp-`` directory, which is never read and is removed on resume: the previous
 checkpoint stays the newest valid one. A failed write (any rank) removes the temp directory and is
 reported when the loop next waits for the write.
@@ -44,7 +44,7 @@ from megarl.errors import CheckpointError
 from megarl.trainer.parallel import timed_out_collective
 from megarl.trainer.sharded_write import checkpoint_group
 
-log = logging.getLogger("megarl.checkpoint")
+log = logging.getLogger("megarl.checkpoint.run_checkpoint")
 
 #: what no save failure is, whatever raised it: these keep their meaning (module doc)
 NOT_SAVE_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)

@@ -1,9 +1,10 @@
 """The files of one checkpoint directory: its manifest (size and sha256 of every file), the check of it, and
-the durable writes and hard-link copies the checkpoint code builds on (megarl/checkpoint.py has the layout).
+the durable writes and hard-link copies the checkpoint code builds on (megarl/checkpoint/run_checkpoint.py has the
+layout).
 
 A directory is a complete checkpoint exactly when its manifest is readable, signed with the run's checkpoint key
-(megarl/run_key.py: ``RUN_DIR/.megarl-run/checkpoint.key``), and every file it lists has the listed size and
-sha256; :func:`verify_checkpoint` is that test, and every rule of megarl/checkpoint_dirs.py (which copy a resume
+(megarl/isolation/run_key.py: ``RUN_DIR/.megarl-run/checkpoint.key``), and every file it lists has the listed size and
+sha256; :func:`verify_checkpoint` is that test, and every rule of megarl/checkpoint/dirs.py (which copy a resume
 takes) rests on it. A file changed after the run wrote it, by anything that could not read the key, fails it
 by name before anything of the checkpoint is loaded.
 """
@@ -14,34 +15,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from megarl.errors import CheckpointError
-from megarl.run_key import checkpoint_key, key_path, sign, signed_by
+from megarl.isolation.run_key import checkpoint_key, key_path, sign, signed_by
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-
-
-def load_plain(path: str | os.PathLike) -> Any:
-    """A checkpoint file of plain data (tensors, numbers, strings, lists, tuples, dicts), loaded with
-    ``weights_only=True``: a file that would build any other object (a pickle that runs code) is refused, never
-    run. CheckpointError names a missing, damaged or refused file."""
-    import pickle
-
-    import torch
-
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} holds more than plain data and is refused, not loaded ({why}); megarl "
-                              f"writes tensors, numbers, strings and containers of them only") from None
-    except Exception as e:  # zip errors of a damaged file
-        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: {e})") from e
 
 
 def sha256_file(path: Path) -> str:

@@ -1,7 +1,7 @@
 """The checkpoint of a stopping run, bounded by the stop budget (megarl/stop_protocol.py ``stop_budget``).
 
 A stop signal gives the run ``logging.stop_grace_s`` seconds to leave; `megarl launch` and torchrun kill what
-is left after that and some margin. The stop's checkpoint (megarl/run_stop.py) waits for a background write in
+is left after that and some margin. The stop's checkpoint (megarl/loop/run_stop.py) waits for a background write in
 flight, for the engines' disk copy of their version and then writes: any of these can take longer than the
 budget (a large model on a slow disk, a publish in flight) or fail (the disk full). :func:`stop_checkpoint`
 runs it with what is left of the budget, less :func:`exit_reserve_s` for the stop marker and the engines'
@@ -23,11 +23,11 @@ import threading
 from dataclasses import dataclass
 from typing import Awaitable
 
-from megarl.checkpoint_dirs import list_checkpoints
-from megarl.checkpoint_writer import describe_failure, is_save_failure
+from megarl.checkpoint.dirs import list_checkpoints
+from megarl.checkpoint.writer import describe_failure, is_save_failure
 from megarl.stop_protocol import stop_budget
 
-log = logging.getLogger("megarl.run_stop")
+log = logging.getLogger("megarl.loop.run_stop")
 
 
 @dataclass(frozen=True)

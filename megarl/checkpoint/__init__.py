@@ -1,0 +1,2 @@
+"""The run checkpoint: what a checkpoint holds, its directories and signed files, when to write one,
+the background writer, resume."""
