@@ -82,7 +82,7 @@ child = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(2)"
 worker = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(2)"])
 cpu_affinity.release(worker.pid)
 # an engine started by the pinned trainer moves itself to its own core, outside the one it inherited
-moved = subprocess.run([sys.executable, "-c", "import os; from megarl import cpu_affinity; "
+moved = subprocess.run([sys.executable, "-c", "import os; from megarl.platform import cpu_affinity; "
                         f"cpu_affinity.pin_process([{sys.argv[2]}]); print(sorted(os.sched_getaffinity(0)))"],
                        capture_output=True, text=True, check=True).stdout.strip()
 out = {"moved": moved, "threads": threads, "torch_threads": torch.get_num_threads(),
