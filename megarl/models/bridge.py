@@ -54,7 +54,7 @@ from megarl.models.safetensors_stream import save_file_stoppable
 from megarl.trainer.parallel import global_rank
 
 # mbridge and megatron.core are imported inside the functions that use them: megatron may be imported
-# only after megarl.platform.prepare_megatron() (called when the trainer sets up its parallel groups).
+# only after megarl.platform.megatron.prepare_megatron() (called when the trainer sets up its parallel groups).
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")

@@ -16,7 +16,7 @@ from megarl.errors import ConfigError
 from megarl.models import entropy
 from megarl.models.hf_config import gpt_model_kwargs_from_hf
 from megarl.models.sp_norm import allow_sequence_parallel
-from megarl.platform import have_transformer_engine
+from megarl.platform.megatron import have_transformer_engine
 
 
 def use_transformer_engine() -> bool:

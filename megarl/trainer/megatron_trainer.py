@@ -59,7 +59,7 @@ from megarl.trainer.parallel import comm_device, init_distributed, init_parallel
 from megarl.trainer.param_copies import ParamCopies
 
 # megatron.core is imported inside the methods that use it: only after init_parallel() has run
-# megarl.platform.prepare_megatron() (the CPU adaptations and the TransformerEngine guard come first).
+# megarl.platform.megatron.prepare_megatron() (the CPU adaptations and the TransformerEngine guard come first).
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megarl.errors import MegarlError, TrainingError
 from megarl.isolation.secret_env import remove_shared_files
-from megarl.platform import prepare_megatron
 from megarl.platform.cpu import seed_model_parallel_rng
+from megarl.platform.megatron import prepare_megatron
 from megarl.trainer.mpi_bootstrap import bootstrap_env_from_mpi
 from megarl.trainer.world_store import authenticated_store
 

@@ -168,7 +168,7 @@ def require_official_vllm() -> None:
 
 def require_transformer_engine() -> None:
     """SKIP without TransformerEngine, unless GPU_CHECK_REQUIRE_TE=1 makes that a failure."""
-    from megarl.platform import have_transformer_engine
+    from megarl.platform.megatron import have_transformer_engine
 
     if not have_transformer_engine():
         why = "transformer_engine is not installed (pip install transformer-engine[pytorch])"
@@ -188,7 +188,7 @@ def start_engine(ckpt: Path, workdir: Path, name: str, env: dict | None = None, 
 def local_spec_allowed() -> bool:
     """Without TransformerEngine on the device the trainer refuses CUDA unless the local spec is allowed; the
     check then runs the local spec (what it can check), and check_te_spec says TE is missing."""
-    from megarl.platform import have_transformer_engine
+    from megarl.platform.megatron import have_transformer_engine
 
     return not have_transformer_engine()
 

@@ -198,7 +198,7 @@ def _te_grouped_gemm(need: Need, workdir: Path) -> None:
     import dataclasses
 
     from megarl.models import build, hf_config
-    from megarl.platform import prepare_megatron
+    from megarl.platform.megatron import prepare_megatron
 
     need("megarl.models.build.grouped_gemm missing", callable(getattr(build, "grouped_gemm", None)))
     need("transformer_config_from_hf takes no grouped_gemm", not _has_params(hf_config.transformer_config_from_hf,

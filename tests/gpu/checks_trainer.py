@@ -39,7 +39,7 @@ def check_env(workdir: Path) -> str:
     require_cuda()
     import torch
 
-    from megarl.platform import have_transformer_engine
+    from megarl.platform.megatron import have_transformer_engine
 
     try:
         require_official_vllm()

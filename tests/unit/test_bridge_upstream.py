@@ -22,7 +22,7 @@ MOE = dict(DENSE, model_type="qwen3_moe", num_local_experts=4, num_experts_per_t
 
 @pytest.fixture(scope="module")
 def megatron():
-    from megarl.platform import prepare_megatron
+    from megarl.platform.megatron import prepare_megatron
 
     prepare_megatron()
 

@@ -198,3 +198,14 @@ def test_the_top_level_keeps_entry_points_and_what_everything_shares():
     top = sorted(p.stem for p in (ROOT / "megarl").glob("*.py") if p.stem != "__init__")
     assert top == ["builder", "cli", "data", "errors", "failure_causes", "preflight", "routes", "stop_protocol",
                    "tokenizer", "train", "types"]
+
+
+def test_the_launcher_imports_no_torch():
+    # megarl/launch runs on a login node before any environment is set up: its import, and the light modules it
+    # builds on (core lists, roles), must not load torch. platform/__init__.py once imported it for everyone
+    out = subprocess.run([sys.executable, "-c", "import sys, megarl.launch, megarl.platform.cpu_affinity, "
+                          "megarl.isolation.secret_env; print(sorted(m for m in ('torch', 'megatron', 'vllm') "
+                          "if m in sys.modules))"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

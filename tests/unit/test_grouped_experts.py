@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def megatron():
-    from megarl.platform import prepare_megatron
+    from megarl.platform.megatron import prepare_megatron
 
     prepare_megatron()
 

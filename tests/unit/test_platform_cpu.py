@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def cpu():
     from megarl.platform import cpu as cpu_mod
-    from megarl.platform import prepare_megatron
+    from megarl.platform.megatron import prepare_megatron
 
     prepare_megatron()
     return cpu_mod
@@ -126,7 +126,7 @@ def test_hf_logits_unchanged_and_broken_te_tolerated(tmp_path):
             with torch.no_grad():
                 return m(tokens).logits
         before = logits()
-        from megarl.platform import prepare_megatron, have_transformer_engine
+        from megarl.platform.megatron import prepare_megatron, have_transformer_engine
         prepare_megatron()
         import megatron.core  # crashes without the TE guard
         from megarl.platform.cpu import cpu_patches_applied
