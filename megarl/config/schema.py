@@ -244,6 +244,8 @@ class AdvantageConfig:
     """Divide GRPO advantages by the group std."""
     eps: float = 1e-4
     """Added to the std."""
+    pos_weight: float = 1.0
+    """Factor on positive advantages, after the estimator and the std (1 = off): 0.1 is W-REINFORCE (Zhu et al. 2025), which learns mostly from the samples worse than their group and so keeps the policy's entropy up (megarl/losses/advantages.py)."""
     kl_coef: float = 0.0
     """Reference-KL penalty coefficient (0 = off): adds kl_coef * mean k3(pi_ref || pi_theta) over policy tokens; pi_ref = the initial weights (one extra forward per step; one trainer rank)."""
 

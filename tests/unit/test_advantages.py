@@ -63,3 +63,27 @@ def test_bad_input():
         compute_advantages({"g": [1.0]}, "ppo")
     with pytest.raises(ValueError, match="non-finite"):
         compute_advantages({"g": [1.0, float("nan")]})
+
+
+def test_pos_weight_scales_only_positive_advantages():
+    # rewards 1, 0, 0, 0: mean 0.25, population std sqrt(3)/4; A = (0.75, -0.25 x3) / std
+    s = math.sqrt(3) / 4
+    adv = compute_advantages({"g": [1.0, 0.0, 0.0, 0.0]}, eps=0.0, pos_weight=0.1)["g"]
+    assert adv == approx([0.1 * 0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s])
+    # after Dr. GRPO centring too; a zero advantage stays zero
+    adv = compute_advantages({"g": [2.0, 1.0, 0.0]}, std_normalize=False, pos_weight=0.5)["g"]
+    assert adv == approx([0.5, 0.0, -1.0])
+    assert compute_advantages({"g": [1.0, 0.0]}, pos_weight=1.0) == compute_advantages({"g": [1.0, 0.0]})
+    with pytest.raises(ConfigError, match="pos_weight"):
+        compute_advantages({"g": [1.0, 0.0]}, pos_weight=-0.1)
+
+
+def test_pos_weight_reaches_the_trajectories_from_the_config():
+    from types import SimpleNamespace
+
+    from megarl.config.schema import AdvantageConfig
+    from megarl.losses.advantages import advantage_fn
+
+    trajs = [SimpleNamespace(group_id="g", reward=r, advantage=None) for r in (1.0, 0.0)]
+    advantage_fn(AdvantageConfig(std_normalize=False, pos_weight=0.1))(trajs)
+    assert [t.advantage for t in trajs] == approx([0.05, -0.5])
