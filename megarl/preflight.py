@@ -23,6 +23,7 @@ from megarl.checkpoint.settings import check_run_settings
 from megarl.config import MegaRLConfig, save_config
 from megarl.data import PromptDataset
 from megarl.errors import ConfigError
+from megarl.losses.advantages import check_pos_weight
 from megarl.models.hf_config import is_moe
 from megarl.models.tiny import load_model_yaml, write_tiny_checkpoint
 from megarl.platform import batch_invariant
@@ -185,6 +186,7 @@ def validate(cfg: MegaRLConfig, hf: dict) -> None:
     if cfg.loss.entropy_coef < 0:
         raise ConfigError(f"loss.entropy_coef={cfg.loss.entropy_coef} must be >= 0 (a negative bonus would push the "
                           f"policy to collapse onto one answer); 0 turns the bonus off")
+    check_pos_weight(cfg.advantage.pos_weight)  # later, inside the loop, a group's failure only drops its samples
     if cfg.loss.entropy_target is not None:
         if cfg.loss.entropy_target <= 0:
             raise ConfigError(f"loss.entropy_target={cfg.loss.entropy_target} must be > 0 (nats per policy token), "

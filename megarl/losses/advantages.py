@@ -47,6 +47,13 @@ def _group_advantages(rewards: list[float], estimator: str, std_normalize: bool,
     return adv
 
 
+def check_pos_weight(pos_weight: float) -> None:
+    """ConfigError unless ``advantage.pos_weight`` is a finite number >= 0 (preflight calls it before a run)."""
+    if not (math.isfinite(pos_weight) and pos_weight >= 0):
+        raise ConfigError(f"advantage.pos_weight={pos_weight} must be a finite number >= 0 (1 = plain "
+                          f"advantages, 0.1 = W-REINFORCE)")
+
+
 def compute_advantages(rewards_by_group: dict[Hashable, list[float]], estimator: str = "grpo",
                        std_normalize: bool = True, eps: float = 1e-4,
                        pos_weight: float = 1.0) -> dict[Hashable, list[float]]:
@@ -57,9 +64,7 @@ def compute_advantages(rewards_by_group: dict[Hashable, list[float]], estimator:
     """
     if estimator not in ESTIMATORS:
         raise ConfigError(f"unknown advantage estimator {estimator!r}; choose one of {list(ESTIMATORS)}")
-    if not (math.isfinite(pos_weight) and pos_weight >= 0):
-        raise ConfigError(f"advantage.pos_weight={pos_weight} must be a finite number >= 0 (1 = plain "
-                          f"advantages, 0.1 = W-REINFORCE)")
+    check_pos_weight(pos_weight)
     out: dict[Hashable, list[float]] = {}
     for gid, rewards in rewards_by_group.items():
         bad = [r for r in rewards if not math.isfinite(r)]

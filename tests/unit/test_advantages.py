@@ -87,3 +87,14 @@ def test_pos_weight_reaches_the_trajectories_from_the_config():
     trajs = [SimpleNamespace(group_id="g", reward=r, advantage=None) for r in (1.0, 0.0)]
     advantage_fn(AdvantageConfig(std_normalize=False, pos_weight=0.1))(trajs)
     assert [t.advantage for t in trajs] == approx([0.05, -0.5])
+
+
+def test_a_bad_pos_weight_is_refused_before_a_run_starts():
+    # inside the loop a group whose advantages fail only has its samples dropped: the config must fail first
+    from megarl.config import MegaRLConfig
+    from megarl.preflight import validate
+
+    cfg = MegaRLConfig()
+    cfg.advantage.pos_weight = -0.1
+    with pytest.raises(ConfigError, match=r"advantage.pos_weight=-0.1 must be a finite number >= 0"):
+        validate(cfg, {})
