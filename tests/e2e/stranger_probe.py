@@ -1,11 +1,12 @@
 """A stranger on the cluster network: a host that is not part of the run and holds none of its keys.
 
-Run on that host: ``python stranger_probe.py ENGINE_HOST:PORT RENDEZVOUS_HOST:PORT SCORER_HOST:PORT
-[AGENT_HOST:PORT]`` (``-`` skips a target). Every attempt has a deadline of a few seconds (so a listener
-that kept the stranger waiting shows as a hang here, not as a refusal); prints one JSON object: per
-target, each attempt and how it ended, and the counts of attempts and refusals. A refusal is a 401, a
-closed or failed handshake, or a connection refused; anything the stranger got (an answer, a handshake
-passed) is ``accepted``.
+Run on that host: ``python stranger_probe.py [--on-stdin] ENGINE_HOST:PORT RENDEZVOUS_HOST:PORT
+SCORER_HOST:PORT [AGENT_HOST:PORT]`` (``-`` skips a target). With ``--on-stdin`` it loads, prints ``ready``,
+and probes when a line comes on stdin, so a probe meant for a running job does not spend the job's last
+seconds importing. Every attempt has a deadline of a few seconds (so a listener that kept the stranger
+waiting shows as a hang here, not as a refusal); prints one JSON object: per target, each attempt and how
+it ended, and the counts of attempts and refusals. A refusal is a 401, a closed or failed handshake, or a
+connection refused; anything the stranger got (an answer, a handshake passed) is ``accepted``.
 """
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ def agent(addr: str) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--on-stdin"]:
+        argv = argv[1:]
+        print("ready", flush=True)
+        sys.stdin.readline()
     socket.setdefaulttimeout(DEADLINE_S)
     report: dict = {"targets": {}}
     started = time.monotonic()

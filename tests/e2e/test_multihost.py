@@ -165,11 +165,16 @@ def test_three_hosts_torchrun_broadcast_scorer_and_a_stranger(ckpt, tmp_path):
             procs.append(c.popen(host, [PY, "-m", "megarl.cli", "launch", *THREE_NODES, engine_addr,
                                         f"model.checkpoint={ckpt}", f"logging.output_dir={run}"],
                                  cwd=ROOT, env=env, stdout=open(logs[host], "w"), stderr=subprocess.STDOUT))
+        # the stranger loads while the run starts and probes right after the first step: a step takes about half
+        # a second here, and loading the probe (a few seconds) after that step left some runs at their end
+        targets = ["node03:8100", "node01:29600", "node01:8100"]
+        probe = c.popen("node04", [PY, str(ROOT / "tests" / "e2e" / "stranger_probe.py"), "--on-stdin", *targets],
+                        cwd=ROOT, env=megarl_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
+            assert probe.stdout.readline().strip() == "ready"
             _wait(lambda: len(jsonl(run / "metrics.jsonl")) >= 1, procs, logs, "the first trained step", 300)
-            targets = ["node03:8100", "node01:29600", "node01:8100"]
-            stranger = c.run("node04", [PY, str(ROOT / "tests" / "e2e" / "stranger_probe.py"), *targets],
-                             timeout=60, cwd=ROOT, env=megarl_env())
+            out, _ = probe.communicate("go\n", timeout=60)
+            stranger = subprocess.CompletedProcess(probe.args, probe.returncode, out, "")
             # the listeners it met were the run's: every process still runs, short of the last step
             running = [p.poll() is None for p in procs] + [len(jsonl(run / "metrics.jsonl")) < STEPS]
             _wait(lambda: all(p.poll() is not None for p in procs[1:]), procs[1:], logs, "the trainer's end", 300)
