@@ -29,7 +29,10 @@ from test_resume import jsonl
 
 from megarl.checkpoint.run_checkpoint import load_file
 
-TOTAL = 6
+#: the stop comes after step 2 and lands at step 3 or 4; the generation of the run's last steps (two versions ahead,
+#: rollout.eta=2) must still be under way then, so that the cut finds episodes in a turn. With 6 steps, a stop that
+#: reached step 4 found every remaining group already generated and waiting for the trainer (seen in a suite run)
+TOTAL = 12
 #: the multi-turn workflow (a tool answer between policy turns): the stop cuts episodes in a turn or between two,
 #: and the resumed job continues each at its turn (the single-turn case is tests/e2e/test_resume.py's and the
 #: preemption bench's)
