@@ -3,9 +3,11 @@
 :class:`EngineFanOut` is the part of :class:`~megarl.rollout.supervisor.EngineSupervisor`
 that sends a call to each live engine and gathers the answers: weight updates
 (disk or broadcast, each with ``rollout.publish_timeout_s``), abort, pause,
-resume and the served version. An engine found gone, or past the publish
-deadline, is failed (restarted) by the supervisor; the failure and restart
-policy is megarl/rollout/supervisor.py's module doc.
+resume (each with ``rollout.health_timeout_s``: they are control calls an
+engine answers at once, like /health) and the served version. An engine found
+gone, or past its call's deadline, is failed (restarted) by the supervisor, so
+a wedged engine holds a publish's abort for ``rollout.health_timeout_s`` at
+most; the failure and restart policy is megarl/rollout/supervisor.py's module doc.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ class EngineFanOut:
     """
 
     async def _each_live(self, call: Callable[[_Slot], Any], slots: list[_Slot] | None = None,
-                         timeout_s: float = 0.0) -> list:
+                         timeout_s: float = 0.0, what: str = "weight update",
+                         limit_key: str = "rollout.publish_timeout_s") -> list:
         """``call`` on every live engine; an engine found gone, or (``timeout_s`` > 0) not done after that
-        long, is failed (restarted); others' errors raise."""
+        long (``what``, whose limit is the config key ``limit_key``), is failed (restarted); others' errors
+        raise."""
         slots = self._live() if slots is None else slots
         incarnations = [s.incarnation for s in slots]
         results = await asyncio.gather(*(asyncio.wait_for(call(s), timeout_s or None) for s in slots),
@@ -40,8 +44,7 @@ class EngineFanOut:
         for slot, inc, r in zip(slots, incarnations, results):
             if isinstance(r, BaseException):
                 if isinstance(r, TimeoutError):  # the client's own time limits come back as EngineError
-                    self._fail(slot, inc, f"weight update not done within {timeout_s:g} s "
-                                          f"(rollout.publish_timeout_s)")
+                    self._fail(slot, inc, f"{what} not done within {timeout_s:g} s ({limit_key})")
                 elif isinstance(r, EngineError) and (slot.incarnation != inc or await self._is_gone(slot)):
                     self._fail(slot, inc, f"{type(r).__name__}: {r}")
                 else:
@@ -52,8 +55,13 @@ class EngineFanOut:
                               f"{type(err).__name__}: {err}") from err
         return [r for r in results if not isinstance(r, BaseException)]
 
+    async def _control(self, path: str, call: Callable[[_Slot], Any]) -> list:
+        """A control call on every live engine, bounded like /health (module doc)."""
+        return await self._each_live(call, timeout_s=self.health_timeout_s, what=path,
+                                     limit_key="rollout.health_timeout_s")
+
     async def abort_all(self) -> None:
-        await self._each_live(lambda s: s.client.abort_all())
+        await self._control("/abort_all", lambda s: s.client.abort_all())
 
     async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float] | None:
         """Every live engine loads ``path``; per update phase, the slowest engine's seconds."""
@@ -116,7 +124,7 @@ class EngineFanOut:
         return min(await self._each_live(lambda s: s.client.version()))
 
     async def pause(self) -> None:
-        await self._each_live(lambda s: s.client.pause())
+        await self._control("/pause", lambda s: s.client.pause())
 
     async def resume(self) -> None:
-        await self._each_live(lambda s: s.client.resume())
+        await self._control("/resume", lambda s: s.client.resume())

@@ -11,11 +11,11 @@ The launching environment exports the run's two keys (MEGARL_ENGINE_KEY, MEGARL_
 test knows, so that a key is recognised wherever it is found.
 
 * attempt 1: after step 1 the engine is SIGSTOPped: it answers neither /health nor /generate. The health timeout is
-  set far above the stop, so the /generate deadline (rollout.generate_timeout_s,
-  megarl/rollout/generate_deadline.py) takes it for wedged, or, when the stop lands while the staleness bound
-  holds generation (no request in flight on it), the next publish's abort does: it is restarted (the stopped
-  process is gone) and its requests are sent again. Two steps later, SIGTERM to `megarl launch`: exit 75 with a
-  checkpoint of the step reached, rank 1 stopped with rank 0;
+  set above the /generate deadline (rollout.generate_timeout_s, megarl/rollout/generate_deadline.py), so that
+  deadline takes it for wedged, or, when the stop lands while the staleness bound holds generation (no request in
+  flight on it), the next publish's abort (a control call bounded by the health timeout) or the health check does:
+  it is restarted (the stopped process is gone) and its requests are sent again. Two steps later, SIGTERM to
+  `megarl launch`: exit 75 with a checkpoint of the step reached, rank 1 stopped with rank 0;
 * attempt 2 (resumed): while it trains, no process of the run (the launch, torchrun's agent, both ranks, the
   engine and what they start) shows a key in /proc/<pid>/environ and rank 0 has deleted its key file
   (megarl/isolation/key_files.py); then SIGUSR1 to trainer rank 1 alone: the ranks agree at the step boundary, exit
@@ -69,8 +69,9 @@ KEYS = {"MEGARL_ENGINE_KEY": "5e1f0e7a11c3d2b4a69807f6e5d4c3b2", "MEGARL_DEDICAT
 #: the /generate deadline: far above what a request of this config takes on a loaded 2-core machine (a few
 #: seconds), below the /health probe's own 60 s read limit, so that the deadline is what sees the stopped engine
 GENERATE_TIMEOUT_S = 30
-#: far above the engine's stop
-HEALTH_TIMEOUT_S = 900
+#: above the /generate deadline, so that the deadline sees the stopped engine first when it holds requests; it also
+#: bounds the next publish's /abort_all, which sees it when it holds none
+HEALTH_TIMEOUT_S = 40
 #: how long attempt 1 may wait for the stopped engine's replacement: its deadline, the restart and a model load
 RESTART_WITHIN_S = 150
 
@@ -237,9 +238,10 @@ def test_launch_torchrun_under_a_fault_schedule_loses_nothing_and_leaks_no_key(t
     assert "dropped a connection that did not prove the key within" in text, text[-3000:]
     assert "refused a connection with the wrong key" in text, text[-3000:]
     # what took the stopped engine for wedged: the /generate deadline when requests were in flight on it, else
-    # the next publish's abort (a control call within the client's 60 s) or its drain deadline
-    assert re.search(r"engine 0 failed: .*(no answer to /generate within|did not answer within|still running .* "
-                     r"after a publish aborted them)", text), text[-3000:]
+    # the next publish's abort (a control call within rollout.health_timeout_s), its drain deadline or the health
+    # check
+    assert re.search(r"engine 0 failed: .*(no answer to /generate within|/abort_all not done within|still running "
+                     r".* after a publish aborted them|no /health answer within)", text), text[-3000:]
     metrics1 = jsonl(run / "metrics.jsonl")
     assert metrics1[-1]["n_engine_restarts"] >= restarts_before + 1, text[-3000:]
     assert sum(r["n_engine_resubmits"] for r in metrics1) > 0, "the wedged engine's requests were not sent again"

@@ -92,7 +92,8 @@ def make(n=2, launch_fails=False, **kw):
         return e.proc, e
 
     sup = EngineSupervisor([(e.proc, e) for e in engines], launch=launch, weights=("/ckpt", 0),
-                           health_interval_s=kw.pop("health_interval_s", 60.0), health_timeout_s=1.0,
+                           health_interval_s=kw.pop("health_interval_s", 60.0),
+                           health_timeout_s=kw.pop("health_timeout_s", 1.0),
                            stop=lambda proc, timeout: stopped.append(proc.pid), **kw)
     return sup, engines, launched, stopped
 
@@ -302,6 +303,32 @@ def test_a_publish_whose_drain_misses_the_deadline_restarts_the_engine_holding_t
         result = await asyncio.wait_for(turn, 5)
         assert result.output_ids == [4] and launched and sup.stats()["n_engine_restarts"] == 1
         assert gen.counters["n_engine_resubmits"] == 1
+        await sup.close()
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_does_not_answer_a_publishs_abort_is_restarted_within_the_health_timeout():
+    """A stopped engine (SIGSTOP) holding no request: the publish's /abort_all is what finds it. The call is
+    bounded by rollout.health_timeout_s like /health, so the publish goes on with the other engine and the silent
+    one is restarted, instead of waiting out the HTTP client's own limit and a /health probe after it."""
+    async def main():
+        sup, engines, launched, stopped = make(health_timeout_s=0.3)
+        await sup.start()
+
+        async def silent():
+            await asyncio.Event().wait()
+
+        engines[0].abort_all = silent
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(sup.abort_all(), 5)
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        assert stopped == [1000]
+        for _ in range(100):
+            if sup.stats()["n_engine_restarts"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert sup.stats() == {"n_engine_failures": 1, "n_engine_restarts": 1, "n_engines_live": 2}
         await sup.close()
 
     asyncio.run(main())
