@@ -157,7 +157,7 @@ class RolloutConfig:
     health_interval_s: float = 5.0
     """Seconds between engine health checks (a dead or silent engine is restarted with the current weights)."""
     health_timeout_s: float = 30.0
-    """An engine that does not answer /health, or a publish's abort of its requests (a control call: /abort_all, /pause, /resume), within this many seconds is taken for dead and restarted."""
+    """An engine that does not answer /health, or a control call (/abort_all, which every publish sends; /pause, /resume), within this many seconds is taken for dead and restarted."""
     max_engine_restarts: int = 3
     """Restart attempts per engine over a run; past them a failed engine is dropped (fewer engines)."""
     batch_invariant: bool = False
